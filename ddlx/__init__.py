@@ -1,0 +1,1 @@
+"""ddlx: distributed deep-learning strategy measurement and recommendation."""

@@ -1,0 +1,208 @@
+"""LightningDataModule over an ImageFolder layout, real or synthetic."""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytorch_lightning as pl
+import torch
+from PIL import Image, UnidentifiedImageError
+from torch.utils.data import DataLoader, Dataset
+from torchvision.datasets.folder import IMG_EXTENSIONS
+
+from ..errors import ConfigError
+from .synthetic import SyntheticSpec, ensure_synthetic_imagefolder
+from .transforms import build_transform
+
+log = logging.getLogger(__name__)
+
+
+class ImageFileDataset(Dataset):
+    """(path, label) pairs loaded as ``mode`` images and transformed; errors name the file."""
+
+    def __init__(self, samples: Sequence[tuple[str, int]], transform, mode: str) -> None:
+        self.samples = list(samples)
+        self.transform = transform
+        self.mode = mode
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int):
+        path, label = self.samples[index]
+        try:
+            with Image.open(path) as image:
+                image = image.convert(self.mode)
+        except (OSError, UnidentifiedImageError) as err:
+            raise RuntimeError(f"cannot read image {path}: {err}") from err
+        return self.transform(image), label
+
+
+def scan_imagefolder(root: Path) -> tuple[list[str], list[tuple[str, int]]]:
+    """Classes (sorted sub-folder names) and (path, class index) samples; clear errors for bad layouts."""
+    if not root.is_dir():
+        raise ConfigError(
+            f"data.root={root} does not exist. Point data.root at an ImageFolder (one sub-folder per "
+            f"class with its images), or set data.root=null to train on a synthetic stand-in that "
+            f"ddlx writes under data.synthetic_dir on first use"
+        )
+    classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if not classes:
+        raise ConfigError(f"data.root={root} has no class sub-folders; expected one sub-folder per class")
+    samples: list[tuple[str, int]] = []
+    for index, name in enumerate(classes):
+        files = sorted(
+            str(p) for p in (root / name).iterdir() if p.is_file() and p.suffix.lower() in IMG_EXTENSIONS
+        )
+        if not files:
+            raise ConfigError(
+                f"class folder {root / name} has no images (expected files ending in "
+                f"{', '.join(IMG_EXTENSIONS)}); remove the folder or add its images"
+            )
+        samples += [(f, index) for f in files]
+    return classes, samples
+
+
+def check_readable(samples: Sequence[tuple[str, int]]) -> None:
+    """Open every image's header before training so a corrupt file is named up front."""
+    for path, _ in samples:
+        try:
+            with Image.open(path) as image:
+                image.verify()
+        except (OSError, UnidentifiedImageError, SyntaxError) as err:
+            raise ConfigError(f"unreadable image {path} ({err}); delete or replace it") from err
+
+
+class ImageFolderDataModule(pl.LightningDataModule):
+    """Train/validation loaders over an ImageFolder tree.
+
+    ``root=None`` trains on a synthetic stand-in with the dataset's image count, classes, format
+    and size range, written once under ``synthetic_dir`` and reused.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        num_classes: int,
+        channels: int,
+        image_size: int,
+        batch_size: int,
+        num_images: int | None = None,
+        root: str | None = None,
+        classes: Sequence[str] | None = None,
+        num_workers: int = 0,
+        val_fraction: float = 0.2,
+        mean: Sequence[float] = (0.485, 0.456, 0.406),
+        std: Sequence[float] = (0.229, 0.224, 0.225),
+        synthetic_dir: str = "data/synthetic",
+        synthetic_size: Sequence[int] = (320, 800),
+        synthetic_format: str = "jpg",
+        seed: int = 0,
+        pin_memory: bool = False,
+    ) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ConfigError(f"data.batch_size={batch_size}; expected a positive integer")
+        if not 0 <= val_fraction < 1:
+            raise ConfigError(f"data.val_fraction={val_fraction}; expected a fraction in [0, 1)")
+        if num_workers < 0:
+            raise ConfigError(f"data.num_workers={num_workers}; expected 0 or more")
+        if len(mean) != channels or len(std) != channels:
+            raise ConfigError(f"data.mean/std have {len(mean)}/{len(std)} values for {channels} channels; give one per channel")
+        if classes is not None and len(classes) != num_classes:
+            raise ConfigError(f"data.classes lists {len(classes)} names but data.num_classes={num_classes}")
+        if root is None and not num_images:
+            raise ConfigError(f"data.num_images={num_images}: a synthetic dataset needs a positive image count")
+        self.name = name
+        self.num_classes = num_classes
+        self.channels = channels
+        self.image_size = image_size
+        self.batch_size = batch_size
+        self.num_images = num_images
+        self.root = Path(root) if root is not None else None
+        self.class_names = tuple(classes) if classes is not None else tuple(f"class_{i:04d}" for i in range(num_classes))
+        self.num_workers = num_workers
+        self.val_fraction = val_fraction
+        self.mean, self.std = tuple(mean), tuple(std)
+        self.synthetic_dir = Path(synthetic_dir)
+        self.synthetic_spec = SyntheticSpec(
+            classes=self.class_names,
+            num_images=int(num_images or 0),
+            channels=channels,
+            min_size=int(synthetic_size[0]),
+            max_size=int(synthetic_size[1]),
+            image_format=synthetic_format,
+            seed=seed,
+        )
+        self.seed = seed
+        self.pin_memory = pin_memory
+        self.train_set: ImageFileDataset | None = None
+        self.val_set: ImageFileDataset | None = None
+
+    @property
+    def data_folder(self) -> Path:
+        if self.root is not None:
+            return self.root
+        return self.synthetic_dir / self.synthetic_spec.folder_name(self.name)
+
+    @property
+    def is_synthetic(self) -> bool:
+        return self.root is None
+
+    def prepare_data(self) -> None:
+        if self.is_synthetic:
+            ensure_synthetic_imagefolder(self.data_folder, self.synthetic_spec)
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        classes, samples = scan_imagefolder(self.data_folder)
+        if len(classes) != self.num_classes:
+            raise ConfigError(
+                f"{self.data_folder} has {len(classes)} class folders ({', '.join(classes[:10])}"
+                f"{'...' if len(classes) > 10 else ''}) but data.num_classes={self.num_classes}; "
+                f"set data.num_classes={len(classes)}"
+            )
+        generator = torch.Generator().manual_seed(self.seed)
+        order = torch.randperm(len(samples), generator=generator).tolist()
+        if self.num_images and self.num_images < len(samples):
+            order = order[: self.num_images]
+        elif self.num_images and self.num_images > len(samples):
+            log.warning("data.num_images=%d but %s holds %d images: using all of them", self.num_images, self.data_folder, len(samples))
+        chosen = [samples[i] for i in order]
+        if not self.is_synthetic:
+            check_readable(chosen)
+        n_val = round(len(chosen) * self.val_fraction)
+        if self.val_fraction > 0:
+            n_val = max(1, n_val)
+        train, val = chosen[n_val:], chosen[:n_val]
+        if len(train) < self.batch_size:
+            raise ConfigError(
+                f"the training split has {len(train)} images ({len(chosen)} images, data.val_fraction="
+                f"{self.val_fraction}) but data.batch_size={self.batch_size}: lower data.batch_size or "
+                f"raise data.num_images"
+            )
+        mode = "L" if self.channels == 1 else "RGB"
+        self.train_set = ImageFileDataset(train, build_transform(self.image_size, self.mean, self.std, train=True), mode)
+        self.val_set = ImageFileDataset(val, build_transform(self.image_size, self.mean, self.std, train=False), mode)
+        log.info(
+            "%s: %d train / %d val images, %d classes, from %s%s",
+            self.name, len(train), len(val), len(classes), self.data_folder, " (synthetic)" if self.is_synthetic else "",
+        )
+
+    def _loader(self, dataset: ImageFileDataset, shuffle: bool) -> DataLoader:
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            shuffle=shuffle,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+            pin_memory=self.pin_memory,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_set, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set, shuffle=False)

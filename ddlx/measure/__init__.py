@@ -1,0 +1,4 @@
+"""Measurement callbacks."""
+from .timing import EpochTimer
+
+__all__ = ["EpochTimer"]

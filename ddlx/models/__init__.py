@@ -1,0 +1,41 @@
+"""Architecture builders: one per family, a registry by name, every model a :class:`LayeredModel`."""
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable
+
+from .alexnet import build_alexnet
+from .layered import LayeredModel
+from .mobilenet import build_mobilenet_v2
+from .resnet import build_resnet
+from .vgg import build_vgg
+
+# Inputs smaller than this use the CIFAR/MNIST variants of source 004 Appendix A.
+SMALL_INPUT_BELOW = 64
+MIN_IMAGE_SIZE = 16
+
+_BUILDERS: dict[str, Callable[..., LayeredModel]] = {
+    "alexnet": build_alexnet,
+    "vgg11": partial(build_vgg, "vgg11"),
+    "vgg16": partial(build_vgg, "vgg16"),
+    "resnet18": partial(build_resnet, "resnet18"),
+    "resnet50": partial(build_resnet, "resnet50"),
+    "resnet152": partial(build_resnet, "resnet152"),
+    "mobilenet_v2": build_mobilenet_v2,
+}
+
+ARCHITECTURES = tuple(_BUILDERS)
+
+
+def build_model(arch: str, num_classes: int, in_channels: int = 3, image_size: int = 224) -> LayeredModel:
+    """Build ``arch`` for ``num_classes`` classes and square ``image_size`` inputs with ``in_channels``."""
+    if arch not in _BUILDERS:
+        raise ValueError(f"unknown model {arch!r}; expected one of {', '.join(ARCHITECTURES)}")
+    if image_size < MIN_IMAGE_SIZE:
+        raise ValueError(f"image_size={image_size} is too small for {arch}; use data.image_size >= {MIN_IMAGE_SIZE}")
+    if num_classes < 2 or in_channels < 1:
+        raise ValueError(f"need num_classes >= 2 and in_channels >= 1, got {num_classes} and {in_channels}")
+    return _BUILDERS[arch](num_classes=num_classes, in_channels=in_channels, small_input=image_size < SMALL_INPUT_BELOW)
+
+
+__all__ = ["ARCHITECTURES", "LayeredModel", "build_model"]

@@ -1,0 +1,80 @@
+"""MLflow: check the tracking store before training, create the run's logger, record the config."""
+from __future__ import annotations
+
+import os
+import sqlite3
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pytorch_lightning.loggers import MLFlowLogger
+
+from .errors import ConfigError
+
+# The paper's two use cases (source 000, section 3.1).
+USE_CASES = {("vgg16", "firesmall"): "complexsmall", ("alexnet", "firebig"): "simplebig"}
+MAX_PARAM_LENGTH = 6000  # MLflow's limit on a parameter value
+
+
+def use_case(model: str, data: str) -> str | None:
+    return USE_CASES.get((model, data))
+
+
+def check_tracking_uri(uri: str, timeout_s: float = 5.0) -> None:
+    """Fail at start, not after training, when runs could not be recorded."""
+    if uri.startswith(("http://", "https://")):
+        health = uri.rstrip("/") + "/health"
+        try:
+            with urllib.request.urlopen(health, timeout=timeout_s) as response:
+                if response.status != 200:
+                    raise OSError(f"HTTP {response.status}")
+        except (OSError, urllib.error.URLError) as err:
+            raise ConfigError(
+                f"MLflow tracking server logger.tracking_uri={uri} is unreachable ({err}); start it "
+                f"(mlflow server --host ... --port ...) or log locally with logger.tracking_uri=sqlite:///mlflow.db"
+            ) from err
+    elif uri.startswith("sqlite:///"):
+        path = Path(uri[len("sqlite:///"):])
+        folder = path.parent if path.parent != Path("") else Path(".")
+        if not folder.is_dir() or not os.access(folder, os.W_OK):
+            raise ConfigError(
+                f"logger.tracking_uri={uri}: folder {folder} does not exist or is not writable; "
+                f"create it or choose another path"
+            )
+        if path.exists():
+            try:
+                sqlite3.connect(f"file:{path}?mode=ro", uri=True).execute("select 1").close()
+            except sqlite3.DatabaseError as err:
+                raise ConfigError(f"logger.tracking_uri={uri}: {path} is not an SQLite database ({err})") from err
+
+
+def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """``{"data": {"batch_size": 32}}`` -> ``{"data.batch_size": "32"}``: the names users override."""
+    flat: dict[str, str] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(flatten_config(value, prefix=f"{name}."))
+        else:
+            flat[name] = str(value)[:MAX_PARAM_LENGTH]
+    return flat
+
+
+def make_logger(
+    tracking_uri: str,
+    experiment_name: str,
+    run_name: str,
+    tags: Mapping[str, str],
+    artifact_location: str | None,
+) -> MLFlowLogger:
+    # A server chooses its own artifact store; a local path only makes sense for a local store.
+    local_store = not tracking_uri.startswith(("http://", "https://", "databricks"))
+    return MLFlowLogger(
+        experiment_name=experiment_name,
+        run_name=run_name,
+        tracking_uri=tracking_uri,
+        tags={k: str(v) for k, v in tags.items() if v is not None},
+        artifact_location=artifact_location if local_store else None,
+    )

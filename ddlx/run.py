@@ -71,10 +71,10 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike) -> dict[str, float]:
     check_tracking_uri(cfg.logger.tracking_uri)
     plan = build_strategy(cfg.strategy, cfg.trainer.accelerator)
     datamodule = build_datamodule(cfg.data)
-    datamodule.prepare_data()
-    datamodule.setup("fit")
     if cfg.memory_check:
         check_memory(cfg, plan.replicas_per_machine)
+    datamodule.prepare_data()
+    datamodule.setup("fit")
 
     # 2. Build.
     model = build_model(cfg.model.name, cfg.data.num_classes, cfg.data.channels, cfg.data.image_size)

@@ -6,6 +6,7 @@ import sqlite3
 import urllib.error
 import urllib.request
 from collections.abc import Mapping
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,8 @@ def check_tracking_uri(uri: str, timeout_s: float = 5.0) -> None:
             )
         if path.exists():
             try:
-                sqlite3.connect(f"file:{path}?mode=ro", uri=True).execute("select 1").close()
+                with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
+                    db.execute("pragma schema_version")  # reads the header: fails on a non-database
             except sqlite3.DatabaseError as err:
                 raise ConfigError(f"logger.tracking_uri={uri}: {path} is not an SQLite database ({err})") from err
 

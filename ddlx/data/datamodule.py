@@ -112,8 +112,11 @@ class ImageFolderDataModule(pl.LightningDataModule):
             raise ConfigError(f"data.mean/std have {len(mean)}/{len(std)} values for {channels} channels; give one per channel")
         if classes is not None and len(classes) != num_classes:
             raise ConfigError(f"data.classes lists {len(classes)} names but data.num_classes={num_classes}")
-        if root is None and not num_images:
-            raise ConfigError(f"data.num_images={num_images}: a synthetic dataset needs a positive image count")
+        if root is None and (not num_images or num_images < num_classes):
+            raise ConfigError(
+                f"data.num_images={num_images}: a synthetic dataset needs at least one image per class "
+                f"(data.num_classes={num_classes}); raise data.num_images"
+            )
         self.name = name
         self.num_classes = num_classes
         self.channels = channels

@@ -38,6 +38,12 @@ class LayeredModel(nn.Sequential):
         self.arch = arch
         self.small_input = small_input
 
+    def __getitem__(self, idx):
+        # A slice is a stage of the model, not a model with cut points: a plain Sequential.
+        if isinstance(idx, slice):
+            return nn.Sequential(*list(self._modules.values())[idx])
+        return super().__getitem__(idx)
+
     @property
     def split_index(self) -> int:
         return self.cut_points[self.split_point]

@@ -1,0 +1,77 @@
+"""Shared test helpers: compose the real config tree with tiny-data overrides."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+from ddlx.cli import register_resolvers
+
+PROJECT_DIR = Path(__file__).resolve().parents[1]
+CONF_DIR = PROJECT_DIR / "conf"
+register_resolvers(PROJECT_DIR)
+
+# Tiny images, a few dozen samples, 1-2 steps: keeps the default run fast on 2 cores.
+TINY = [
+    "data.image_size=32",
+    "data.synthetic_size=[40,64]",
+    "data.num_images=48",
+    "data.batch_size=8",
+    "data.num_workers=0",
+    "trainer.max_epochs=1",
+    "trainer.limit_train_batches=2",
+    "trainer.limit_val_batches=1",
+    "trainer.enable_progress_bar=false",
+    "trainer.enable_model_summary=false",
+]
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory) -> Path:
+    """One synthetic-data folder for the whole session: each dataset is written once."""
+    return tmp_path_factory.mktemp("data")
+
+
+@pytest.fixture
+def tracking_uri(tmp_path) -> str:
+    return f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+
+def compose_config(overrides: list[str]) -> DictConfig:
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="train", overrides=overrides)
+
+
+@pytest.fixture
+def tiny_config(data_dir, tracking_uri, tmp_path):
+    """``tiny_config(*overrides)``: the real config tree, tiny data, a private MLflow store."""
+
+    def make(*overrides: str) -> DictConfig:
+        base = [f"paths.root={tmp_path}", f"paths.data_dir={data_dir}", f"logger.tracking_uri={tracking_uri}"]
+        return compose_config(base + TINY + list(overrides))
+
+    return make
+
+
+def runs(tracking_uri: str, experiment: str = "ddlx"):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    exp = client.get_experiment_by_name(experiment)
+    return [] if exp is None else client.search_runs([exp.experiment_id])
+
+
+@pytest.fixture(autouse=True)
+def _quiet_mlflow(monkeypatch):
+    monkeypatch.setenv("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "false")
+    monkeypatch.setenv("GIT_PYTHON_REFRESH", "quiet")
+    yield
+
+
+def subprocess_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(PROJECT_DIR) + os.pathsep + env.get("PYTHONPATH", "")
+    return env

@@ -1,0 +1,164 @@
+"""Datamodule: synthetic writer, counts, transforms, and clear errors for bad data."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from ddlx.data import ImageFolderDataModule, SyntheticSpec, build_transform, ensure_synthetic_imagefolder
+from ddlx.errors import ConfigError
+
+FIRE = ("fire", "nofire", "smoke")
+
+
+def fire_module(tmp_path: Path, **overrides) -> ImageFolderDataModule:
+    kwargs = dict(
+        name="firesmall", num_classes=3, channels=3, image_size=32, batch_size=8, num_images=30,
+        classes=FIRE, num_workers=0, synthetic_dir=str(tmp_path / "synthetic"), synthetic_size=(40, 90),
+    )
+    kwargs.update(overrides)
+    return ImageFolderDataModule(**kwargs)
+
+
+def test_synthetic_fire_set_has_the_requested_layout(tmp_path):
+    dm = fire_module(tmp_path, num_images=31)
+    dm.prepare_data()
+    folder = dm.data_folder
+    assert sorted(p.name for p in folder.iterdir() if p.is_dir()) == list(FIRE)
+    files = sorted(folder.rglob("*.jpg"))
+    assert len(files) == 31
+    sizes = set()
+    for f in files:
+        with Image.open(f) as im:
+            assert im.format == "JPEG" and im.mode == "RGB"
+            sizes.add(im.size)
+            assert 40 <= min(im.size) and max(im.size) <= 90
+    assert len(sizes) > 5, "original sizes should vary like real photos"
+    counts = [len(list((folder / c).iterdir())) for c in FIRE]
+    assert max(counts) - min(counts) <= 1, "classes are balanced"
+
+
+def test_synthetic_set_is_written_once_and_reused(tmp_path):
+    dm = fire_module(tmp_path)
+    dm.prepare_data()
+    marker = dm.data_folder / ".ddlx_synthetic.json"
+    first = marker.stat().st_mtime_ns
+    fire_module(tmp_path).prepare_data()
+    assert marker.stat().st_mtime_ns == first
+    # A different image count is a different dataset, not a silent reuse.
+    other = fire_module(tmp_path, num_images=40)
+    assert other.data_folder != dm.data_folder
+
+
+def test_interrupted_write_is_not_taken_as_complete(tmp_path):
+    spec = SyntheticSpec(classes=FIRE, num_images=6, channels=3, min_size=32, max_size=40)
+    folder = tmp_path / "set"
+    (folder / "fire").mkdir(parents=True)  # leftovers without the completion marker
+    ensure_synthetic_imagefolder(folder, spec, workers=1)
+    assert len(list(folder.rglob("*.jpg"))) == 6
+
+
+def test_split_counts_and_loaders(tmp_path):
+    dm = fire_module(tmp_path, num_images=30, val_fraction=0.2)
+    dm.prepare_data()
+    dm.setup("fit")
+    assert len(dm.train_set) == 24 and len(dm.val_set) == 6
+    train_paths = {p for p, _ in dm.train_set.samples}
+    assert not train_paths & {p for p, _ in dm.val_set.samples}
+    images, labels = next(iter(dm.train_dataloader()))
+    assert images.shape == (8, 3, 32, 32) and images.dtype == torch.float32
+    assert labels.min() >= 0 and labels.max() <= 2
+
+
+def test_grayscale_dataset(tmp_path):
+    dm = fire_module(
+        tmp_path, name="mnist", num_classes=10, classes=[str(i) for i in range(10)], channels=1, image_size=28,
+        num_images=40, mean=(0.1307,), std=(0.3081,), synthetic_size=(28, 28), synthetic_format="png",
+    )
+    dm.prepare_data()
+    dm.setup()
+    image, _ = dm.train_set[0]
+    assert image.shape == (1, 28, 28)
+
+
+def test_transform_follows_the_paper():
+    """Crop/scale to the size, flip only in training, ToTensor, normalize with the ImageNet statistics."""
+    image = Image.new("RGB", (120, 60), (124, 116, 104))  # 0.485/0.456/0.406 * 255, roughly
+    left_half_red = Image.new("RGB", (120, 60))
+    left_half_red.paste((255, 0, 0), (0, 0, 60, 60))
+    val = build_transform(32, (0.485, 0.456, 0.406), (0.229, 0.224, 0.225), train=False)
+    out = val(image)
+    assert out.shape == (3, 32, 32)
+    assert out.abs().max() < 0.02, "mean-coloured image normalizes to ~0"
+    # Validation is deterministic; training flips about half the time.
+    assert torch.equal(val(left_half_red), val(left_half_red))
+    train = build_transform(32, (0.485, 0.456, 0.406), (0.229, 0.224, 0.225), train=True)
+    torch.manual_seed(0)
+    flipped = sum(not torch.equal(train(left_half_red), val(left_half_red)) for _ in range(40))
+    assert 8 < flipped < 32
+
+
+def test_missing_root_says_how_to_fix(tmp_path):
+    dm = fire_module(tmp_path, root=str(tmp_path / "nowhere"))
+    with pytest.raises(ConfigError, match=r"data.root=.*nowhere does not exist.*data.root=null"):
+        dm.setup()
+
+
+def _real_folder(tmp_path: Path, per_class: int = 12) -> Path:
+    root = tmp_path / "real"
+    for c in FIRE:
+        (root / c).mkdir(parents=True)
+        for i in range(per_class):
+            Image.new("RGB", (50, 40), (i * 10, 0, 0)).save(root / c / f"{i}.jpg")
+    return root
+
+
+def test_real_imagefolder_is_used(tmp_path):
+    dm = fire_module(tmp_path, root=str(_real_folder(tmp_path)), num_images=None)
+    dm.prepare_data()
+    dm.setup()
+    assert not dm.is_synthetic
+    assert len(dm.train_set) + len(dm.val_set) == 36
+    assert not (tmp_path / "synthetic").exists(), "no synthetic data written when real data is given"
+
+
+def test_empty_class_folder_is_named(tmp_path):
+    root = _real_folder(tmp_path)
+    for f in (root / "smoke").iterdir():
+        f.unlink()
+    with pytest.raises(ConfigError, match=r"class folder .*smoke has no images"):
+        fire_module(tmp_path, root=str(root)).setup()
+
+
+def test_unreadable_image_is_named(tmp_path):
+    root = _real_folder(tmp_path)
+    (root / "fire" / "broken.jpg").write_bytes(b"not a jpeg at all")
+    with pytest.raises(ConfigError, match=r"unreadable image .*broken\.jpg"):
+        fire_module(tmp_path, root=str(root), num_images=None).setup()
+
+
+def test_fewer_images_than_one_batch(tmp_path):
+    with pytest.raises(ConfigError, match=r"training split has 4 images.*data.batch_size=8"):
+        dm = fire_module(tmp_path, num_images=5)
+        dm.prepare_data()
+        dm.setup()
+
+
+def test_class_count_mismatch(tmp_path):
+    with pytest.raises(ConfigError, match=r"has 3 class folders.*data.num_classes=5"):
+        fire_module(tmp_path, root=str(_real_folder(tmp_path)), num_classes=5, classes=None).setup()
+
+
+def test_bad_knobs_fail_before_any_work(tmp_path):
+    with pytest.raises(ConfigError, match="data.batch_size=0"):
+        fire_module(tmp_path, batch_size=0)
+    with pytest.raises(ConfigError, match="data.val_fraction=1.5"):
+        fire_module(tmp_path, val_fraction=1.5)
+    with pytest.raises(ConfigError, match="mean/std have 3/3 values for 1 channels"):
+        fire_module(tmp_path, channels=1)
+    with pytest.raises(ConfigError, match="data.num_images=2: .*at least one image per class"):
+        fire_module(tmp_path, num_images=2)
+    assert not os.path.exists(tmp_path / "synthetic")

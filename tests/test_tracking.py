@@ -1,0 +1,35 @@
+"""MLflow helpers: config flattening, tracking-store checks."""
+from __future__ import annotations
+
+import pytest
+
+from ddlx.errors import ConfigError
+from ddlx.tracking import check_tracking_uri, flatten_config, use_case
+
+
+def test_flatten_config_uses_override_names():
+    flat = flatten_config({"data": {"batch_size": 32, "mean": [0.5, 0.5]}, "seed": 1})
+    assert flat == {"data.batch_size": "32", "data.mean": "[0.5, 0.5]", "seed": "1"}
+
+
+def test_use_cases_of_source_000():
+    assert use_case("vgg16", "firesmall") == "complexsmall"
+    assert use_case("alexnet", "firebig") == "simplebig"
+    assert use_case("alexnet", "firesmall") is None
+
+
+def test_sqlite_store_in_missing_folder(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist or is not writable"):
+        check_tracking_uri(f"sqlite:///{tmp_path}/no/such/dir/mlflow.db")
+
+
+def test_sqlite_store_that_is_not_a_database(tmp_path):
+    bogus = tmp_path / "mlflow.db"
+    bogus.write_text("hello, this is not sqlite" * 100)
+    with pytest.raises(ConfigError, match="is not an SQLite database"):
+        check_tracking_uri(f"sqlite:///{bogus}")
+
+
+def test_unreachable_server():
+    with pytest.raises(ConfigError, match=r"http://127.0.0.1:9 is unreachable.*sqlite:///mlflow.db"):
+        check_tracking_uri("http://127.0.0.1:9", timeout_s=2)

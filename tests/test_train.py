@@ -1,0 +1,142 @@
+"""End to end: train.py writes one MLflow run with the contract's metrics; bad input fails early."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import PROJECT_DIR, TINY, compose_config, runs, subprocess_env
+from ddlx import run as run_module
+from ddlx.errors import ConfigError
+from ddlx.models import ARCHITECTURES
+from ddlx.predict.memory import GIB
+from ddlx.run import check_memory, train
+
+EPOCH_METRICS = {"train_loss", "train_acc", "val_loss", "val_acc", "epoch_time_s", "samples_per_s"}
+DATASETS = ["firesmall", "firebig", "mnist", "cifar10", "imagenet", "highres"]
+
+
+def run_train_py(tmp_path, *overrides, timeout=300):
+    cmd = [sys.executable, str(PROJECT_DIR / "train.py"), f"paths.root={tmp_path}", *TINY, *overrides]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=subprocess_env(), cwd=tmp_path)
+
+
+def test_train_py_logs_one_mlflow_run(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    proc = run_train_py(tmp_path, "model=vgg16", "data=firesmall", "trainer.max_epochs=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run,) = runs(uri)
+    assert run.info.status == "FINISHED"
+    assert EPOCH_METRICS <= set(run.data.metrics)
+    assert run.data.metrics["epoch_time_s"] > 0 and run.data.metrics["samples_per_s"] > 0
+    tags = run.data.tags
+    assert (tags["model"], tags["data"], tags["strategy"], tags["use_case"]) == ("vgg16", "firesmall", "sequential", "complexsmall")
+    params = run.data.params
+    assert params["data.batch_size"] == "8" and params["model.name"] == "vgg16" and params["strategy.threads"] == "1"
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["config_resolved.yaml"]
+    history = client.get_metric_history(run.info.run_id, "epoch_time_s")
+    assert len(history) == 2, "one epoch_time_s per epoch"
+    # Defaults put the store and data in the project folder given as paths.root.
+    assert (tmp_path / "mlflow.db").exists() and (tmp_path / "data" / "synthetic").is_dir()
+
+
+def _assert_clear_error(proc, pattern):
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert re.search(pattern, proc.stderr), proc.stderr[-3000:]
+
+
+def test_missing_data_root_is_a_clear_error(tmp_path):
+    proc = run_train_py(tmp_path, f"data.root={tmp_path}/nope")
+    _assert_clear_error(proc, r"ddlx: error: data.root=.*nope does not exist")
+    assert runs(f"sqlite:///{tmp_path / 'mlflow.db'}") == [], "nothing is logged for a run that never started"
+
+
+def test_unreachable_tracking_server_fails_at_start(tmp_path):
+    start = time.monotonic()
+    proc = run_train_py(tmp_path, "logger.tracking_uri=http://127.0.0.1:9")
+    _assert_clear_error(proc, r"tracking server logger.tracking_uri=http://127.0.0.1:9 is unreachable")
+    assert time.monotonic() - start < 60
+    assert not (tmp_path / "data").exists(), "failed before preparing data"
+
+
+def test_unknown_option_lists_the_available_ones(tmp_path):
+    proc = run_train_py(tmp_path, "model=vgg19")
+    assert proc.returncode != 0
+    assert "vgg16" in proc.stderr and "resnet152" in proc.stderr
+
+
+@pytest.mark.parametrize("experiment,model,data", [("complexsmall", "vgg16", "firesmall"), ("simplebig", "alexnet", "firebig")])
+def test_experiment_configs_pin_the_paper_use_cases(experiment, model, data):
+    cfg = compose_config([f"experiment={experiment}"])
+    assert (cfg.model.name, cfg.data.name, cfg.data.image_size) == (model, data, 224)
+
+
+def test_dataset_configs_follow_the_papers():
+    expected = {  # source 000 section 3.1, source 004 Table 3.2
+        "firesmall": (791, 3, 224, 3), "firebig": (6003, 3, 224, 3), "mnist": (70000, 10, 28, 1),
+        "cifar10": (60000, 10, 32, 3), "imagenet": (1_280_000, 1000, 224, 3), "highres": (60000, 1000, 512, 3),
+    }
+    for name, (images, classes, size, channels) in expected.items():
+        d = compose_config([f"data={name}"]).data
+        assert (d.num_images, d.num_classes, d.image_size, d.channels) == (images, classes, size, channels), name
+
+
+@pytest.mark.parametrize("model", ARCHITECTURES)
+def test_every_model_trains(tiny_config, tracking_uri, model):
+    metrics = train(tiny_config(f"model={model}", "data=cifar10", "data.num_images=24"), output_dir=tiny_config().paths.root)
+    assert EPOCH_METRICS <= set(metrics)
+
+
+@pytest.mark.parametrize("data", DATASETS)
+def test_every_dataset_trains_at_its_own_size(tiny_config, data):
+    native = compose_config([f"data={data}"]).data
+    cfg = tiny_config("model=alexnet", f"data={data}", f"data.image_size={native.image_size}", "data.batch_size=4",
+                      f"data.num_images={max(12, native.num_classes)}", "trainer.limit_train_batches=1")
+    lo = min(native.image_size, 64)
+    cfg.data.synthetic_size = [lo, lo + 8]
+    metrics = train(cfg, output_dir=cfg.paths.root)
+    assert EPOCH_METRICS <= set(metrics)
+
+
+@pytest.mark.parametrize("model", ARCHITECTURES)
+@pytest.mark.parametrize("data", DATASETS)
+def test_memory_check_passes_or_names_a_batch_that_fits(monkeypatch, model, data):
+    """With 16 GiB free, every pair either fits at its default batch or the error names a batch that does."""
+    monkeypatch.setattr(run_module, "available_memory_bytes", lambda accelerator: (16 * GIB, "available RAM"))
+    cfg = compose_config([f"model={model}", f"data={data}"])
+    try:
+        check_memory(cfg, replicas=1)
+    except ConfigError as err:
+        message = str(err)
+        assert f"model={model} on data={data}" in message and "GiB" in message
+        fit = re.search(r"lower data.batch_size to (\d+)", message)
+        assert fit, message
+        cfg.data.batch_size = int(fit.group(1))
+        check_memory(cfg, replicas=1)
+
+
+def test_oversized_pair_is_refused_before_training(tiny_config, monkeypatch, tmp_path):
+    monkeypatch.setattr(run_module, "available_memory_bytes", lambda accelerator: (16 * GIB, "available RAM"))
+    cfg = tiny_config("model=resnet152", "data=highres", "data.image_size=512", "data.batch_size=32",
+                      "data.num_images=1000", f"paths.data_dir={tmp_path}/fresh")
+    with pytest.raises(ConfigError, match=r"needs about \d+\.\d GiB.*lower data.batch_size to \d+"):
+        train(cfg, output_dir=cfg.paths.root)
+    assert not Path(cfg.paths.data_dir).exists(), "refused before writing any data"
+
+
+def test_learns_the_synthetic_classes(tiny_config):
+    """On a small synthetic fire set, validation accuracy ends well above chance (1/3)."""
+    cfg = tiny_config(
+        "model=resnet18", "data.num_images=150", "data.val_fraction=0.2", "data.batch_size=16",
+        "trainer.max_epochs=4", "trainer.limit_train_batches=1.0", "trainer.limit_val_batches=1.0", "optim.lr=0.01",
+    )
+    metrics = train(cfg, output_dir=cfg.paths.root)
+    assert metrics["val_acc"] >= 0.8, metrics

@@ -7,8 +7,6 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any
-
 import psutil
 import pytorch_lightning as pl
 import torch
@@ -22,7 +20,8 @@ from .models import build_model
 from .module import ClassifierModule
 from .predict.memory import GIB, estimate_training_memory
 from .strategies import build_strategy
-from .tracking import check_tracking_uri, flatten_config, make_logger, use_case
+from .strategies.launch import RelaunchingDDPStrategy, end_distributed_job, launch_rank
+from .tracking import check_tracking_uri, flatten_config, make_logger, record_failure, start_run, use_case
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +29,15 @@ log = logging.getLogger(__name__)
 MEMORY_HEADROOM = 0.85
 
 
-def build_datamodule(data_cfg: DictConfig) -> ImageFolderDataModule:
+def build_datamodule(data_cfg: DictConfig, data_parallel: int = 1) -> ImageFolderDataModule:
+    """The datamodule for one process: ``data.batch_size`` is the global batch, split evenly."""
     kwargs = OmegaConf.to_container(data_cfg, resolve=True)
+    if kwargs["batch_size"] % data_parallel:
+        raise ConfigError(
+            f"data.batch_size={kwargs['batch_size']} is the global batch and must split evenly over the "
+            f"{data_parallel} processes of this strategy; use a multiple of {data_parallel}"
+        )
+    kwargs["batch_size"] //= data_parallel
     return ImageFolderDataModule(**kwargs)
 
 
@@ -42,17 +48,20 @@ def available_memory_bytes(accelerator: str) -> tuple[int, str]:
     return psutil.virtual_memory().available, "available RAM"
 
 
-def check_memory(cfg: DictConfig, replicas: int) -> None:
-    """Refuse a model/data/batch that cannot fit, before any training starts."""
+def check_memory(cfg: DictConfig, data_parallel: int = 1, replicas: int = 1) -> None:
+    """Refuse a model/data/batch that cannot fit, before any training starts.
+
+    Each of ``replicas`` model copies on this machine trains ``batch_size / data_parallel`` samples.
+    """
     data = cfg.data
     estimate, per_sample = estimate_training_memory(
-        cfg.model.name, data.num_classes, data.channels, data.image_size, data.batch_size
+        cfg.model.name, data.num_classes, data.channels, data.image_size, max(1, data.batch_size // data_parallel)
     )
     need = estimate.total_bytes * replicas
     have, what = available_memory_bytes(cfg.trainer.accelerator)
     if need > MEMORY_HEADROOM * have:
         fixed = (estimate.total_bytes - estimate.activations_bytes) * replicas
-        max_batch = int((MEMORY_HEADROOM * have - fixed) / (per_sample * replicas))
+        max_batch = int((MEMORY_HEADROOM * have - fixed) / (per_sample * replicas)) * data_parallel
         fix = f"lower data.batch_size to {max_batch} or less" if max_batch >= 1 else "use a smaller model or data.image_size"
         raise ConfigError(
             f"model={cfg.model.name} on data={data.name} (image_size={data.image_size}, batch_size={data.batch_size}"
@@ -63,21 +72,31 @@ def check_memory(cfg: DictConfig, replicas: int) -> None:
 
 
 def train(cfg: DictConfig, output_dir: str | os.PathLike) -> dict[str, float]:
-    """Train once as ``cfg`` says and return the final logged metrics."""
+    """Train once as ``cfg`` says and return the final logged metrics (on every rank)."""
     output_dir = Path(output_dir)
     pl.seed_everything(cfg.seed, workers=True)
 
     # 1. Everything that can be wrong is checked before the first batch.
     check_tracking_uri(cfg.logger.tracking_uri)
-    plan = build_strategy(cfg.strategy, cfg.trainer.accelerator)
-    datamodule = build_datamodule(cfg.data)
+    plan = build_strategy(cfg.strategy, cfg.trainer.accelerator, layered_model_meta(cfg), cfg.data)
+    datamodule = build_datamodule(cfg.data, plan.data_parallel)
     if cfg.memory_check:
-        check_memory(cfg, plan.replicas_per_machine)
+        check_memory(cfg, plan.data_parallel, plan.replicas_per_machine)
     datamodule.prepare_data()
     datamodule.setup("fit")
 
-    # 2. Build.
-    model = build_model(cfg.model.name, cfg.data.num_classes, cfg.data.channels, cfg.data.image_size)
+    # 2. The resolved config: an MLflow artifact, and the job description the other ranks start from.
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    config_file = output_dir / "config_resolved.yaml"
+    if launch_rank() == 0:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        config_file.write_text(OmegaConf.to_yaml(resolved))
+    strategy = plan.trainer_kwargs.get("strategy")
+    if isinstance(strategy, RelaunchingDDPStrategy):
+        strategy.worker_args = [str(config_file), str(output_dir)]
+
+    # 3. Build.
+    model = build_model(cfg.model.name, cfg.data.num_classes, cfg.data.channels, cfg.data.image_size, cfg.model.dropout)
     module = ClassifierModule(model, cfg.data.num_classes, **cfg.optim)
     tags = {
         "model": cfg.model.name,
@@ -87,27 +106,37 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike) -> dict[str, float]:
         **plan.tags,
         **(cfg.logger.tags or {}),
     }
-    logger = make_logger(
-        cfg.logger.tracking_uri, cfg.logger.experiment_name, cfg.logger.run_name, tags, cfg.logger.artifact_location
-    )
-    checkpoints = ModelCheckpoint(dirpath=output_dir / "checkpoints")
+    # Only global rank 0 talks to MLflow: its client creates the store's tables on first
+    # contact, and ranks doing that at once corrupt an SQLite store.
+    logger = None
+    if launch_rank() == 0:
+        logger = make_logger(
+            cfg.logger.tracking_uri, cfg.logger.experiment_name, cfg.logger.run_name, tags, cfg.logger.artifact_location
+        )
+        run_id = start_run(logger, flatten_config(resolved), config_file, {"output_dir": str(output_dir)})
+        log.info("MLflow run %s in experiment %r at %s", run_id, cfg.logger.experiment_name, cfg.logger.tracking_uri)
+    callbacks = [EpochTimer(), ModelCheckpoint(dirpath=output_dir / "checkpoints")]
     trainer = pl.Trainer(
-        **OmegaConf.to_container(cfg.trainer, resolve=True),
-        **plan.trainer_kwargs,
-        logger=logger,
-        callbacks=[EpochTimer(), checkpoints],
+        **{**OmegaConf.to_container(cfg.trainer, resolve=True), **plan.trainer_kwargs},
+        logger=logger if logger is not None else False,
+        callbacks=callbacks,
         default_root_dir=str(output_dir),
+        use_distributed_sampler=False,  # the datamodule shards (see ImageFolderDataModule._loader)
     )
 
-    # 3. Record the configuration with the run, then train.
-    if trainer.is_global_zero:
-        resolved = OmegaConf.to_container(cfg, resolve=True)
-        logger.log_hyperparams(flatten_config(resolved))
-        config_file = output_dir / "config_resolved.yaml"
-        output_dir.mkdir(parents=True, exist_ok=True)
-        config_file.write_text(OmegaConf.to_yaml(resolved))
-        logger.experiment.log_artifact(logger.run_id, str(config_file))
-        logger.experiment.set_tag(logger.run_id, "output_dir", str(output_dir))
-        log.info("MLflow run %s in experiment %r at %s", logger.run_id, cfg.logger.experiment_name, cfg.logger.tracking_uri)
-    trainer.fit(module, datamodule=datamodule)
+    # 4. Train.
+    try:
+        trainer.fit(module, datamodule=datamodule)
+    except BaseException as err:
+        if logger is not None:
+            record_failure(logger, err)
+        raise
+    finally:
+        end_distributed_job()
     return {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+
+def layered_model_meta(cfg: DictConfig):
+    """The model on PyTorch's meta device: its layer count and cut points, at no cost."""
+    with torch.device("meta"):
+        return build_model(cfg.model.name, cfg.data.num_classes, cfg.data.channels, cfg.data.image_size, cfg.model.dropout)

@@ -80,3 +80,22 @@ def make_logger(
         tags={k: str(v) for k, v in tags.items() if v is not None},
         artifact_location=artifact_location if local_store else None,
     )
+
+
+
+def start_run(logger: MLFlowLogger, params: Mapping[str, str], config_file: Path, tags: Mapping[str, str]) -> str:
+    """Create the run now, from global rank 0, with its params, tags and config artifact, so a
+    job that fails at any later point is still one (FAILED) run with its record."""
+    run_id = logger.run_id
+    logger.log_hyperparams(params)
+    logger.experiment.log_artifact(run_id, str(config_file))
+    for key, value in tags.items():
+        logger.experiment.set_tag(run_id, key, value)
+    return run_id
+
+
+def record_failure(logger: MLFlowLogger, error: BaseException) -> None:
+    """Tag the run with the error; Lightning marks it FAILED when it sees the exception."""
+    if logger._run_id is not None:
+        logger.experiment.set_tag(logger.run_id, "error", f"{type(error).__name__}: {error}"[:5000])
+        logger.experiment.set_terminated(logger.run_id, "FAILED")

@@ -113,14 +113,14 @@ def test_memory_check_passes_or_names_a_batch_that_fits(monkeypatch, model, data
     monkeypatch.setattr(run_module, "available_memory_bytes", lambda accelerator: (16 * GIB, "available RAM"))
     cfg = compose_config([f"model={model}", f"data={data}"])
     try:
-        check_memory(cfg, replicas=1)
+        check_memory(cfg)
     except ConfigError as err:
         message = str(err)
         assert f"model={model} on data={data}" in message and "GiB" in message
         fit = re.search(r"lower data.batch_size to (\d+)", message)
         assert fit, message
         cfg.data.batch_size = int(fit.group(1))
-        check_memory(cfg, replicas=1)
+        check_memory(cfg)
 
 
 def test_oversized_pair_is_refused_before_training(tiny_config, monkeypatch, tmp_path):

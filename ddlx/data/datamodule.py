@@ -8,7 +8,7 @@ from pathlib import Path
 import pytorch_lightning as pl
 import torch
 from PIL import Image, UnidentifiedImageError
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from ..errors import ConfigError
@@ -100,6 +100,8 @@ class ImageFolderDataModule(pl.LightningDataModule):
         synthetic_format: str = "jpg",
         seed: int = 0,
         pin_memory: bool = False,
+        shuffle: bool = True,
+        random_flip: bool = True,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -140,6 +142,8 @@ class ImageFolderDataModule(pl.LightningDataModule):
         )
         self.seed = seed
         self.pin_memory = pin_memory
+        self.shuffle = shuffle
+        self.random_flip = random_flip
         self.train_set: ImageFileDataset | None = None
         self.val_set: ImageFileDataset | None = None
 
@@ -187,7 +191,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
                 f"raise data.num_images"
             )
         mode = "L" if self.channels == 1 else "RGB"
-        self.train_set = ImageFileDataset(train, build_transform(self.image_size, self.mean, self.std, train=True), mode)
+        self.train_set = ImageFileDataset(train, build_transform(self.image_size, self.mean, self.std, train=True, random_flip=self.random_flip), mode)
         self.val_set = ImageFileDataset(val, build_transform(self.image_size, self.mean, self.std, train=False), mode)
         log.info(
             "%s: %d train / %d val images, %d classes, from %s%s",
@@ -195,17 +199,32 @@ class ImageFolderDataModule(pl.LightningDataModule):
         )
 
     def _loader(self, dataset: ImageFileDataset, shuffle: bool) -> DataLoader:
+        """One seeded DistributedSampler for every strategy (one replica when not distributed).
+
+        Rank r of P takes every P-th sample of the epoch's permutation, so the union of the
+        ranks' k-th batches is the sequential run's k-th global batch: all strategies see the
+        same global batches, shuffled or not. (Lightning's own sampler injection always shuffles
+        training data and is switched off with ``use_distributed_sampler=False``.)
+        """
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        sampler = DistributedSampler(
+            dataset,
+            num_replicas=torch.distributed.get_world_size() if distributed else 1,
+            rank=torch.distributed.get_rank() if distributed else 0,
+            shuffle=shuffle,
+            seed=self.seed,
+        )
         return DataLoader(
             dataset,
             batch_size=self.batch_size,
-            shuffle=shuffle,
+            sampler=sampler,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
             pin_memory=self.pin_memory,
         )
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, shuffle=True)
+        return self._loader(self.train_set, shuffle=self.shuffle)
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set, shuffle=False)

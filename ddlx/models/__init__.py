@@ -27,15 +27,22 @@ _BUILDERS: dict[str, Callable[..., LayeredModel]] = {
 ARCHITECTURES = tuple(_BUILDERS)
 
 
-def build_model(arch: str, num_classes: int, in_channels: int = 3, image_size: int = 224) -> LayeredModel:
-    """Build ``arch`` for ``num_classes`` classes and square ``image_size`` inputs with ``in_channels``."""
+def build_model(
+    arch: str, num_classes: int, in_channels: int = 3, image_size: int = 224, dropout: float | None = None
+) -> LayeredModel:
+    """Build ``arch`` for ``num_classes`` classes and square ``image_size`` inputs with ``in_channels``.
+
+    ``dropout`` overrides the family's classifier dropout (AlexNet/VGG 0.5, MobileNetV2 0.2;
+    ResNet has none); 0 makes training deterministic enough to compare strategies step by step.
+    """
     if arch not in _BUILDERS:
         raise ValueError(f"unknown model {arch!r}; expected one of {', '.join(ARCHITECTURES)}")
     if image_size < MIN_IMAGE_SIZE:
         raise ValueError(f"image_size={image_size} is too small for {arch}; use data.image_size >= {MIN_IMAGE_SIZE}")
     if num_classes < 2 or in_channels < 1:
         raise ValueError(f"need num_classes >= 2 and in_channels >= 1, got {num_classes} and {in_channels}")
-    return _BUILDERS[arch](num_classes=num_classes, in_channels=in_channels, small_input=image_size < SMALL_INPUT_BELOW)
+    kwargs = {} if dropout is None or arch.startswith("resnet") else {"dropout": dropout}
+    return _BUILDERS[arch](num_classes=num_classes, in_channels=in_channels, small_input=image_size < SMALL_INPUT_BELOW, **kwargs)
 
 
 __all__ = ["ARCHITECTURES", "LayeredModel", "build_model"]

@@ -7,7 +7,7 @@ from torchvision import models as tvm
 from .layered import LayeredModel, conv_cut_points, flatten_children
 
 
-def build_alexnet(num_classes: int, in_channels: int, small_input: bool) -> LayeredModel:
+def build_alexnet(num_classes: int, in_channels: int, small_input: bool, dropout: float = 0.5) -> LayeredModel:
     if small_input:
         # Small images cannot survive the 11x11/stride-4 stem; keep AlexNet's five convolutions
         # and three-layer classifier with 3x3 kernels (the usual CIFAR-10 adaptation).
@@ -28,16 +28,16 @@ def build_alexnet(num_classes: int, in_channels: int, small_input: bool) -> Laye
         )
         pool = nn.AdaptiveAvgPool2d((2, 2))
         classifier = nn.Sequential(
-            nn.Dropout(p=0.5),
+            nn.Dropout(p=dropout),
             nn.Linear(256 * 2 * 2, 4096),
             nn.ReLU(inplace=True),
-            nn.Dropout(p=0.5),
+            nn.Dropout(p=dropout),
             nn.Linear(4096, 4096),
             nn.ReLU(inplace=True),
             nn.Linear(4096, num_classes),
         )
     else:
-        net = tvm.alexnet(weights=None, num_classes=num_classes)
+        net = tvm.alexnet(weights=None, num_classes=num_classes, dropout=dropout)
         if in_channels != 3:
             old = net.features[0]
             net.features[0] = nn.Conv2d(in_channels, old.out_channels, old.kernel_size, old.stride, old.padding)

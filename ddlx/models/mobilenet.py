@@ -13,9 +13,9 @@ IMAGENET_SETTING = [[1, 16, 1, 1], [6, 24, 2, 2], [6, 32, 3, 2], [6, 64, 4, 2], 
 SMALL_SETTING = [[1, 16, 1, 1], [6, 24, 2, 1], [6, 32, 3, 2], [6, 64, 4, 2], [6, 96, 3, 1], [6, 160, 3, 2], [6, 320, 1, 1]]
 
 
-def build_mobilenet_v2(num_classes: int, in_channels: int, small_input: bool) -> LayeredModel:
+def build_mobilenet_v2(num_classes: int, in_channels: int, small_input: bool, dropout: float = 0.2) -> LayeredModel:
     setting = SMALL_SETTING if small_input else IMAGENET_SETTING
-    net = tvm.mobilenet_v2(weights=None, num_classes=num_classes, inverted_residual_setting=setting)
+    net = tvm.mobilenet_v2(weights=None, num_classes=num_classes, inverted_residual_setting=setting, dropout=dropout)
     if small_input or in_channels != 3:
         stride = 1 if small_input else 2
         net.features[0] = Conv2dNormActivation(in_channels, 32, stride=stride, activation_layer=nn.ReLU6)

@@ -29,7 +29,7 @@ def _small_features(config: list, in_channels: int) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def build_vgg(arch: str, num_classes: int, in_channels: int, small_input: bool) -> LayeredModel:
+def build_vgg(arch: str, num_classes: int, in_channels: int, small_input: bool, dropout: float = 0.5) -> LayeredModel:
     if arch not in CONFIGS:
         raise ValueError(f"unknown VGG variant {arch!r}; expected one of {sorted(CONFIGS)}")
     if small_input:
@@ -37,7 +37,7 @@ def build_vgg(arch: str, num_classes: int, in_channels: int, small_input: bool) 
         features = _small_features(CONFIGS[arch], in_channels)
         head = [nn.AdaptiveAvgPool2d((1, 1)), nn.Flatten(1), nn.Linear(512, num_classes)]
     else:
-        net = getattr(tvm, arch)(weights=None, num_classes=num_classes)
+        net = getattr(tvm, arch)(weights=None, num_classes=num_classes, dropout=dropout)
         if in_channels != 3:
             old = net.features[0]
             net.features[0] = nn.Conv2d(in_channels, old.out_channels, old.kernel_size, old.stride, old.padding)

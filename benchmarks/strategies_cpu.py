@@ -1,0 +1,94 @@
+"""Epoch time of the CPU strategies on one model and dataset, measured in one sitting.
+
+    python benchmarks/strategies_cpu.py                       # AlexNet 224x224, firesmall, batch 32
+    python benchmarks/strategies_cpu.py --model vgg11 --epochs 2 --num-images 400
+
+Each setup is one ``train.py`` run (its own MLflow run in the ``benchmark-strategies``
+experiment of the project's mlflow.db). The table gives the mean ``epoch_time_s`` over the
+epochs after the first (warm-up) one and the speedup over the one-core sequential baseline of
+the same sitting (source 003, section 2: mean baseline time / mean setup time). This machine is
+shared and noisy: compare the ratios, and repeat with --rounds to see the spread.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+EXPERIMENT = "benchmark-strategies"
+
+SETUPS = {
+    "sequential threads=1": ["strategy=sequential", "strategy.threads=1"],
+    "sequential threads=2": ["strategy=sequential", "strategy.threads=2"],
+    "threads k=2": ["strategy=threads", "strategy.threads=2"],
+    "cpu_mp processes=2": ["strategy=cpu_mp", "strategy.processes=2"],
+    "ddp_gloo processes=2": ["strategy=ddp_gloo", "strategy.processes=2"],
+    "pipe chunks=4 [cpu,cpu]": ["strategy=pipe", "strategy.chunks=4"],
+}
+
+
+def run_setup(name: str, overrides: list[str], args: argparse.Namespace, sweep: str) -> list[float]:
+    """Epoch times (after the first) of one train.py run of ``name``."""
+    slug = re.sub(r"[^a-z0-9]+", "-", name).strip("-")
+    cmd = [
+        sys.executable, str(ROOT / "train.py"), *overrides,
+        f"model={args.model}", f"data={args.data}", f"data.num_images={args.num_images}",
+        f"data.batch_size={args.batch_size}", f"data.num_workers={args.num_workers}",
+        f"trainer.max_epochs={args.epochs}", "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false",
+        "trainer.enable_checkpointing=false", f"logger.experiment_name={EXPERIMENT}",
+        f"+logger.tags.bench_round={sweep}", f"+logger.tags.bench_setup={slug}",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode != 0:
+        print(proc.stderr[-3000:], file=sys.stderr)
+        raise SystemExit(f"{name} failed")
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{ROOT / 'mlflow.db'}")
+    exp = client.get_experiment_by_name(EXPERIMENT)
+    (run,) = client.search_runs([exp.experiment_id], f"tags.bench_round = '{sweep}' and tags.bench_setup = '{slug}'")
+    history = sorted(client.get_metric_history(run.info.run_id, "epoch_time_s"), key=lambda m: m.step)
+    times = [m.value for m in history]
+    return times[1:] if len(times) > 1 else times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="alexnet")
+    parser.add_argument("--data", default="firesmall")
+    parser.add_argument("--num-images", type=int, default=400)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--num-workers", type=int, default=0, help="loader workers per process (0: load in the training process)")
+    parser.add_argument("--epochs", type=int, default=2, help="the first is warm-up when there are several")
+    parser.add_argument("--rounds", type=int, default=1, help="repeat every setup, interleaved, this many times")
+    parser.add_argument("--only", nargs="*", help="names from: " + "; ".join(SETUPS))
+    args = parser.parse_args()
+
+    chosen = {k: v for k, v in SETUPS.items() if not args.only or k in args.only}
+    sweep = time.strftime("%Y%m%d-%H%M%S")
+    times: dict[str, list[float]] = {name: [] for name in chosen}
+    for r in range(args.rounds):
+        for name, overrides in chosen.items():
+            times[name] += run_setup(name, overrides, args, f"{sweep}-{r}")
+            print(f"  round {r + 1}: {name}: {statistics.mean(times[name]):.2f} s/epoch", file=sys.stderr)
+
+    base = statistics.mean(times.get("sequential threads=1") or [float("nan")])
+    print(f"\n{args.model} {args.data} ({args.num_images} images, batch {args.batch_size}, {args.num_workers} loader workers) on {_cores()} cores")
+    print(f"{'setup':28s} {'epoch s':>9s} {'min':>7s} {'max':>7s} {'speedup':>8s}")
+    for name, values in times.items():
+        mean = statistics.mean(values)
+        print(f"{name:28s} {mean:9.2f} {min(values):7.2f} {max(values):7.2f} {base / mean:8.2f}x")
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""Device lists for the model-parallel strategies: ``auto``, or explicit and checked."""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from ..errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def present_devices() -> list[str]:
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return ["cpu", *(f"cuda:{i}" for i in range(gpus))]
+
+
+def resolve_devices(spec: str | Sequence[str] | None, count: int, strategy: str) -> list[torch.device]:
+    """``auto``: ``count`` GPUs when there are, otherwise ``count`` x cpu (said in the log)."""
+    present = present_devices()
+    gpus = [d for d in present if d.startswith("cuda")]
+    if spec in (None, "auto"):
+        if len(gpus) >= count:
+            return [torch.device(d) for d in gpus[:count]]
+        log.info("strategy=%s: %d GPU(s) here, fewer than %d: running its %d stages on [%s]", strategy, len(gpus), count, count, ", ".join(["cpu"] * count))
+        return [torch.device("cpu")] * count
+    if isinstance(spec, str) or len(spec) != count:
+        raise ConfigError(f"strategy.devices={spec!r} for strategy={strategy}; expected auto or a list of {count} devices, e.g. strategy.devices=[cpu,cpu]")
+    wanted = [str(d) for d in spec]
+    missing = [d for d in wanted if torch.device(d).type == "cuda" and _normal(d) not in present]
+    if missing:
+        fallback = "[" + ",".join((gpus * count)[:count]) + "]" if gpus else "[" + ",".join(["cpu"] * count) + "]"
+        raise ConfigError(
+            f"strategy={strategy} asks for devices [{', '.join(wanted)}] but {', '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not here (this machine has: {', '.join(present)}); "
+            f"use strategy.devices=auto or strategy.devices={fallback}"
+        )
+    return [torch.device(d) for d in wanted]
+
+
+def _normal(name: str) -> str:
+    device = torch.device(name)
+    return f"cuda:{device.index or 0}" if device.type == "cuda" else device.type

@@ -1,0 +1,120 @@
+"""How multi-process strategies start their other ranks.
+
+Lightning's script launcher re-runs ``sys.argv`` for each rank; under Hydra it copies the whole
+command line, so a DDP job inside a ``-m`` sweep would start a sweep per rank, and under pytest
+it would re-run pytest (Lightning PRs 11617, 18145, 18175; Hydra issue 2070). ddlx instead
+starts each extra rank as ``python -m ddlx.rank_worker CONFIG OUTPUT_DIR``: the job's own
+resolved config, whatever started it.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import logging
+
+from lightning_fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+from lightning_fabric.utilities.distributed import _set_num_threads_if_needed
+from pytorch_lightning.loggers import MLFlowLogger
+from pytorch_lightning.strategies import DDPStrategy
+from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+log = logging.getLogger(__name__)
+
+WORKER_ENV = "DDLX_RANK_WORKER"
+# Set by the launcher in the parent; removed after the job so the next job of a sweep picks a
+# fresh port instead of the previous job's.
+DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
+STARTED_EXTERNALLY = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS", "TORCHELASTIC_RUN_ID")
+
+
+def is_rank_worker() -> bool:
+    return os.environ.get(WORKER_ENV) == "1"
+
+
+def launch_rank() -> int:
+    """This process's global rank as its launcher tells it, known before Lightning sets ranks up
+    (Lightning's own guess at import time cannot see MPI ranks)."""
+    if is_rank_worker():
+        return int(os.environ.get("NODE_RANK", 0)) * 1000 + int(os.environ["LOCAL_RANK"])  # any non-zero
+    for name in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
+        if name in os.environ:
+            return int(os.environ[name])
+    return 0
+
+
+def end_distributed_job() -> None:
+    """After a job in the launching process: leave nothing for the next job of a sweep.
+
+    Lightning destroys the process group only at interpreter exit, so a second DDP job in one
+    ``-m`` sweep would otherwise reuse the first job's group, whose other ranks are gone.
+    """
+    if is_rank_worker() or any(name in os.environ for name in STARTED_EXTERNALLY):
+        return  # this process ends with its job, or its launcher (mpirun, srun) owns the env
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    for name in DIST_ENV:
+        os.environ.pop(name, None)
+
+
+class _RecordingObserver(_ChildProcessObserver):
+    """Lightning's watchdog (a dead rank kills the others instead of leaving them waiting), but
+    the MLflow run is marked FAILED, with the reason, before rank 0 is killed."""
+
+    def __init__(self, main_pid: int, child_processes, logger) -> None:
+        super().__init__(main_pid=main_pid, child_processes=child_processes, sleep_period=1)
+        self.logger = logger
+
+    def _terminate_all(self) -> None:
+        codes = {rank: p.returncode for rank, p in enumerate(self._child_processes, start=1) if p.returncode}
+        if isinstance(self.logger, MLFlowLogger) and self.logger._run_id is not None:
+            try:
+                reason = ", ".join(f"rank {r} exited with code {c}" for r, c in codes.items())
+                self.logger.experiment.set_tag(self.logger.run_id, "error", reason)
+                self.logger.experiment.set_terminated(self.logger.run_id, "FAILED")
+            except Exception as err:  # noqa: BLE001 - killing the job matters more than the record
+                log.error("could not mark MLflow run failed: %s", err)
+        super()._terminate_all()
+
+
+class WorkerLauncher(_SubprocessScriptLauncher):
+    def __init__(self, cluster_environment, num_processes: int, num_nodes: int, worker_args: list[str]) -> None:
+        super().__init__(cluster_environment, num_processes, num_nodes)
+        self.worker_args = worker_args
+
+    def launch(self, function, *args, trainer=None, **kwargs):
+        self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        self._call_children_scripts()
+        _RecordingObserver(os.getpid(), self.procs, trainer.logger if trainer is not None else None).start()
+        _set_num_threads_if_needed(num_processes=self.num_processes)
+        return function(*args, **kwargs)
+
+    def _call_children_scripts(self) -> None:
+        self._check_can_spawn_children()
+        self.procs = []
+        env = self.cluster_environment
+        os.environ["MASTER_ADDR"] = env.main_address
+        os.environ["MASTER_PORT"] = str(env.main_port)
+        os.environ["NODE_RANK"] = str(env.node_rank())
+        os.environ["LOCAL_RANK"] = str(env.local_rank())
+        os.environ["WORLD_SIZE"] = str(self.num_processes * self.num_nodes)
+        for local_rank in range(1, self.num_processes):
+            child_env = {**os.environ, "LOCAL_RANK": str(local_rank), WORKER_ENV: "1"}
+            command = [sys.executable, "-m", "ddlx.rank_worker", *self.worker_args]
+            self.procs.append(subprocess.Popen(command, env=child_env))
+
+
+class RelaunchingDDPStrategy(DDPStrategy):
+    """DDPStrategy whose extra ranks run ``ddlx.rank_worker`` on the job's resolved config."""
+
+    worker_args: list[str] | None = None  # [config file, output dir], set by ddlx.run before fit
+
+    def _configure_launcher(self) -> None:
+        env = self.cluster_environment
+        if env.creates_processes_externally or self.worker_args is None:
+            super()._configure_launcher()  # mpirun / SLURM / torchrun started every rank already
+            return
+        self._launcher = WorkerLauncher(env, self.num_processes, self.num_nodes, self.worker_args)

@@ -1,0 +1,98 @@
+"""Strategies whose parallelism lives in how the network runs, not in what it computes.
+
+A *parallelizer* takes the :class:`LayeredModel` (and the process's local rank, for strategies
+that give each process its own devices) and installs a new ``forward`` on it instead of
+wrapping it in another module. Parameter names stay those of the sequential model, so a
+checkpoint written under any strategy loads under any other, and the LightningModule never
+learns which strategy ran. The same parallelizers run in one process (:class:`NetworkStrategy`)
+or inside every rank of a data-parallel job (:class:`DataParallelNetworkStrategy`: the
+paper's hybrid "data and model" setup, and the MPI setup with a local strategy).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.strategies import SingleDeviceStrategy
+
+from ..models import LayeredModel
+from .launch import RelaunchingDDPStrategy
+
+
+class InstalledForward(Protocol):
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+Parallelizer = Callable[[LayeredModel, int], InstalledForward]
+
+
+def find_layered_model(module: torch.nn.Module) -> LayeredModel:
+    found = [m for m in module.modules() if isinstance(m, LayeredModel)]
+    if len(found) != 1:
+        raise TypeError(f"expected exactly one LayeredModel inside {type(module).__name__}, found {len(found)}")
+    return found[0]
+
+
+def install(module: torch.nn.Module, parallelize: Parallelizer, local_rank: int) -> InstalledForward:
+    """Route the network's ``forward`` through ``parallelize``'s; ``sequential_forward`` keeps the original."""
+    model = find_layered_model(module)
+    model.sequential_forward = torch.nn.Sequential.forward.__get__(model)
+    forward = parallelize(model, local_rank)
+    model.forward = forward
+    return forward
+
+
+def uninstall(module: torch.nn.Module | None, forward: InstalledForward | None) -> None:
+    if module is not None:
+        model = find_layered_model(module)
+        model.__dict__.pop("forward", None)
+        model.__dict__.pop("sequential_forward", None)
+    close = getattr(forward, "close", None)
+    if close is not None:
+        close()
+
+
+class NetworkStrategy(SingleDeviceStrategy):
+    """One process; ``parallelize`` spreads the network over threads or devices."""
+
+    def __init__(self, device: torch.device, parallelize: Parallelizer) -> None:
+        super().__init__(device=device)
+        self.parallelize = parallelize
+        self._forward: InstalledForward | None = None
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        self._forward = install(self.lightning_module, self.parallelize, 0)
+
+    def teardown(self) -> None:
+        uninstall(self.lightning_module, self._forward)
+        self._forward = None
+        super().teardown()
+
+
+class DataParallelNetworkStrategy(RelaunchingDDPStrategy):
+    """DDP across processes, each running its network through ``parallelize`` on its own devices.
+
+    The network may span several devices, so DDP gets no ``device_ids`` (its multi-device mode).
+    """
+
+    def __init__(self, parallelize: Parallelizer | None, root_devices: list[torch.device], **ddp_kwargs) -> None:
+        super().__init__(parallel_devices=root_devices, **ddp_kwargs)
+        self.parallelize = parallelize
+        self._forward: InstalledForward | None = None
+
+    def configure_ddp(self) -> None:
+        if self.parallelize is not None:
+            self._forward = install(self.model, self.parallelize, self.local_rank)
+        super().configure_ddp()
+
+    def determine_ddp_device_ids(self) -> None:
+        return None
+
+    def teardown(self) -> None:
+        super().teardown()
+        if self.parallelize is not None:
+            uninstall(self.lightning_module, self._forward)
+        self._forward = None

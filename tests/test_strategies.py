@@ -1,0 +1,215 @@
+"""Every strategy through the real train.py: same maths as sequential, one MLflow run, clean exit,
+clear errors before training."""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import PROJECT_DIR, compose_config, runs, subprocess_env
+from ddlx.errors import ConfigError
+from ddlx.run import layered_model_meta
+from ddlx.strategies import build_strategy
+
+# Deterministic steps: fixed order, no flip, no dropout, a BatchNorm-free model (sub-batch
+# statistics would legitimately differ), 2 optimizer steps on a global batch of 8.
+SAME_MATHS = [
+    "model=alexnet", "model.dropout=0", "data.shuffle=false", "data.random_flip=false",
+    "data.image_size=32", "data.synthetic_size=[40,64]", "data.num_images=40", "data.batch_size=8",
+    "data.num_workers=0", "trainer.max_epochs=1", "trainer.limit_train_batches=2", "trainer.limit_val_batches=1",
+    "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "optim.lr=0.01",
+]
+
+
+def train_py(workdir: Path, *overrides: str, timeout: float = 240, runner: list[str] | None = None, threads: int | None = None) -> subprocess.CompletedProcess:
+    cmd = [*(runner or []), sys.executable, str(PROJECT_DIR / "train.py"), f"paths.root={workdir}", f"hydra.run.dir={workdir}/run", *overrides]
+    env = subprocess_env()
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)  # summation order depends on the thread count
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=workdir)
+
+
+def final_weights(workdir: Path) -> dict[str, torch.Tensor]:
+    (ckpt,) = (workdir / "run" / "checkpoints").glob("*.ckpt")
+    state = torch.load(ckpt, map_location="cpu", weights_only=False)["state_dict"]
+    return {k: v for k, v in state.items() if k.startswith("model.")}
+
+
+@pytest.fixture(scope="module")
+def shared_data(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("strategy-data")
+
+
+@pytest.fixture(scope="module")
+def sequential_weights(tmp_path_factory, shared_data) -> dict[str, torch.Tensor]:
+    workdir = tmp_path_factory.mktemp("sequential")
+    proc = train_py(workdir, "strategy=sequential", f"paths.data_dir={shared_data}", *SAME_MATHS)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return final_weights(workdir)
+
+
+def _mpi_available() -> str | None:
+    if shutil.which("mpirun") is None:
+        return "OpenMPI's mpirun is not installed (apt-get install -y openmpi-bin libopenmpi-dev)"
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return "mpi4py is not installed (pip install -e '.[mpi]')"
+    return None
+
+
+CASES = {
+    # name: (overrides, exact)
+    "threads": (["strategy=threads", "strategy.threads=2"], False),
+    "cpu_mp": (["strategy=cpu_mp", "strategy.processes=2"], False),
+    "ddp_gloo": (["strategy=ddp_gloo", "strategy.processes=2"], False),
+    "split": (["strategy=split"], True),
+    "pipe": (["strategy=pipe", "strategy.chunks=4"], False),
+    "hybrid_split": (["strategy=hybrid", "strategy.processes=2", "strategy.local=split"], False),
+    "hybrid_pipe": (["strategy=hybrid", "strategy.processes=2", "strategy.local=pipe", "strategy.chunks=2"], False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_strategy_matches_sequential(case, tmp_path, shared_data, sequential_weights):
+    overrides, exact = CASES[case]
+    # Bit-for-bit needs the reference's single intra-op thread too.
+    proc = train_py(tmp_path, *overrides, f"paths.data_dir={shared_data}", *SAME_MATHS, threads=1 if exact else None)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    _assert_same_weights(final_weights(tmp_path), sequential_weights, exact)
+    _assert_one_run(tmp_path, overrides[0].split("=")[1])
+
+
+def test_mpi_matches_sequential(tmp_path, shared_data, sequential_weights):
+    reason = _mpi_available()
+    if reason:
+        pytest.skip(reason)
+    runner = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2"]
+    proc = train_py(tmp_path, "strategy=mpi", f"paths.data_dir={shared_data}", *SAME_MATHS, runner=runner)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    _assert_same_weights(final_weights(tmp_path), sequential_weights, exact=False)
+    _assert_one_run(tmp_path, "mpi")
+
+
+def _assert_same_weights(got: dict, want: dict, exact: bool) -> None:
+    assert got.keys() == want.keys(), "strategies keep the sequential model's parameter names"
+    moved = any(not torch.equal(w, g) for w, g in zip(want.values(), got.values()))
+    for name in want:
+        if exact:
+            assert torch.equal(got[name], want[name]), name
+        else:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert moved or exact, "weights identical to the bit: suspicious for a different summation order"
+
+
+def _assert_one_run(workdir: Path, strategy: str) -> None:
+    (run,) = runs(f"sqlite:///{workdir / 'mlflow.db'}")
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["strategy"] == strategy
+    assert {"epoch_time_s", "samples_per_s", "train_loss", "val_acc"} <= set(run.data.metrics)
+
+
+def test_ddp_under_multirun_gives_one_run_per_job(tmp_path, shared_data):
+    """Lightning re-launches ranks with sys.argv; ddlx starts them from the job's own config."""
+    cmd = [sys.executable, str(PROJECT_DIR / "train.py"), "-m", f"paths.root={tmp_path}", f"paths.data_dir={shared_data}",
+           f"hydra.sweep.dir={tmp_path}/multirun", "strategy=ddp_gloo", "strategy.processes=2", "seed=1,2", *SAME_MATHS]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=subprocess_env(), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert len(got) == 2 and {r.data.params["seed"] for r in got} == {"1", "2"}
+    assert all(r.info.status == "FINISHED" for r in got)
+    for job in ("0", "1"):
+        assert list((tmp_path / "multirun" / job / "checkpoints").glob("*.ckpt")), f"job {job} wrote its checkpoint in its own folder"
+
+
+def test_killed_rank_does_not_hang_the_others(tmp_path, shared_data):
+    cmd = [sys.executable, str(PROJECT_DIR / "train.py"), f"paths.root={tmp_path}", f"paths.data_dir={shared_data}",
+           f"hydra.run.dir={tmp_path}/run", "strategy=ddp_gloo", "strategy.processes=2", "strategy.timeout_s=30",
+           *SAME_MATHS, "trainer.max_epochs=1000", "trainer.limit_train_batches=1.0"]
+    parent = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=subprocess_env(), cwd=tmp_path)
+    try:
+        worker = _wait_for_worker(parent.pid, timeout=120)
+        time.sleep(3)
+        os.kill(worker, signal.SIGKILL)
+        start = time.monotonic()
+        parent.wait(timeout=90)
+        assert parent.returncode != 0
+        assert time.monotonic() - start < 90
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+    (run,) = runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert run.info.status in ("FAILED", "KILLED"), run.info.status
+
+
+def _wait_for_worker(parent_pid: int, timeout: float) -> int:
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for child in psutil.Process(parent_pid).children(recursive=True):
+            if "ddlx.rank_worker" in " ".join(child.cmdline()):
+                return child.pid
+        time.sleep(0.5)
+    raise AssertionError("rank 1 never started")
+
+
+# ---- clear errors before training -------------------------------------------------------------
+
+
+def _plan(*overrides: str):
+    cfg = compose_config(list(overrides) + ["data.image_size=32"])
+    return build_strategy(cfg.strategy, cfg.trainer.accelerator, layered_model_meta(cfg), cfg.data)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
+def test_absent_gpus_are_named_with_a_working_override():
+    with pytest.raises(ConfigError, match=r"asks for devices \[cuda:0, cuda:1\].*this machine has: cpu.*strategy.devices=\[cpu,cpu\]"):
+        _plan("strategy=split", "strategy.devices=[cuda:0,cuda:1]")
+    with pytest.raises(ConfigError, match=r"ddp_nccl needs CUDA GPUs.*strategy=ddp_gloo"):
+        _plan("strategy=ddp_nccl")
+
+
+def test_pipe_knobs_are_checked():
+    with pytest.raises(ConfigError, match=r"strategy.balance=\[3, 3\] .*summing to alexnet's 22 layers.*strategy.balance=\[10,12\]"):
+        _plan("strategy=pipe", "strategy.balance=[3,3]")
+    with pytest.raises(ConfigError, match=r"strategy.chunks=64 is larger than the batch of 32"):
+        _plan("strategy=pipe", "strategy.chunks=64")
+    with pytest.raises(ConfigError, match=r"strategy.checkpoint='sometimes'"):
+        _plan("strategy=pipe", "strategy.checkpoint=sometimes")
+    with pytest.raises(ConfigError, match=r"strategy.cut_point='after_conv9'.*after_conv4"):
+        _plan("strategy=split", "strategy.cut_point=after_conv9")
+
+
+def test_bad_counts_and_indivisible_batches(tiny_config):
+    with pytest.raises(ConfigError, match=r"strategy.processes=0 for strategy=cpu_mp"):
+        _plan("strategy=cpu_mp", "strategy.processes=0")
+    with pytest.raises(ConfigError, match=r"strategy.comm_hook='zip'"):
+        _plan("strategy=ddp_gloo", "strategy.comm_hook=zip")
+    from ddlx.run import train
+
+    cfg = tiny_config("strategy=cpu_mp", "strategy.processes=3")
+    with pytest.raises(ConfigError, match=r"data.batch_size=8 .*3 processes.*multiple of 3"):
+        train(cfg, output_dir=cfg.paths.root)
+
+
+def test_more_processes_than_cores_warns(caplog):
+    cores = len(os.sched_getaffinity(0))
+    with caplog.at_level(logging.WARNING):
+        _plan("strategy=cpu_mp", f"strategy.processes={cores + 1}")
+    assert f"asks for {cores + 1} processes but only {cores} cores" in caplog.text
+
+
+def test_unknown_strategy_lists_the_available_ones(tmp_path):
+    proc = train_py(tmp_path, "strategy=warp")
+    assert proc.returncode != 0
+    for name in ("cpu_mp", "ddp_gloo", "pipe", "split", "hybrid", "mpi", "threads", "sequential"):
+        assert name in proc.stderr

@@ -115,7 +115,9 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike) -> dict[str, float]:
         )
         run_id = start_run(logger, flatten_config(resolved), config_file, {"output_dir": str(output_dir)})
         log.info("MLflow run %s in experiment %r at %s", run_id, cfg.logger.experiment_name, cfg.logger.tracking_uri)
-    callbacks = [EpochTimer(), ModelCheckpoint(dirpath=output_dir / "checkpoints")]
+    callbacks = [EpochTimer()]
+    if cfg.trainer.get("enable_checkpointing", True):
+        callbacks.append(ModelCheckpoint(dirpath=output_dir / "checkpoints"))
     trainer = pl.Trainer(
         **{**OmegaConf.to_container(cfg.trainer, resolve=True), **plan.trainer_kwargs},
         logger=logger if logger is not None else False,

@@ -26,6 +26,7 @@ TINY = [
     "trainer.limit_val_batches=1",
     "trainer.enable_progress_bar=false",
     "trainer.enable_model_summary=false",
+    "trainer.enable_checkpointing=false",
 ]
 
 

@@ -42,11 +42,13 @@ class CpuMultiProcessStrategy(RelaunchingDDPStrategy):
         )
         self.pin_cores = pin_cores
         self._averager: SharedMemoryGradientAverager | None = None
+        self._restore: tuple[set[int], int] | None = None
 
     def setup_environment(self) -> None:
         # Before the process group and the model: threads and affinity are per process.
         cores = sorted(os.sched_getaffinity(0))
         mine = core_share(cores, self.num_processes, self.local_rank)
+        self._restore = (set(cores), torch.get_num_threads())  # the process may outlive the job (a sweep)
         if self.pin_cores:
             os.sched_setaffinity(0, mine)
         torch.set_num_threads(len(mine))
@@ -78,4 +80,10 @@ class CpuMultiProcessStrategy(RelaunchingDDPStrategy):
 
     def teardown(self) -> None:
         self._averager = None
+        if self._restore is not None:
+            cores, threads = self._restore
+            if self.pin_cores:
+                os.sched_setaffinity(0, cores)
+            torch.set_num_threads(threads)
+            self._restore = None
         super().teardown()

@@ -5,6 +5,8 @@ every rank trains exactly the job that rank 0 runs (see that module for why not 
 """
 from __future__ import annotations
 
+import logging
+import os
 import sys
 
 from omegaconf import OmegaConf
@@ -19,6 +21,13 @@ def main(argv: list[str]) -> None:
 
     cfg = OmegaConf.load(argv[0])
     report_config_errors(lambda: train(cfg, argv[1]))
+    # Everything this rank owns is done (rank 0 saves checkpoints and logs). Interpreter
+    # teardown of torch/Lightning objects can take many seconds here, while rank 0 waits
+    # for this process to end the job: leave at once.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -134,7 +134,7 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike) -> dict[str, float]:
             record_failure(logger, err)
         raise
     finally:
-        end_distributed_job()
+        end_distributed_job(trainer.strategy)
     return {k: float(v) for k, v in trainer.callback_metrics.items()}
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import logging
 
@@ -44,14 +45,18 @@ def launch_rank() -> int:
     return 0
 
 
-def end_distributed_job() -> None:
+def end_distributed_job(strategy=None, timeout_s: float = 120.0) -> None:
     """After a job in the launching process: leave nothing for the next job of a sweep.
 
-    Lightning destroys the process group only at interpreter exit, so a second DDP job in one
-    ``-m`` sweep would otherwise reuse the first job's group, whose other ranks are gone.
+    The other ranks are waited for; and Lightning destroys the process group only at
+    interpreter exit, so a second DDP job in one ``-m`` sweep would otherwise reuse the first
+    job's group, whose other ranks are gone.
     """
     if is_rank_worker() or any(name in os.environ for name in STARTED_EXTERNALLY):
         return  # this process ends with its job, or its launcher (mpirun, srun) owns the env
+    launcher = getattr(strategy, "launcher", None)
+    if isinstance(launcher, WorkerLauncher):
+        launcher.join(timeout_s)
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -84,6 +89,18 @@ class WorkerLauncher(_SubprocessScriptLauncher):
     def __init__(self, cluster_environment, num_processes: int, num_nodes: int, worker_args: list[str]) -> None:
         super().__init__(cluster_environment, num_processes, num_nodes)
         self.worker_args = worker_args
+
+    def join(self, timeout_s: float) -> None:
+        """Wait for the other ranks to exit (kill what is left after ``timeout_s``), so the next
+        job of a sweep never overlaps this one's processes."""
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("rank process %d still running %.0f s after the job: killing it", proc.pid, timeout_s)
+                proc.kill()
+                proc.wait()
 
     def launch(self, function, *args, trainer=None, **kwargs):
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)

@@ -8,6 +8,7 @@ on [cpu, cpu] both stages share one worker: the pipeline runs, without overlap.
 """
 from __future__ import annotations
 
+import copy
 import logging
 import warnings
 from collections.abc import Sequence
@@ -24,7 +25,13 @@ def auto_balance(model: LayeredModel, partitions: int, sample: torch.Tensor, dev
     """Partition sizes that roughly equalise profiled layer time (fairscale's balance_by_time)."""
     from fairscale.nn.pipe.balance import balance_by_time
 
-    balance = list(balance_by_time(partitions, model, sample, timeout=1.0, device=device))
+    # fairscale profiles with a leaf input that requires grad, which in-place ReLUs reject:
+    # profile a copy with in-place ops turned off (same work, same timing).
+    profiled = copy.deepcopy(model)
+    for module in profiled.modules():
+        if getattr(module, "inplace", False):
+            module.inplace = False
+    balance = list(balance_by_time(partitions, profiled, sample, timeout=1.0, device=device))
     log.info("pipe: balance by profiled layer time: %s", balance)
     return balance
 

@@ -88,6 +88,8 @@ CASES = {
     "ddp_gloo": (["strategy=ddp_gloo", "strategy.processes=2"], False),
     "split": (["strategy=split"], True),
     "pipe": (["strategy=pipe", "strategy.chunks=4"], False),
+    # AlexNet's layer 1 is an in-place ReLU: the 2nd partition starts with it and is recomputed.
+    "pipe_checkpoint_inplace_head": (["strategy=pipe", "strategy.chunks=2", "strategy.balance=[1,21]", "strategy.checkpoint=always"], False),
     "pipe_auto_balance": (["strategy=pipe", "strategy.chunks=2", "strategy.balance=auto", "strategy.checkpoint=except_last"], False),
     "hybrid_split": (["strategy=hybrid", "strategy.processes=2", "strategy.local=split"], False),
     "hybrid_pipe": pytest.param((["strategy=hybrid", "strategy.processes=2", "strategy.local=pipe", "strategy.chunks=2"], False), marks=pytest.mark.slow),

@@ -38,6 +38,14 @@ def auto_balance(model: LayeredModel, partitions: int, sample: torch.Tensor, dev
 
 class PipeForward:
     def __init__(self, model: LayeredModel, balance: list[int], devices: list[torch.device], chunks: int, checkpoint: str) -> None:
+        if checkpoint != "never":
+            # fairscale recomputes a checkpointed partition from a leaf input that requires
+            # grad, which an in-place first layer (ReLU) rejects: run partition heads out of place.
+            start = 0
+            for size in balance:
+                if getattr(model[start], "inplace", False):
+                    model[start].inplace = False
+                start += size
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # "upstreamed to torch": torch has since removed it
             from fairscale.nn import Pipe

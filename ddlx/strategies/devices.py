@@ -11,9 +11,12 @@ from ..errors import ConfigError
 log = logging.getLogger(__name__)
 
 
+def gpu_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def present_devices() -> list[str]:
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return ["cpu", *(f"cuda:{i}" for i in range(gpus))]
+    return ["cpu", *(f"cuda:{i}" for i in range(gpu_count()))]
 
 
 def resolve_devices(spec: str | Sequence[str] | None, count: int, strategy: str) -> list[torch.device]:

@@ -16,7 +16,7 @@ import torch
 
 from ..errors import ConfigError
 from ..models import LayeredModel
-from .devices import resolve_devices
+from .devices import gpu_count, resolve_devices
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ def _ddp(backend: str) -> Factory:
         name = f"ddp_{backend}"
         processes = _positive_int(cfg, "processes", name)
         if backend == "nccl":
-            gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            gpus = gpu_count()
             if gpus < processes:
                 raise ConfigError(
                     f"strategy=ddp_nccl asks for {processes} CUDA GPU(s) (NCCL runs only on GPUs), but this machine has "
@@ -285,7 +285,7 @@ def _mpi(cfg: Mapping[str, Any], accelerator: str, model: LayeredModel, data: Ma
     world, local_size, nodes = mpi_layout()
     set_rank_threads(local_size)
     local = cfg.get("local", "sequential")
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = gpu_count()
     if local in ("split", "pipe"):
         pairs = _device_pairs(cfg, local_size, "mpi")
         roots = [pair[0] for pair in pairs]

@@ -52,7 +52,6 @@ class PipeForward:
 
             self.pipe = Pipe(model, balance=balance, devices=devices, chunks=chunks, checkpoint=checkpoint)
         self.first = devices[0]
-        self.balance = balance
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.pipe(x.to(self.first)).to(self.first)

@@ -2,15 +2,14 @@
 
     python train.py                                   # AlexNet on firesmall, one CPU core
     python train.py strategy=pipe model=vgg16 data=firesmall
-    python train.py -m model=alexnet,vgg16 data=firesmall
+    python train.py -m strategy=sequential,cpu_mp model=alexnet,vgg16   # a sweep: one run per job
 """
 from pathlib import Path
 
 import hydra
-from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from ddlx.cli import register_resolvers, report_config_errors
+from ddlx.cli import hydra_job_tags, register_resolvers, report_config_errors
 
 register_resolvers(Path(__file__).resolve().parent)
 
@@ -19,8 +18,8 @@ register_resolvers(Path(__file__).resolve().parent)
 def main(cfg: DictConfig) -> None:
     from ddlx.run import train  # imported here so --help and config errors answer fast
 
-    output_dir = HydraConfig.get().runtime.output_dir
-    report_config_errors(lambda: train(cfg, output_dir))
+    output_dir, tags = hydra_job_tags(cfg.paths.root)
+    report_config_errors(lambda: train(cfg, output_dir, tags), in_sweep="sweep_id" in tags)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from pathlib import Path
 import psutil
 import pytorch_lightning as pl
@@ -15,13 +16,22 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 
 from .data import ImageFolderDataModule
 from .errors import ConfigError
-from .measure import EpochTimer
+from .measure import EpochTimer, ResourceMonitor
 from .models import build_model
 from .module import ClassifierModule
 from .predict.memory import GIB, estimate_training_memory
 from .strategies import build_strategy
 from .strategies.launch import RelaunchingDDPStrategy, end_distributed_job, launch_rank
-from .tracking import check_tracking_uri, flatten_config, make_logger, record_failure, start_run, use_case
+from .tracking import (
+    check_tracking_uri,
+    flatten_config,
+    machine_tags,
+    make_logger,
+    record_failure,
+    record_rejected_run,
+    start_run,
+    use_case,
+)
 
 log = logging.getLogger(__name__)
 
@@ -71,22 +81,80 @@ def check_memory(cfg: DictConfig, data_parallel: int = 1, replicas: int = 1) -> 
         )
 
 
-def train(cfg: DictConfig, output_dir: str | os.PathLike) -> dict[str, float]:
-    """Train once as ``cfg`` says and return the final logged metrics (on every rank)."""
+def check_measure(cfg: DictConfig) -> None:
+    m, epochs = cfg.measure, cfg.trainer.max_epochs
+    if m.warmup_epochs < 0 or (epochs not in (None, -1) and m.warmup_epochs >= epochs):
+        raise ConfigError(
+            f"measure.warmup_epochs={m.warmup_epochs} with trainer.max_epochs={epochs} leaves no epoch to measure; "
+            f"use 0 <= warmup_epochs < max_epochs (e.g. trainer.max_epochs={max(1, m.warmup_epochs) + 3} "
+            f"measure.warmup_epochs={max(0, m.warmup_epochs)} for the thesis' mean of 3)"
+        )
+    if m.monitor and m.monitor_interval_s <= 0:
+        raise ConfigError(f"measure.monitor_interval_s={m.monitor_interval_s}: must be > 0 seconds (default 1.0)")
+
+
+def run_tags(cfg: DictConfig, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Tags every run carries, known before anything is built."""
+    return {
+        "model": cfg.model.name,
+        "data": cfg.data.name,
+        "strategy": cfg.strategy.name,
+        "use_case": use_case(cfg.model.name, cfg.data.name),
+        **machine_tags(),
+        **(extra or {}),
+        **(cfg.logger.tags or {}),
+    }
+
+
+def measurement_callbacks(cfg: DictConfig) -> list[pl.Callback]:
+    callbacks: list[pl.Callback] = [EpochTimer(cfg.measure.warmup_epochs)]
+    if cfg.measure.monitor:
+        callbacks.append(ResourceMonitor(cfg.measure.monitor_interval_s))
+    return callbacks
+
+
+def build_trainer(cfg: DictConfig, plan, logger, output_dir: Path, callbacks: list[pl.Callback]) -> pl.Trainer:
+    if cfg.trainer.get("enable_checkpointing", True):
+        callbacks = [*callbacks, ModelCheckpoint(dirpath=output_dir / "checkpoints")]
+    return pl.Trainer(
+        **{**OmegaConf.to_container(cfg.trainer, resolve=True), **plan.trainer_kwargs},
+        logger=logger if logger is not None else False,
+        callbacks=callbacks,
+        default_root_dir=str(output_dir),
+        use_distributed_sampler=False,  # the datamodule shards (see ImageFolderDataModule._loader)
+    )
+
+
+def train(cfg: DictConfig, output_dir: str | os.PathLike, extra_tags: Mapping[str, str] | None = None) -> dict[str, float]:
+    """Train once as ``cfg`` says and return the final logged metrics (on every rank).
+
+    ``extra_tags`` go on the MLflow run; with a ``sweep_id`` among them (a job of a sweep), a job
+    refused before training is still recorded as a FAILED run with the reason.
+    """
     output_dir = Path(output_dir)
     pl.seed_everything(cfg.seed, workers=True)
+    tags = run_tags(cfg, extra_tags)
+    resolved = OmegaConf.to_container(cfg, resolve=True)
 
     # 1. Everything that can be wrong is checked before the first batch.
     check_tracking_uri(cfg.logger.tracking_uri)
-    plan = build_strategy(cfg.strategy, cfg.trainer.accelerator, layered_model_meta(cfg), cfg.data)
-    datamodule = build_datamodule(cfg.data, plan.data_parallel)
-    if cfg.memory_check:
-        check_memory(cfg, plan.data_parallel, plan.replicas_per_machine)
-    datamodule.prepare_data()
-    datamodule.setup("fit")
+    try:
+        check_measure(cfg)
+        plan = build_strategy(cfg.strategy, cfg.trainer.accelerator, layered_model_meta(cfg), cfg.data)
+        datamodule = build_datamodule(cfg.data, plan.data_parallel)
+        if cfg.memory_check:
+            check_memory(cfg, plan.data_parallel, plan.replicas_per_machine)
+        datamodule.prepare_data()
+        datamodule.setup("fit")
+    except ConfigError as err:
+        if "sweep_id" in tags and launch_rank() == 0:
+            logger = make_logger(
+                cfg.logger.tracking_uri, cfg.logger.experiment_name, cfg.logger.run_name, tags, cfg.logger.artifact_location
+            )
+            record_rejected_run(logger, flatten_config(resolved), err)
+        raise
 
     # 2. The resolved config: an MLflow artifact, and the job description the other ranks start from.
-    resolved = OmegaConf.to_container(cfg, resolve=True)
     config_file = output_dir / "config_resolved.yaml"
     if launch_rank() == 0:
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -98,14 +166,12 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike) -> dict[str, float]:
     # 3. Build.
     model = build_model(cfg.model.name, cfg.data.num_classes, cfg.data.channels, cfg.data.image_size, cfg.model.dropout)
     module = ClassifierModule(model, cfg.data.num_classes, **cfg.optim)
-    tags = {
-        "model": cfg.model.name,
-        "data": cfg.data.name,
-        "use_case": use_case(cfg.model.name, cfg.data.name),
+    accelerator = str(plan.trainer_kwargs.get("accelerator", cfg.trainer.accelerator))
+    tags.update({
         "synthetic_data": str(datamodule.is_synthetic),
+        "accelerator": "gpu" if accelerator in ("gpu", "cuda") else accelerator,  # the report's device kind
         **plan.tags,
-        **(cfg.logger.tags or {}),
-    }
+    })
     # Only global rank 0 talks to MLflow: its client creates the store's tables on first
     # contact, and ranks doing that at once corrupt an SQLite store.
     logger = None
@@ -115,16 +181,7 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike) -> dict[str, float]:
         )
         run_id = start_run(logger, flatten_config(resolved), config_file, {"output_dir": str(output_dir)})
         log.info("MLflow run %s in experiment %r at %s", run_id, cfg.logger.experiment_name, cfg.logger.tracking_uri)
-    callbacks = [EpochTimer()]
-    if cfg.trainer.get("enable_checkpointing", True):
-        callbacks.append(ModelCheckpoint(dirpath=output_dir / "checkpoints"))
-    trainer = pl.Trainer(
-        **{**OmegaConf.to_container(cfg.trainer, resolve=True), **plan.trainer_kwargs},
-        logger=logger if logger is not None else False,
-        callbacks=callbacks,
-        default_root_dir=str(output_dir),
-        use_distributed_sampler=False,  # the datamodule shards (see ImageFolderDataModule._loader)
-    )
+    trainer = build_trainer(cfg, plan, logger, output_dir, measurement_callbacks(cfg))
 
     # 4. Train.
     try:

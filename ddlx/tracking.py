@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import platform
+import socket
 import sqlite3
 import urllib.error
 import urllib.request
@@ -21,6 +23,27 @@ MAX_PARAM_LENGTH = 6000  # MLflow's limit on a parameter value
 
 def use_case(model: str, data: str) -> str | None:
     return USE_CASES.get((model, data))
+
+
+def machine_tags() -> dict[str, str]:
+    """Where a run was measured: the report compares runs of one host only."""
+    import torch
+
+    tags = {"host": socket.gethostname(), "cpu_cores": str(len(os.sched_getaffinity(0))), "cpu_model": _cpu_model()}
+    if torch.cuda.is_available():
+        tags["gpus"] = str(torch.cuda.device_count())
+        tags["gpu_name"] = torch.cuda.get_device_name(0)
+    return tags
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def check_tracking_uri(uri: str, timeout_s: float = 5.0) -> None:
@@ -92,6 +115,16 @@ def start_run(logger: MLFlowLogger, params: Mapping[str, str], config_file: Path
     for key, value in tags.items():
         logger.experiment.set_tag(run_id, key, value)
     return run_id
+
+
+def record_rejected_run(
+    logger: MLFlowLogger, params: Mapping[str, str], error: BaseException
+) -> str:
+    """A job of a sweep refused before training (bad config, does not fit): still one run, FAILED,
+    with its config and the reason, so the sweep's record has every job."""
+    logger.log_hyperparams(params)
+    record_failure(logger, error)
+    return logger.run_id
 
 
 def record_failure(logger: MLFlowLogger, error: BaseException) -> None:

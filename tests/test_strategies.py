@@ -157,17 +157,26 @@ def _assert_one_run(workdir: Path, strategy: str) -> None:
     assert {"epoch_time_s", "samples_per_s", "train_loss", "val_acc"} <= set(run.data.metrics)
 
 
-def test_ddp_under_multirun_gives_one_run_per_job(tmp_path, shared_data):
-    """Lightning re-launches ranks with sys.argv; ddlx starts them from the job's own config."""
+def test_sweep_with_ddp_gives_one_run_per_job_and_records_a_refused_job(tmp_path, shared_data):
+    """Lightning re-launches ranks with sys.argv; ddlx starts them from the job's own config. A job
+    refused before training (here: a batch that cannot fit in memory) is a FAILED run and the
+    sweep goes on to the next DDP job."""
+    maths = [o for o in SAME_MATHS if not o.startswith("data.batch_size=")]
     cmd = [sys.executable, str(PROJECT_DIR / "train.py"), "-m", f"paths.root={tmp_path}", f"paths.data_dir={shared_data}",
-           f"hydra.sweep.dir={tmp_path}/multirun", "strategy=ddp_gloo", "strategy.processes=2", "seed=1,2", *SAME_MATHS]
+           f"hydra.sweep.dir={tmp_path}/multirun", "strategy=ddp_gloo", "strategy.processes=2",
+           "data.batch_size=8,1000000,16", *maths]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=subprocess_env(), cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    got = runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    assert len(got) == 2 and {r.data.params["seed"] for r in got} == {"1", "2"}
-    assert all(r.info.status == "FINISHED" for r in got)
-    for job in ("0", "1"):
+    assert proc.returncode != 0, "the sweep reports that a job failed"
+    assert "ddlx: error: " in proc.stderr and "GiB" in proc.stderr, proc.stderr[-4000:]
+    got = {r.data.params["data.batch_size"]: r for r in runs(f"sqlite:///{tmp_path / 'mlflow.db'}")}
+    assert set(got) == {"8", "1000000", "16"}, "one run per job"
+    assert got["8"].info.status == got["16"].info.status == "FINISHED"
+    assert got["1000000"].info.status == "FAILED" and "GiB" in got["1000000"].data.tags["error"]
+    assert {r.data.tags["sweep_id"] for r in got.values()} == {"multirun"}
+    assert sorted(r.data.tags["sweep_job"] for r in got.values()) == ["0", "1", "2"]
+    for job in ("0", "2"):
         assert list((tmp_path / "multirun" / job / "checkpoints").glob("*.ckpt")), f"job {job} wrote its checkpoint in its own folder"
+        assert "mean_epoch_time_s" in got["8" if job == "0" else "16"].data.metrics
 
 
 def test_killed_rank_does_not_hang_the_others(tmp_path, shared_data):

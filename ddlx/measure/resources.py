@@ -1,0 +1,230 @@
+"""Resource use over a whole run: source 000 Figures 2-5 (CPU %, RAM, threads against time).
+
+A daemon thread in launch-rank 0 samples the process tree it belongs to: this process and its
+descendants (data-parallel ranks started by the launcher, loader workers); under ``mpirun``
+the tree of the local MPI daemon, so every rank on this node is counted. Samples stay in
+memory and are written to MLflow in one batch at the end (no database writes while training),
+with a PNG plot. On CUDA, each rank's peak allocated memory per device is max-reduced over
+the ranks at the end of training.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import pytorch_lightning as pl
+import torch
+
+log = logging.getLogger(__name__)
+
+MIB = 2**20
+# Parents that launch the ranks of one job on this node: monitor from there when found.
+MPI_LAUNCHERS = {"mpirun", "mpiexec", "orterun", "orted", "prted", "prterun", "hydra_pmi_proxy"}
+
+
+@dataclass
+class Sample:
+    elapsed_s: float
+    cpu_percent: float  # summed over the tree: 100 = one core busy
+    ram_mb: float  # resident set size summed over the tree
+    threads: int
+    processes: int
+
+
+@dataclass
+class ResourceSeries:
+    samples: list[Sample] = field(default_factory=list)
+    start_wall: float = 0.0  # time.time() of elapsed 0
+    sampler_cpu_s: float = 0.0  # CPU time the sampling itself used
+    duration_s: float = 0.0
+
+    def peak_ram_mb(self) -> float:
+        return max((s.ram_mb for s in self.samples), default=0.0)
+
+    def overhead_fraction(self) -> float:
+        """Sampler CPU time / run time: the share of one core the sampling took (an upper bound on
+        what it can cost a step, reached only if every sample lands on the step's critical path)."""
+        return self.sampler_cpu_s / self.duration_s if self.duration_s > 0 else 0.0
+
+
+def monitor_root() -> psutil.Process:
+    me = psutil.Process()
+    for parent in me.parents():
+        if parent.name() in MPI_LAUNCHERS:
+            return parent
+    return me
+
+
+class ResourceSampler:
+    """Samples a process tree every ``interval_s`` in a daemon thread until :meth:`stop`."""
+
+    def __init__(self, interval_s: float = 1.0, root: psutil.Process | None = None) -> None:
+        if interval_s <= 0:
+            raise ValueError(f"interval_s={interval_s}: must be > 0")
+        self.interval_s = interval_s
+        self.root = root or monitor_root()
+        self.series = ResourceSeries()
+        self._procs: dict[int, psutil.Process] = {}  # kept between samples: cpu_percent needs the last one
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._t0 = 0.0
+
+    def start(self) -> "ResourceSampler":
+        self._t0 = time.perf_counter()
+        self.series.start_wall = time.time()
+        self._sample()  # primes cpu_percent (its first reading is 0) and records the start
+        self._thread = threading.Thread(target=self._loop, name="ddlx-resource-monitor", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> ResourceSeries:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join(timeout=10 * self.interval_s + 5)
+            self._thread = None
+            self._sample()
+            self.series.duration_s = time.perf_counter() - self._t0
+        return self.series
+
+    def _loop(self) -> None:
+        cpu_start = time.thread_time()
+        while not self._stop.wait(self.interval_s):
+            self._sample()
+        self.series.sampler_cpu_s += time.thread_time() - cpu_start
+
+    def _tree(self) -> list[psutil.Process]:
+        try:
+            found = [self.root, *self.root.children(recursive=True)]
+        except psutil.Error:
+            return []
+        procs = []
+        for proc in found:
+            known = self._procs.setdefault(proc.pid, proc)  # same object: its cpu_percent baseline
+            procs.append(known)
+        alive = {p.pid for p in found}
+        for pid in list(self._procs):
+            if pid not in alive:
+                del self._procs[pid]
+        return procs
+
+    def _sample(self) -> None:
+        cpu = ram = 0.0
+        threads = processes = 0
+        for proc in self._tree():
+            try:
+                with proc.oneshot():
+                    cpu += proc.cpu_percent(None)
+                    ram += proc.memory_info().rss / MIB
+                    threads += proc.num_threads()
+                processes += 1
+            except psutil.Error:  # a worker that ended between listing and reading
+                continue
+        self.series.samples.append(Sample(time.perf_counter() - self._t0, cpu, ram, threads, processes))
+
+
+def peak_gpu_memory_mb(strategy) -> dict[str, float]:
+    """Peak allocated memory of every visible CUDA device, max over the ranks (all ranks call)."""
+    if not torch.cuda.is_available():
+        return {}
+    count = torch.cuda.device_count()
+    local = torch.tensor([torch.cuda.max_memory_allocated(i) / MIB for i in range(count)], dtype=torch.float64)
+    device = strategy.root_device if strategy.root_device.type == "cuda" else torch.device("cpu")
+    peak = strategy.reduce(local.to(device), reduce_op="max").cpu().tolist()
+    return {f"peak_gpu_mem_mb_cuda{i}": v for i, v in enumerate(peak) if v > 0}
+
+
+class ResourceMonitor(pl.Callback):
+    """Samples from fit start to fit end on global rank 0 and logs the series, peaks and plot."""
+
+    SERIES = ("cpu_percent", "ram_mb", "threads", "processes")
+
+    def __init__(self, interval_s: float = 1.0) -> None:
+        self.interval_s = interval_s
+        self.sampler: ResourceSampler | None = None
+        self.series: ResourceSeries | None = None
+        self._gpu_peaks: dict[str, float] = {}
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        if trainer.is_global_zero:
+            self.sampler = ResourceSampler(self.interval_s).start()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._gpu_peaks = peak_gpu_memory_mb(trainer.strategy)  # a collective: every rank calls it
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._finish(trainer)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._finish(trainer)  # what was sampled before the failure is kept with the failed run
+
+    def _finish(self, trainer: pl.Trainer) -> None:
+        if self.sampler is None:
+            return
+        self.series = self.sampler.stop()
+        self.sampler = None
+        try:
+            log_series(trainer.logger, self.series, self._gpu_peaks)
+        except Exception as err:  # never lose the run over its plot
+            log.warning("could not log the resource series: %s", err)
+
+
+def log_series(logger, series: ResourceSeries, extra: dict[str, float]) -> None:
+    """Metric series with their sample times (MLflow's 'relative time' axis = elapsed s) + plot."""
+    from mlflow.entities import Metric
+
+    run_id = getattr(logger, "run_id", None)
+    if run_id is None:
+        return
+    start_ms = int(series.start_wall * 1000)
+    metrics = [
+        Metric(name, float(getattr(s, name)), start_ms + int(s.elapsed_s * 1000), step)
+        for step, s in enumerate(series.samples)
+        for name in ResourceMonitor.SERIES
+    ]
+    end_ms = start_ms + int(series.duration_s * 1000)
+    summary = {"peak_ram_mb": series.peak_ram_mb(), "monitor_cpu_fraction": series.overhead_fraction(), **extra}
+    metrics += [Metric(name, float(value), end_ms, 0) for name, value in summary.items()]
+    client = logger.experiment
+    for i in range(0, len(metrics), 1000):  # MLflow's batch limit
+        client.log_batch(run_id, metrics=metrics[i : i + 1000])
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "resources.png"
+        plot_series(series, path)
+        client.log_artifact(run_id, str(path))
+
+
+def plot_series(series: ResourceSeries, path: Path, title: str = "") -> Path:
+    """The paper's figure: CPU % and RAM on the left axis, threads on the right, against seconds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = [s.elapsed_s for s in series.samples]
+    cores = psutil.cpu_count() or 1
+    total_mb = psutil.virtual_memory().total / MIB
+    fig, left = plt.subplots(figsize=(8, 4))
+    left.plot(t, [s.cpu_percent / cores for s in series.samples], color="tab:blue", label="CPU % of machine")
+    left.plot(t, [100 * s.ram_mb / total_mb for s in series.samples], color="tab:green", label="RAM % of machine")
+    left.set_xlabel("elapsed (s)")
+    left.set_ylabel("utilisation (%)")
+    left.set_ylim(0, 105)
+    right = left.twinx()
+    right.plot(t, [s.threads for s in series.samples], color="tab:red", linestyle="--", label="threads")
+    right.set_ylabel("threads")
+    right.set_ylim(0, 1.2 * max((s.threads for s in series.samples), default=1))
+    lines = left.get_lines() + right.get_lines()
+    left.legend(lines, [line.get_label() for line in lines], loc="lower right")
+    fig.suptitle(title or f"resources ({cores} cores, {total_mb / 1024:.0f} GiB)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

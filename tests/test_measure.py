@@ -1,0 +1,124 @@
+"""Timing callback and resource monitor: what every run logs, measured the same way everywhere."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from conftest import runs
+from ddlx.errors import ConfigError
+from ddlx.measure.resources import ResourceSampler, ResourceSeries, Sample, plot_series
+from ddlx.measure.timing import EpochTimer
+from ddlx.run import train
+
+
+@pytest.fixture(scope="module")
+def measured_run(tmp_path_factory, data_dir_module):
+    """One two-epoch run with a warm-up epoch and a fast monitor; shared by the assertions below."""
+    from conftest import TINY, compose_config
+
+    root = tmp_path_factory.mktemp("measured")
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    cfg = compose_config([
+        f"paths.root={root}", f"paths.data_dir={data_dir_module}", f"logger.tracking_uri={uri}", *TINY,
+        "trainer.max_epochs=2", "measure.warmup_epochs=1", "measure.monitor_interval_s=0.1",
+    ])
+    train(cfg, root / "run")
+    (run,) = runs(uri)
+    return MlflowClient(uri), run
+
+
+@pytest.fixture(scope="module")
+def data_dir_module(tmp_path_factory):
+    return tmp_path_factory.mktemp("measure-data")
+
+
+def test_epoch_time_splits_into_data_wait_and_compute(measured_run):
+    client, run = measured_run
+    history = {name: [m.value for m in client.get_metric_history(run.info.run_id, name)]
+               for name in ("epoch_time_s", "data_wait_s", "compute_s", "step_time_s", "samples_per_s")}
+    assert all(len(values) == 2 for values in history.values()), history
+    for epoch in range(2):
+        total = history["data_wait_s"][epoch] + history["compute_s"][epoch]
+        assert total == pytest.approx(history["epoch_time_s"][epoch], rel=1e-5)
+        assert history["step_time_s"][epoch] == pytest.approx(history["epoch_time_s"][epoch] / 2, rel=1e-5)  # 2 steps
+        assert history["samples_per_s"][epoch] == pytest.approx(16 / history["epoch_time_s"][epoch], rel=1e-5)
+
+
+def test_mean_epoch_time_leaves_out_the_warm_up_epoch(measured_run):
+    client, run = measured_run
+    epochs = [m.value for m in client.get_metric_history(run.info.run_id, "epoch_time_s")]
+    assert run.data.metrics["mean_epoch_time_s"] == pytest.approx(epochs[1], rel=1e-5)
+    assert run.data.metrics["measured_epochs"] == 1
+
+
+def test_monitor_logs_series_against_time_and_a_plot(measured_run):
+    client, run = measured_run
+    cpu = client.get_metric_history(run.info.run_id, "cpu_percent")
+    ram = client.get_metric_history(run.info.run_id, "ram_mb")
+    threads = client.get_metric_history(run.info.run_id, "threads")
+    assert len(cpu) >= 3 and len(ram) == len(cpu) == len(threads)
+    stamps = [m.timestamp for m in cpu]
+    assert stamps == sorted(stamps) and stamps[-1] - stamps[0] >= 200, "samples carry their own times"
+    assert max(m.value for m in cpu) > 10, "training keeps a core busy"
+    assert min(m.value for m in ram) > 100 and min(m.value for m in threads) >= 1
+    assert run.data.metrics["peak_ram_mb"] == pytest.approx(max(m.value for m in ram))
+    assert 0 <= run.data.metrics["monitor_cpu_fraction"] < 0.2
+    artifacts = [a.path for a in client.list_artifacts(run.info.run_id)]
+    assert "resources.png" in artifacts
+    png = client.download_artifacts(run.info.run_id, "resources.png")
+    assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_run_is_tagged_with_its_machine_and_device_kind(measured_run):
+    _, run = measured_run
+    tags = run.data.tags
+    assert tags["accelerator"] == "cpu" and tags["strategy"] == "sequential"
+    assert tags["host"] and int(tags["cpu_cores"]) >= 1
+
+
+def test_sampler_counts_the_whole_process_tree():
+    """Child processes (ranks, loader workers) are in the figures, not only the sampling process."""
+    busy = "import time\nend = time.time() + 3\nwhile time.time() < end: pass"
+    child = subprocess.Popen([sys.executable, "-c", busy])
+    try:
+        time.sleep(0.5)  # the child is running
+        sampler = ResourceSampler(interval_s=0.2).start()
+        time.sleep(1.5)
+        series = sampler.stop()
+    finally:
+        child.kill()
+        child.wait()
+    assert max(s.processes for s in series.samples) >= 2
+    assert max(s.cpu_percent for s in series.samples[1:]) > 50, "the busy child's core shows"
+    assert series.duration_s >= 1.5 and series.sampler_cpu_s >= 0
+
+
+def test_sampler_rejects_a_bad_interval():
+    with pytest.raises(ValueError, match="interval_s=0"):
+        ResourceSampler(interval_s=0)
+
+
+def test_plot_of_a_fixed_series(tmp_path):
+    series = ResourceSeries(samples=[Sample(t, 100.0 * t, 500 + t, 4 + t, 1) for t in range(5)], duration_s=4)
+    path = plot_series(series, tmp_path / "r.png")
+    assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_timer_summary_means_the_epochs_after_warm_up():
+    timer = EpochTimer(warmup_epochs=1)
+    timer.epoch_times, timer.epoch_samples = [9.0, 2.0, 4.0], [60, 60, 60]
+    assert timer.summary() == {"mean_epoch_time_s": 3.0, "mean_samples_per_s": 20.0, "measured_epochs": 2.0}
+
+
+def test_warm_up_that_leaves_no_epoch_is_refused(tiny_config):
+    with pytest.raises(ConfigError, match=r"measure.warmup_epochs=1 with trainer.max_epochs=1"):
+        train(tiny_config("measure.warmup_epochs=1"), "unused")
+
+
+def test_bad_monitor_interval_is_refused(tiny_config):
+    with pytest.raises(ConfigError, match=r"measure.monitor_interval_s=0"):
+        train(tiny_config("measure.monitor_interval_s=0"), "unused")

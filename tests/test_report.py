@@ -1,0 +1,114 @@
+"""The speedup report on a small fixed set of MLflow runs, with figures checked by hand."""
+from __future__ import annotations
+
+import csv
+import io
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from ddlx import report as cli
+from ddlx.measure import report
+
+WORKLOAD = {"model.name": "alexnet", "data.name": "firesmall", "data.image_size": "64", "data.batch_size": "32",
+            "data.num_images": "200", "data.num_workers": "0", "data.root": "None", "trainer.limit_train_batches": "1.0"}
+
+
+def _log(client, exp_id, strategy, mean_epoch, status="FINISHED", tags=None, params=None, sweep="multirun/a"):
+    run = client.create_run(exp_id, tags={"strategy": strategy, "host": "h1", "accelerator": "cpu",
+                                          "sweep_id": sweep, **(tags or {})})
+    for key, value in {**WORKLOAD, **(params or {})}.items():
+        client.log_param(run.info.run_id, key, value)
+    if mean_epoch is not None:
+        client.log_metric(run.info.run_id, "mean_epoch_time_s", mean_epoch)
+    client.set_terminated(run.info.run_id, status)
+    return run.info.run_id
+
+
+@pytest.fixture
+def store(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("ddlx")
+    _log(client, exp, "sequential", 30.0, tags={"threads": "1"})
+    _log(client, exp, "sequential", 16.0, tags={"threads": "2"})
+    _log(client, exp, "cpu_mp", 12.0, tags={"processes": "2"})
+    _log(client, exp, "cpu_mp", 10.0, tags={"processes": "2"})  # three runs of one setup: their median counts
+    _log(client, exp, "cpu_mp", 8.0, tags={"processes": "2"})
+    _log(client, exp, "ddp_gloo", 20.0, tags={"processes": "2", "backend": "gloo", "comm_hook": "none"})
+    _log(client, exp, "pipe", None, status="FAILED", tags={"chunks": "4", "error": "OutOfMemoryError: boom"})
+    # A second workload without its one-core baseline, and a run of another sweep.
+    _log(client, exp, "threads", 5.0, tags={"threads": "2"}, params={"model.name": "vgg16"})
+    _log(client, exp, "sequential", 60.0, tags={"threads": "1"}, sweep="multirun/b", params={"data.batch_size": "16"})
+    return uri
+
+
+def test_speedups_over_the_one_core_baseline(store):
+    built = report.build_report(report.load_runs(store, ["ddlx"]))
+    alexnet = {r.setup: r for r in built.rows if r.workload.model == "alexnet" and r.workload.batch_size == "32"}
+    assert alexnet["sequential threads=1"].speedup == pytest.approx(1.0)
+    assert alexnet["sequential threads=2"].speedup == pytest.approx(30 / 16)
+    assert alexnet["cpu_mp processes=2"].mean_epoch_time_s == pytest.approx(10.0)  # median of 12, 10, 8
+    assert alexnet["cpu_mp processes=2"].runs == 3 and alexnet["cpu_mp processes=2"].speedup == pytest.approx(3.0)
+    assert alexnet["ddp_gloo processes=2 backend=gloo"].speedup == pytest.approx(1.5)
+
+
+def test_missing_baseline_is_named_with_the_command_that_measures_it(store):
+    built = report.build_report(report.load_runs(store, ["ddlx"]))
+    (vgg,) = [r for r in built.rows if r.workload.model == "vgg16"]
+    assert vgg.speedup is None
+    (missing,) = built.missing_baselines
+    assert "vgg16/firesmall 64px b32" in missing and "sequential threads=1" in missing
+    assert "python train.py model=vgg16 data=firesmall data.image_size=64 data.batch_size=32" in missing
+
+
+def test_failed_runs_are_listed_with_their_error(store):
+    built = report.build_report(report.load_runs(store, ["ddlx"]))
+    (failed,) = built.failed
+    assert failed.strategy == "pipe" and "OutOfMemoryError" in failed.error
+    assert "failed: " in report.to_text(built) and "OutOfMemoryError: boom" in report.to_text(built)
+
+
+def test_a_different_batch_is_a_different_workload(store):
+    built = report.build_report(report.load_runs(store, ["ddlx"]))
+    b16 = [r for r in built.rows if r.workload.batch_size == "16"]
+    assert len(b16) == 1 and b16[0].speedup == pytest.approx(1.0), "not compared with the batch-32 runs"
+
+
+def test_sweep_filter_and_latest(store):
+    assert {r.sweep_id for r in report.load_runs(store, ["ddlx"], "multirun/a")} == {"multirun/a"}
+    assert {r.sweep_id for r in report.load_runs(store, ["ddlx"], "latest")} == {"multirun/b"}
+    with pytest.raises(ValueError, match="no runs tagged sweep_id='nope'"):
+        report.load_runs(store, ["ddlx"], "nope")
+
+
+def test_markdown_has_the_papers_table_shape(store):
+    md = report.to_markdown(report.build_report(report.load_runs(store, ["ddlx"], "multirun/a")))
+    assert "Speedup over sequential threads=1 (one core) on cpu:" in md
+    assert "| setup | alexnet/firesmall 64px b32 | vgg16/firesmall 64px b32 |" in md
+    assert "| cpu_mp processes=2 | 3.00 | - |" in md
+    assert "| threads threads=2 | - | - |" in md
+
+
+def test_csv_and_plot(store, tmp_path):
+    built = report.build_report(report.load_runs(store, ["ddlx"], "multirun/a"))
+    md, csv_file, png = report.write(built, tmp_path / "out")
+    rows = list(csv.DictReader(io.StringIO(csv_file.read_text())))
+    by_setup = {r["setup"]: r for r in rows if r["model"] == "alexnet"}
+    assert float(by_setup["cpu_mp processes=2"]["speedup"]) == pytest.approx(3.0)
+    assert png.read_bytes()[:4] == b"\x89PNG" and md.read_text().startswith("| use case |")
+
+
+def test_command_line_prints_writes_and_logs_the_report(store, tmp_path, capsys):
+    assert cli.main(["--tracking-uri", store, "--sweep-id", "multirun/a", "--out", str(tmp_path / "rep")]) == 0
+    out = capsys.readouterr().out
+    assert "cpu_mp processes=2" in out and "3.00x" in out and "missing baseline" in out
+    client = MlflowClient(store)
+    (logged,) = client.search_runs([client.get_experiment_by_name("reports").experiment_id])
+    assert logged.data.tags["sweep_id"] == "multirun/a"
+    assert {a.path for a in client.list_artifacts(logged.info.run_id)} == {"speedup.md", "speedup.csv", "speedup.png"}
+
+
+def test_command_line_errors_name_the_problem(tmp_path, capsys):
+    assert cli.main(["--tracking-uri", f"sqlite:///{tmp_path / 'none.db'}"]) == 2
+    assert "no MLflow store at" in capsys.readouterr().err

@@ -68,6 +68,9 @@ class MeasuredRun:
     mean_epoch_time_s: float | None
     sweep_id: str = ""
     error: str = ""
+    params: dict[str, str] = field(default_factory=dict)
+    tags: dict[str, str] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
 
     @property
     def is_baseline(self) -> bool:
@@ -113,6 +116,9 @@ def to_measured_run(run) -> MeasuredRun:
         mean_epoch_time_s=m.get("mean_epoch_time_s"),
         sweep_id=t.get("sweep_id", ""),
         error=t.get("error", ""),
+        params=dict(p),
+        tags=dict(t),
+        metrics=dict(m),
     )
 
 

@@ -1,0 +1,264 @@
+"""What ``recommend.py`` does in each mode, from a composed config (no Hydra below this line)."""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from ..errors import ConfigError
+from ..measure.report import load_runs
+from ..tracking import check_tracking_uri
+from .hardware import HardwareSpec, detect_local, validate
+from .job import Job
+from .recommender import Predictor, Recommendation, data_config_from_params, validate as leave_one_out
+from .tseq import probe_batches
+
+MODES = ("recommend", "validate", "probe")
+OUTPUTS = ("table", "json")
+# A recommendation that measured within this of the fastest counts as a tie in the second score:
+# repeated runs of one setup on this shared machine differ by a few percent.
+TIE_TOLERANCE = 0.03
+
+
+def hardware(cfg_hw: DictConfig) -> HardwareSpec:
+    """The typed, checked description: unknown keys and missing values are named."""
+    from dataclasses import fields
+
+    from omegaconf.errors import MissingMandatoryValue
+
+    name = cfg_hw.get("name", "?")
+    known = {f.name for f in fields(HardwareSpec)}
+    unknown = sorted(set(cfg_hw.keys()) - known - {"defaults"})
+    if unknown:
+        raise ConfigError(f"hw={name}: {', '.join(f'hw.{k}' for k in unknown)} is not a hardware field; "
+                          f"the fields are {', '.join(sorted(known))}")
+    try:
+        spec: HardwareSpec = OmegaConf.to_object(cfg_hw)
+    except MissingMandatoryValue as err:
+        raise ConfigError(f"hw={name}: hw.{err.full_key.removeprefix('hw.')} is missing; every machine description "
+                          f"needs it (see conf/hw/titanrtx_4x.yaml)") from None
+    if spec.detect:
+        detect_local(spec)
+    return validate(spec)
+
+
+def local_hardware(target: HardwareSpec, hw_dir: Path) -> HardwareSpec:
+    """This machine: the target itself when it is this machine, else detected from local.yaml."""
+    if target.detect or target.host:
+        import socket
+
+        if target.host == socket.gethostname():
+            return target
+    described = OmegaConf.load(hw_dir / "local.yaml")
+    described.pop("defaults", None)
+    return hardware(OmegaConf.merge(OmegaConf.structured(HardwareSpec), described))
+
+
+def job_from_config(cfg: DictConfig) -> Job:
+    data = cfg.data
+    count = data.num_images
+    if count is None:
+        if not data.root:
+            raise ConfigError("data.num_images=null needs data.root to count the images; give data.num_images=N")
+        count = sum(1 for p in Path(data.root).rglob("*") if p.suffix.lower() in (".jpg", ".jpeg", ".png"))
+    train = count - round(count * data.val_fraction)
+    return Job(cfg.model.name, data.name, data.num_classes, data.channels, data.image_size, data.batch_size, train)
+
+
+def measured_runs(cfg: DictConfig) -> tuple[list, str]:
+    uri = cfg.logger.tracking_uri
+    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).is_file():
+        return [], f"no MLflow store at {uri}"
+    check_tracking_uri(uri)
+    runs, missing = [], []
+    for name in cfg.experiments:
+        try:
+            runs += load_runs(uri, [name])
+        except ValueError:
+            missing.append(name)
+    note = f"{len(runs)} runs from {uri}" + (f" (no experiment {', '.join(missing)})" if missing else "")
+    return runs, note
+
+
+def run(cfg: DictConfig, out_dir: Path, hw_dir: Path) -> None:
+    if cfg.mode not in MODES:
+        raise ConfigError(f"mode={cfg.mode}; expected one of {', '.join(MODES)}")
+    if cfg.output not in OUTPUTS:
+        raise ConfigError(f"output={cfg.output}; expected one of {', '.join(OUTPUTS)}")
+    started = time.perf_counter()
+    target = hardware(cfg.hw)
+    if cfg.mode == "probe":
+        from .linkprobe import write_probed_hw
+
+        local = target if target.detect else local_hardware(target, hw_dir)
+        path, doc = write_probed_hw(local, hw_dir)
+        print(json.dumps(doc, indent=2) if cfg.output == "json" else f"wrote {path}: {doc['intra_node']}, "
+              f"memory {doc['memory_bandwidth_gb_s']} GB/s per core; use it with hw={doc['name']}")
+        return
+    local = local_hardware(target, hw_dir)
+    runs, note = measured_runs(cfg)
+    probe = None
+    if cfg.probe:
+        probe = (lambda job: probe_batches(_probe_data(cfg, job, runs), job.model, 1, cfg.probe_max_s))
+    predictor = Predictor(target, runs, local, probe)
+    if cfg.mode == "validate":
+        report_validation(cfg, predictor, note, out_dir, started)
+        return
+    rec = predictor.recommend(job_from_config(cfg))
+    elapsed = time.perf_counter() - started
+    if cfg.output == "json":
+        print(json.dumps(recommendation_dict(rec, note, elapsed), indent=2))
+    else:
+        print(recommendation_table(rec, note, elapsed))
+    log_recommendation(cfg, rec, note, out_dir)
+
+
+def _probe_data(cfg: DictConfig, job: Job, runs) -> DictConfig:
+    """The data config to probe ``job`` with: the composed one when it is that job, else the
+    config of a measured run of it (validation probes the runs' own workloads)."""
+    if (cfg.model.name, cfg.data.image_size, cfg.data.batch_size) == (job.model, job.image_size, job.batch_size):
+        return cfg.data
+    for r in runs:
+        p = r.params
+        if (p.get("model.name"), p.get("data.image_size"), p.get("data.batch_size")) == (job.model, str(job.image_size), str(job.batch_size)):
+            return data_config_from_params(p)
+    return cfg.data
+
+
+def recommendation_dict(rec: Recommendation, note: str, elapsed: float) -> dict:
+    best = rec.best
+    return {
+        "hw": rec.hw.name,
+        "job": vars(rec.job) | {"steps_per_epoch": rec.job.steps},
+        "runs": note,
+        "sequential_basis": rec.sequential.basis,
+        "predictions": [p.as_dict() for p in rec.predictions],
+        "recommended": best.as_dict() if best else None,
+        "seconds": round(elapsed, 2),
+    }
+
+
+def recommendation_table(rec: Recommendation, note: str, elapsed: float) -> str:
+    j = rec.job
+    lines = [f"{j.model} on {j.data} ({j.image_size}px, global batch {j.batch_size}, {j.train_samples} training images) "
+             f"on hw={rec.hw.name}: {rec.hw.nodes} node(s) x {rec.hw.devices_per_node} {rec.hw.device_kind}"
+             f"{' cores' if rec.hw.device_kind == 'cpu' else 's'} ({rec.hw.device_name})",
+             f"measured runs: {note}" + ("" if rec.runs_used else "; none usable: every figure below is a model estimate"),
+             f"T_seq basis: {rec.sequential.basis}", ""]
+    header = ["#", "setup", "epoch s", "speedup", "memory/device", "fits", "basis"]
+    rows = []
+    for i, p in enumerate(rec.predictions, 1):
+        fits = "yes" if p.memory.fits else f"no (> {p.memory.limit_gb:.1f} GB of {p.memory.what})"
+        rows.append([str(i), p.setup.label, f"{p.epoch_s:.2f}", f"{p.speedup:.2f}x", f"{p.memory.per_device_gb:.2f} GB",
+                     fits, p.basis.replace(f"T_seq {rec.sequential.basis}", "T_seq").lstrip("; ") or "T_seq"])
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
+    best = rec.best
+    lines.append("")
+    if best is None:
+        lines.append("recommendation: none of these setups fits in memory; lower data.batch_size or use more devices")
+    else:
+        lines.append(f"recommendation: {best.setup.label}: {best.epoch_s:.2f} s/epoch predicted, {best.speedup:.2f}x one device")
+        lines.append(f"  python train.py model={j.model} data={j.data} {best.setup.overrides}")
+    lines.append(f"({elapsed:.1f} s)")
+    return "\n".join(lines)
+
+
+def log_recommendation(cfg: DictConfig, rec: Recommendation, note: str, out_dir: Path) -> None:
+    """One run in the ``recommendations`` experiment: the inputs as params, the answer as tags,
+    metrics and a JSON artifact."""
+    from mlflow.tracking import MlflowClient
+
+    uri = cfg.logger.tracking_uri
+    check_tracking_uri(uri)
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name(cfg.logger.experiment_name)
+    exp_id = exp.experiment_id if exp else client.create_experiment(cfg.logger.experiment_name)
+    best = rec.best
+    run = client.create_run(exp_id, run_name=cfg.logger.run_name, tags={
+        "hw": rec.hw.name, "model": rec.job.model, "data": rec.job.data,
+        "recommended": best.setup.label if best else "none fits", "t_seq_basis": rec.sequential.basis[:5000]})
+    rid = run.info.run_id
+    for key, value in {"batch_size": rec.job.batch_size, "image_size": rec.job.image_size,
+                       "train_samples": rec.job.train_samples, "nodes": rec.hw.nodes}.items():
+        client.log_param(rid, key, value)
+    if best:
+        client.log_metric(rid, "predicted_epoch_s", best.epoch_s)
+        client.log_metric(rid, "predicted_speedup", best.speedup)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "recommendation.json"
+    path.write_text(json.dumps(recommendation_dict(rec, note, 0.0), indent=2))
+    client.log_artifact(rid, str(path))
+    client.set_terminated(rid, "FINISHED")
+
+
+def report_validation(cfg: DictConfig, predictor: Predictor, note: str, out_dir: Path, started: float) -> None:
+    rows, picks = leave_one_out(predictor)
+    if not rows:
+        raise ConfigError(f"mode=validate: no measured runs on hw={predictor.hw.name} ({note}); run a sweep first "
+                          f"(python train.py -m strategy=sequential,threads,cpu_mp,ddp_gloo,pipe model=alexnet,resnet18 "
+                          f"trainer.max_epochs=3 measure.warmup_epochs=1)")
+    groups = defaultdict(list)
+    for r in rows:
+        groups[r.group].append(abs(r.error))
+    summary = {g: {"runs": len(e), "median_ape": statistics.median(e), "mape": statistics.fmean(e)} for g, e in groups.items()}
+    correct = sum(1 for p in picks.values() if p.correct)
+    near = sum(1 for p in picks.values() if p.slowdown <= TIE_TOLERANCE)
+    result = {
+        "hw": predictor.hw.name, "runs": note,
+        "rows": [vars(r) | {"error": r.error} for r in rows],
+        "per_strategy": summary,
+        "recommendations": {w: vars(p) | {"correct": p.correct} for w, p in picks.items()},
+        "correct_fraction": correct / len(picks) if picks else None,
+        "within_tolerance_fraction": near / len(picks) if picks else None,
+        "tolerance": TIE_TOLERANCE,
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plot = _validation_plot(rows, out_dir / "predicted_vs_measured.png")
+    (out_dir / "validation.json").write_text(json.dumps(result, indent=2))
+    if cfg.output == "json":
+        print(json.dumps(result, indent=2))
+        return
+    print(f"leave-one-out on hw={predictor.hw.name}: {note}\n")
+    print("| workload | setup | measured s | predicted s | error |\n|---|---|---|---|---|")
+    for r in sorted(rows, key=lambda r: (r.workload, r.measured_s)):
+        print(f"| {r.workload} | {r.setup} | {r.measured_s:.2f} | {r.predicted_s:.2f} | {100 * r.error:+.1f}% |")
+    print("\n| strategy | runs | median abs. error | mean abs. error |\n|---|---|---|---|")
+    for g, s in sorted(summary.items()):
+        print(f"| {g} | {s['runs']} | {100 * s['median_ape']:.1f}% | {100 * s['mape']:.1f}% |")
+    print("\n| workload | recommended | measured fastest | recommended measured slower by | correct |\n|---|---|---|---|---|")
+    for w, p in sorted(picks.items()):
+        print(f"| {w} | {p.recommended} | {p.fastest} | {100 * p.slowdown:.1f}% | {'T' if p.correct else 'F'} |")
+    if picks:
+        print(f"\ncorrect recommendations: {correct}/{len(picks)} = {100 * correct / len(picks):.0f}%; "
+              f"within {100 * TIE_TOLERANCE:.0f}% of the fastest (a tie at this machine's noise): "
+              f"{near}/{len(picks)} = {100 * near / len(picks):.0f}%")
+    print(f"wrote {out_dir / 'validation.json'} and {plot} ({result['seconds']} s)")
+
+
+def _validation_plot(rows, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    for group in sorted({r.group for r in rows}):
+        pts = [r for r in rows if r.group == group]
+        ax.scatter([r.measured_s for r in pts], [r.predicted_s for r in pts], label=group)
+    top = max(max(r.measured_s, r.predicted_s) for r in rows) * 1.1
+    ax.plot([0, top], [0, top], color="grey", linewidth=0.8)
+    ax.plot([0, top], [0, 1.1 * top], color="grey", linewidth=0.5, linestyle=":")
+    ax.plot([0, top], [0, 0.9 * top], color="grey", linewidth=0.5, linestyle=":")
+    ax.set_xlabel("measured s/epoch")
+    ax.set_ylabel("predicted s/epoch (leave-one-out)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,177 @@
+"""Hardware descriptions (``conf/hw/*.yaml``): what the performance models need to know.
+
+A typed structured config: ``recommend.py`` registers :class:`HardwareSpec` as the schema of
+the ``hw`` group, so an unknown key, a wrong type or a missing field is a Hydra error naming
+it; :func:`validate` then checks the values. For CPU machines a *device* is a core: CPU
+strategies place processes and threads on cores.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Optional
+
+from omegaconf import MISSING
+
+from ..errors import ConfigError
+
+GB = 1e9
+
+
+@dataclass
+class LinkSpec:
+    bandwidth_gb_s: float = MISSING  # GB/s in one direction
+    latency_us: float = MISSING
+
+
+@dataclass
+class PairLink(LinkSpec):
+    """A link between two devices of a node that differs from the node's default (e.g. NVLink)."""
+
+    devices: list[int] = MISSING
+
+
+@dataclass
+class HardwareSpec:
+    name: str = MISSING
+    nodes: int = 1
+    device_kind: str = MISSING  # cpu | gpu
+    device_name: str = ""
+    devices_per_node: int = MISSING  # GPUs; for device_kind=cpu, the cores
+    cores_per_node: int = MISSING  # CPU cores (loader workers, CPU strategies)
+    memory_per_device_gb: float = MISSING  # a GPU's memory; for device_kind=cpu, the node's RAM
+    ram_per_node_gb: float = MISSING
+    peak_tflops: float = MISSING  # fp32, per device (per core for device_kind=cpu)
+    intra_node: LinkSpec = field(default_factory=LinkSpec)  # between devices (processes) of a node
+    intra_node_pairs: list[PairLink] = field(default_factory=list)
+    inter_node: Optional[LinkSpec] = None
+    memory_bandwidth_gb_s: float = 10.0  # a core's practical copy bandwidth (CPU strategies' shared memory)
+    allreduce_fixed_us: float = 50.0  # fixed cost of one allreduce call: launch, negotiation, copies
+    host: str = ""  # the machine the runs of this hardware were measured on ("" = not this machine)
+    detect: bool = False  # fill cores, memory and GPUs from this machine (hw=local)
+
+    @property
+    def total_devices(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def link(self, a: int, b: int) -> LinkSpec:
+        """The link between global devices ``a`` and ``b`` (node-major numbering)."""
+        node_a, node_b = divmod(a, self.devices_per_node)[0], divmod(b, self.devices_per_node)[0]
+        if node_a != node_b:
+            if self.inter_node is None:
+                raise ConfigError(f"hw={self.name} has {self.nodes} nodes but no inter_node link; describe it")
+            return self.inter_node
+        la, lb = a % self.devices_per_node, b % self.devices_per_node
+        for pair in self.intra_node_pairs:
+            if sorted(pair.devices) == sorted([la, lb]):
+                return pair
+        return self.intra_node
+
+    def ring_links(self, devices: list[int]) -> list[LinkSpec]:
+        return [self.link(devices[i], devices[(i + 1) % len(devices)]) for i in range(len(devices))]
+
+
+def validate(spec: HardwareSpec) -> HardwareSpec:
+    """Values the types cannot check; every message names the key and the fix."""
+    if spec.device_kind not in ("cpu", "gpu"):
+        raise ConfigError(f"hw.device_kind={spec.device_kind!r} for hw={spec.name}; expected cpu or gpu")
+    for key in ("nodes", "devices_per_node", "cores_per_node"):
+        if getattr(spec, key) < 1:
+            raise ConfigError(f"hw.{key}={getattr(spec, key)} for hw={spec.name}; must be 1 or more")
+    for key in ("memory_per_device_gb", "ram_per_node_gb", "peak_tflops"):
+        if getattr(spec, key) <= 0:
+            raise ConfigError(f"hw.{key}={getattr(spec, key)} for hw={spec.name}; must be > 0")
+    links = [("intra_node", spec.intra_node)] + [(f"intra_node_pairs[{i}]", p) for i, p in enumerate(spec.intra_node_pairs)]
+    if spec.inter_node is not None:
+        links.append(("inter_node", spec.inter_node))
+    for key, link in links:
+        if link.bandwidth_gb_s <= 0 or link.latency_us < 0:
+            raise ConfigError(f"hw.{key} of hw={spec.name}: bandwidth_gb_s={link.bandwidth_gb_s} must be > 0 and "
+                              f"latency_us={link.latency_us} >= 0")
+    for i, pair in enumerate(spec.intra_node_pairs):
+        if len(pair.devices) != 2 or not all(0 <= d < spec.devices_per_node for d in pair.devices):
+            raise ConfigError(f"hw.intra_node_pairs[{i}].devices={list(pair.devices)} for hw={spec.name}: expected two "
+                              f"device indices in 0..{spec.devices_per_node - 1}")
+    if spec.nodes > 1 and spec.inter_node is None:
+        raise ConfigError(f"hw={spec.name} has nodes={spec.nodes} but no inter_node link; add inter_node: "
+                          f"{{bandwidth_gb_s: ..., latency_us: ...}} (40 Gbps Ethernet = 5 GB/s)")
+    return spec
+
+
+# fp32 peak TFLOPS of GPUs by name (vendor data sheets), for hw=local on a GPU machine.
+GPU_PEAK_TFLOPS = {"H200": 67.0, "H100": 67.0, "A100": 19.5, "V100": 15.7, "TITAN RTX": 16.3, "A10": 31.2, "L4": 30.3, "T4": 8.1}
+
+
+def detect_local(spec: HardwareSpec) -> HardwareSpec:
+    """hw=local: this machine's cores, memory and GPUs (link figures come from the file / probe)."""
+    import psutil
+    import torch
+
+    spec.host = socket.gethostname()
+    spec.cores_per_node = len(os.sched_getaffinity(0))
+    spec.ram_per_node_gb = psutil.virtual_memory().total / GB
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        spec.device_kind, spec.device_name = "gpu", props.name
+        spec.devices_per_node = torch.cuda.device_count()
+        spec.memory_per_device_gb = props.total_memory / GB
+        spec.peak_tflops = next((v for k, v in GPU_PEAK_TFLOPS.items() if k in props.name.upper()), spec.peak_tflops)
+        spec.memory_bandwidth_gb_s = _copy_gb_s(torch.device("cuda:0"))
+    else:
+        spec.device_kind, spec.device_name = "cpu", _cpu_name()
+        spec.devices_per_node = spec.cores_per_node
+        spec.memory_per_device_gb = spec.ram_per_node_gb
+        spec.peak_tflops = core_gemm_tflops()
+        spec.memory_bandwidth_gb_s = _copy_gb_s(torch.device("cpu"))
+    return spec
+
+
+def _copy_gb_s(device, mb: int = 64, repeats: int = 5) -> float:
+    """Bytes read + written per second by a tensor copy on ``device`` (one core on CPU)."""
+    import time
+
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        src = torch.ones(mb * 2**20 // 4, device=device)
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            dst.copy_(src)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return 2 * src.numel() * 4 * repeats / (time.perf_counter() - start) / 1e9
+    finally:
+        torch.set_num_threads(threads)
+
+
+def core_gemm_tflops(size: int = 512, repeats: int = 8) -> float:
+    """What one core achieves on an fp32 matrix product: the local CPU's practical peak (~0.3 s)."""
+    import time
+
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(size, size), torch.randn(size, size)
+        a @ b  # warm-up
+        start = time.perf_counter()
+        for _ in range(repeats):
+            a @ b
+        seconds = time.perf_counter() - start
+    finally:
+        torch.set_num_threads(threads)
+    return 2 * size**3 * repeats / seconds / 1e12
+
+
+def _cpu_name() -> str:
+    from ..tracking import machine_tags
+
+    return machine_tags()["cpu_model"]

@@ -1,0 +1,132 @@
+"""Measure this machine's links and write them into a hardware file (the thesis used NVIDIA's
+p2pBandwidthLatencyTest; this measures what ddlx's strategies actually use).
+
+- between processes: a gloo allreduce between two local processes over a range of sizes; the
+  two-worker ring costs 2 L + S / BW (Eq. 5.1 with W = 2), so a least-squares line through
+  (S, t) gives the latency L (half the intercept; it includes the fixed per-call cost) and BW;
+- a core's memory copy bandwidth (cpu_mp's shared-memory averaging, pipeline stages on CPU);
+- on CUDA: device-to-device copies between every GPU pair (latency from 4-byte copies,
+  bandwidth from 64 MB ones).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .hardware import _copy_gb_s
+
+SIZES_BYTES = (4, 64 * 2**10, 2**20, 8 * 2**20, 32 * 2**20)
+
+
+def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least squares y = a + b x: (a, b)."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - b * mx, b
+
+
+def _allreduce_worker(rank: int, port: int, repeats: int, out) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        results = []
+        for size in SIZES_BYTES:
+            buf = torch.ones(max(1, size // 4))
+            dist.all_reduce(buf)  # warm-up
+            dist.barrier()
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                dist.all_reduce(buf)
+                times.append(time.perf_counter() - start)
+            results.append((size, statistics.median(times)))
+        if rank == 0:
+            out.put(results)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def process_link(repeats: int = 10) -> tuple[float, float, list[tuple[int, float]]]:
+    """(latency µs, bandwidth GB/s, raw (bytes, seconds)) of a gloo allreduce between 2 processes."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    mp.start_processes(_allreduce_worker, args=(_free_port(), repeats, queue), nprocs=2, join=True, start_method="spawn")
+    results = queue.get()
+    intercept, slope = fit_line([s for s, _ in results], [t for _, t in results])
+    latency_s = max(intercept / 2, 0.0)
+    bandwidth = 1 / slope if slope > 0 else float("inf")  # bytes/s
+    return latency_s * 1e6, bandwidth / 1e9, results
+
+
+def gpu_pairs() -> list[dict]:
+    """Latency and bandwidth of device-to-device copies between every pair of GPUs."""
+    pairs = []
+    count = torch.cuda.device_count()
+    for a in range(count):
+        for b in range(a + 1, count):
+            small_a, small_b = torch.ones(1, device=f"cuda:{a}"), torch.empty(1, device=f"cuda:{b}")
+            big_a, big_b = torch.ones(16 * 2**20, device=f"cuda:{a}"), torch.empty(16 * 2**20, device=f"cuda:{b}")
+            latency = _timed(lambda: small_b.copy_(small_a), a, b, 50)
+            seconds = _timed(lambda: big_b.copy_(big_a), a, b, 10)
+            pairs.append({"devices": [a, b], "bandwidth_gb_s": round(big_a.numel() * 4 / seconds / 1e9, 2),
+                          "latency_us": round(latency * 1e6, 2)})
+    return pairs
+
+
+def _timed(fn, a: int, b: int, repeats: int) -> float:
+    fn()
+    torch.cuda.synchronize(a)
+    torch.cuda.synchronize(b)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    torch.cuda.synchronize(a)
+    torch.cuda.synchronize(b)
+    return (time.perf_counter() - start) / repeats
+
+
+def write_probed_hw(spec, hw_dir: Path) -> tuple[Path, dict]:
+    """Measure and write ``conf/hw/probed_<host>.yaml``: the detected local spec with measured links."""
+    import yaml
+
+    latency_us, bandwidth, raw = process_link()
+    spec.memory_bandwidth_gb_s = round(_copy_gb_s(torch.device("cpu"), mb=256), 2)
+    doc = {
+        "defaults": ["schema", "_self_"],
+        "name": f"probed_{spec.host}",
+        "host": spec.host,
+        "nodes": 1,
+        "device_kind": spec.device_kind,
+        "device_name": spec.device_name,
+        "devices_per_node": spec.devices_per_node,
+        "cores_per_node": spec.cores_per_node,
+        "memory_per_device_gb": round(spec.memory_per_device_gb, 2),
+        "ram_per_node_gb": round(spec.ram_per_node_gb, 2),
+        "peak_tflops": round(spec.peak_tflops, 4),
+        "memory_bandwidth_gb_s": spec.memory_bandwidth_gb_s,
+        "allreduce_fixed_us": 0.0,  # folded into the measured latency
+        "intra_node": {"bandwidth_gb_s": round(bandwidth, 3), "latency_us": round(latency_us, 2)},
+        "intra_node_pairs": [],
+        "inter_node": None,
+    }
+    if torch.cuda.is_available() and torch.cuda.device_count() > 1:
+        doc["intra_node_pairs"] = gpu_pairs()
+    path = hw_dir / f"probed_{spec.host}.yaml"
+    header = (f"# Written by `python recommend.py mode=probe` on {spec.host} at {time.strftime('%Y-%m-%d %H:%M')}.\n"
+              f"# gloo allreduce, 2 processes, (bytes, s): {[(s, round(t, 6)) for s, t in raw]}\n")
+    path.write_text(header + yaml.safe_dump(doc, sort_keys=False))
+    return path, doc

@@ -1,0 +1,100 @@
+"""Performance models: seconds per training batch of each strategy, from the sequential time.
+
+Small pure functions of documented inputs (source 004, chapters 5-6, symbols of its Table 5.1):
+``t_seq`` seconds per batch on one device, ``W`` workers, ``G`` gradient MB, ``th`` the
+allreduce bucket threshold in MB (``bucket_cap_mb``), links as (latency s, bandwidth MB/s).
+Each returns the model's time; calibration against measured runs is applied by the caller.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Link:
+    latency_s: float
+    bandwidth_mb_s: float
+
+    def send_s(self, mb: float) -> float:
+        return self.latency_s + mb / self.bandwidth_mb_s
+
+
+def ring_allreduce_s(workers: int, mb: float, ring: Sequence[Link], fixed_s: float = 0.0) -> float:
+    """One ring allreduce of ``mb`` MB: 2(W-1) steps of mb/W over the slowest link of the ring
+    (Eq. 5.1's communication term), plus ``fixed_s``: the negotiation, buffer allocation and copy
+    that the thesis found dominating small allreduces (section 5.2) and left out."""
+    if workers <= 1:
+        return 0.0
+    slowest = max(link.latency_s + mb / (workers * link.bandwidth_mb_s) for link in ring)
+    return 2 * (workers - 1) * slowest + fixed_s
+
+
+def data_parallel_s(
+    t_seq: float, workers: int, gradient_mb: float, bucket_mb: float, ring: Sequence[Link],
+    fixed_s: float = 0.0, overlap: bool = True,
+) -> float:
+    """Eq. 5.1 with the fixed per-allreduce cost. ``overlap=True`` (GPUs: communication runs beside
+    the backward pass): only the last bucket, min(G, th), is exposed, as the thesis assumed.
+    ``overlap=False`` (CPU: gloo and the backward pass share the cores): every bucket is."""
+    compute = t_seq / workers
+    if workers <= 1:
+        return compute
+    if overlap:
+        return compute + ring_allreduce_s(workers, min(gradient_mb, bucket_mb), ring, fixed_s)
+    full, last = divmod(gradient_mb, bucket_mb)
+    sizes = [bucket_mb] * int(full) + ([last] if last > 1e-9 else [])
+    return compute + sum(ring_allreduce_s(workers, size, ring, fixed_s) for size in sizes)
+
+
+def gpipe_compute_s(t_seq: float, workers: int, micro_batches: int) -> float:
+    """Eq. 6.1: T_seq (W + #mb - 1) / (W #mb). ``t_seq`` is the sequential time of the whole
+    batch run as #mb micro-batches (#mb x the time of one micro-batch), as the thesis prescribes."""
+    return t_seq * (workers + micro_batches - 1) / (workers * micro_batches)
+
+
+def gpipe_comm_s(micro_batch: int, micro_batches: int, boundary_mb: Sequence[float], links: Sequence[Link]) -> float:
+    """Eq. 6.2: activations forward and gradients backward over the W-1 boundaries, in lockstep:
+    the pipeline fill (W-2 steps), #mb-(W-2) full steps, the drain (W-2 steps), each as slow as
+    its slowest active link. ``boundary_mb[j]`` is one sample's activation crossing boundary j."""
+    w = len(boundary_mb) + 1
+    step = [links[j].send_s(micro_batch * boundary_mb[j]) for j in range(w - 1)]
+    if not step:
+        return 0.0
+    fill = sum(max(step[: i + 1]) for i in range(w - 2))
+    full = (micro_batches - (w - 2)) * max(step)
+    drain = sum(max(step[i:]) for i in range(1, w - 1))
+    return 2 * (fill + full + drain)
+
+
+def split_s(t_seq: float, batch: int, boundary_mb: float, link: Link) -> float:
+    """Two devices, one after the other (no overlap, source 003 2.4): the whole computation plus
+    the cut's activations forward and their gradients backward."""
+    return t_seq + 2 * link.send_s(batch * boundary_mb)
+
+
+def threads_s(t_seq_one_core: float, threads: int, join_s: float = 0.0) -> float:
+    """k threads, one sub-batch of b/k each, one core each: the sequential one-core time / k plus
+    the join of the sub-batch outputs and gradients."""
+    return t_seq_one_core / threads + join_s
+
+
+def shared_memory_average_s(gradient_mb: float, processes: int, memory_bandwidth_mb_s: float, barrier_s: float) -> float:
+    """cpu_mp's averaging: every rank adds its gradients into one shared buffer slice-wise and
+    reads the mean back (about 3 passes over G per rank, in parallel), with two barriers."""
+    if processes <= 1:
+        return 0.0
+    return 3 * gradient_mb / memory_bandwidth_mb_s + 2 * barrier_s
+
+
+def cpu_mp_s(t_seq_one_core: float, processes: int, gradient_mb: float, memory_bandwidth_mb_s: float, barrier_s: float) -> float:
+    """p processes on p cores, b/p samples each (one core's time / p), plus the shared-memory average."""
+    return t_seq_one_core / processes + shared_memory_average_s(gradient_mb, processes, memory_bandwidth_mb_s, barrier_s)
+
+
+def hybrid_s(t_local: float, processes: int, gradient_mb: float, bucket_mb: float, ring: Sequence[Link], fixed_s: float) -> float:
+    """DDP over ``processes`` groups, each running split/pipe on its own devices: the local
+    strategy's time on b/processes, plus the allreduce between groups (the last bucket exposed)."""
+    if processes <= 1:
+        return t_local
+    return t_local + ring_allreduce_s(processes, min(gradient_mb, bucket_mb), ring, fixed_s)

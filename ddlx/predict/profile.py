@@ -1,0 +1,131 @@
+"""What a model costs, layer by layer, counted on PyTorch's meta device (no memory, no compute).
+
+Per top-level layer of the :class:`~ddlx.models.LayeredModel`: parameters, forward FLOPs
+(torch's FlopCounterMode; a multiply-add counts 2) and the bytes of activations kept for the
+backward pass, all per sample; plus the bytes of the layer's output, which is what crosses a
+device boundary when the model is cut after it. The performance and memory models read only this.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from ..models import build_model
+
+FLOAT_BYTES = 4
+BACKWARD_FLOPS_FACTOR = 2.0  # backward = 2x forward (input and weight gradients)
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    params: int
+    forward_flops: float  # per sample
+    activation_bytes: int  # per sample: outputs kept for backward (in-place outputs not counted twice)
+    output_bytes: int  # per sample: what the next layer receives
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    arch: str
+    image_size: int
+    input_bytes: int  # per sample
+    layers: tuple[LayerProfile, ...]
+    cut_points: tuple[tuple[str, int], ...]
+    split_index: int
+
+    @property
+    def params(self) -> int:
+        return sum(layer.params for layer in self.layers)
+
+    @property
+    def gradient_mb(self) -> float:
+        return self.params * FLOAT_BYTES / 1e6
+
+    @property
+    def train_flops_per_sample(self) -> float:
+        return (1 + BACKWARD_FLOPS_FACTOR) * sum(layer.forward_flops for layer in self.layers)
+
+    @property
+    def activation_bytes_per_sample(self) -> int:
+        return self.input_bytes + sum(layer.activation_bytes for layer in self.layers)
+
+    def partitions(self, balance: list[int]) -> list[tuple[LayerProfile, ...]]:
+        if sum(balance) != len(self.layers):
+            raise ValueError(f"balance {balance} does not cover the {len(self.layers)} layers of {self.arch}")
+        parts, start = [], 0
+        for count in balance:
+            parts.append(self.layers[start : start + count])
+            start += count
+        return parts
+
+    def boundary_bytes(self, balance: list[int]) -> list[int]:
+        """Per sample: the activation sent from partition i to i + 1 (its gradient comes back)."""
+        ends = [sum(balance[: i + 1]) for i in range(len(balance) - 1)]
+        return [self.layers[end - 1].output_bytes for end in ends]
+
+    def even_balance(self, parts: int) -> list[int]:
+        """Layers per partition so forward FLOPs are as even as contiguous runs allow (fairscale's
+        balance-by-time does this with measured times; FLOPs stand in for them here)."""
+        flops = [max(layer.forward_flops, 1.0) for layer in self.layers]
+        total, balance, acc, count = sum(flops), [], 0.0, 0
+        for i, f in enumerate(flops):
+            remaining_layers, remaining_parts = len(flops) - i, parts - len(balance)
+            if count and (acc + f / 2 > total * (len(balance) + 1) / parts or remaining_layers < remaining_parts):
+                balance.append(count)
+                count = 0
+            acc += f
+            count += 1
+        balance.append(count)
+        while len(balance) < parts:  # tiny models: split the largest partition
+            i = max(range(len(balance)), key=lambda k: balance[k])
+            balance[i : i + 1] = [balance[i] - balance[i] // 2, balance[i] // 2]
+        return balance
+
+
+@lru_cache(maxsize=64)
+def profile_model(arch: str, num_classes: int, in_channels: int, image_size: int) -> ModelProfile:
+    with torch.device("meta"):
+        model = build_model(arch, num_classes, in_channels, image_size)
+    x = torch.empty(1, in_channels, image_size, image_size, device="meta")
+    layers = []
+    with torch.no_grad():
+        for layer in model:
+            kept: list[int] = []
+            hooks = [leaf.register_forward_hook(_count_into(kept)) for leaf in _leaves(layer)]
+            try:
+                with FlopCounterMode(display=False) as counter:
+                    x = layer(x)
+            finally:
+                for hook in hooks:
+                    hook.remove()
+            layers.append(LayerProfile(
+                params=sum(p.numel() for p in layer.parameters()),
+                forward_flops=float(counter.get_total_flops()),
+                activation_bytes=sum(kept) * FLOAT_BYTES,
+                output_bytes=x.numel() * FLOAT_BYTES,
+            ))
+    return ModelProfile(
+        arch=arch,
+        image_size=image_size,
+        input_bytes=in_channels * image_size * image_size * FLOAT_BYTES,
+        layers=tuple(layers),
+        cut_points=tuple(sorted(model.cut_points.items(), key=lambda kv: kv[1])),
+        split_index=model.split_index,
+    )
+
+
+def _leaves(layer: nn.Module) -> list[nn.Module]:
+    children = list(layer.modules())
+    return [m for m in children if not list(m.children())] or [layer]
+
+
+def _count_into(kept: list[int]):
+    def hook(module, _inputs, output) -> None:
+        if not getattr(module, "inplace", False) and isinstance(output, torch.Tensor):
+            kept.append(output.numel())
+
+    return hook

@@ -1,0 +1,229 @@
+"""Predict every setup on a machine, calibrate against measured runs, rank, and validate.
+
+Calibration: for each strategy group (:func:`~ddlx.predict.setups.calibration_group`), the
+median of measured / modelled batch time over the runs of that group whose one-device
+baseline was also measured: what the analytical model leaves out (the implementation's own
+overhead, e.g. torchgpipe's slow forward that the thesis blamed for its 20-76% GPipe errors)
+is learned from the runs. Runs are taken from the target hardware when it has any, else from
+this machine when it is the same device kind; otherwise the model stands uncalibrated and says so.
+"""
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import yaml
+from omegaconf import OmegaConf
+
+from ..measure.report import MeasuredRun
+from .hardware import HardwareSpec
+from .job import Job, measured_per_batch_s, on_hardware, usable
+from .profile import ModelProfile, profile_model
+from .setups import (
+    MemoryNeed,
+    SequentialTime,
+    Setup,
+    calibration_group,
+    candidates,
+    memory_need,
+    model_batch_s,
+    setup_of_run,
+)
+from .tseq import efficiency_from_runs, from_flops, from_probe, from_runs
+
+Probe = Callable[[Job], Callable[[int], list[float]]]
+
+
+@dataclass
+class Prediction:
+    setup: Setup
+    epoch_s: float
+    speedup: float
+    memory: MemoryNeed
+    basis: str
+
+    def as_dict(self) -> dict:
+        return {
+            "strategy": self.setup.strategy,
+            "knobs": {k: list(v) if isinstance(v, tuple) else v for k, v in self.setup.knobs},
+            "setup": self.setup.label,
+            "overrides": self.setup.overrides,
+            "predicted_epoch_s": round(self.epoch_s, 4),
+            "speedup": round(self.speedup, 3),
+            "memory_per_device_gb": round(self.memory.per_device_gb, 3),
+            "memory_limit_gb": round(self.memory.limit_gb, 3),
+            "fits": self.memory.fits,
+            "basis": self.basis,
+        }
+
+
+@dataclass
+class Recommendation:
+    job: Job
+    hw: HardwareSpec
+    sequential: SequentialTime
+    predictions: list[Prediction]  # fastest first; those that do not fit last
+    runs_used: int
+
+    @property
+    def best(self) -> Prediction | None:
+        return next((p for p in self.predictions if p.memory.fits), None)
+
+
+def profile_of_job(job: Job) -> ModelProfile:
+    return profile_model(job.model, job.num_classes, job.channels, job.image_size)
+
+
+class Predictor:
+    """Predictions for one target machine from a fixed set of measured runs."""
+
+    def __init__(self, hw: HardwareSpec, runs: Sequence[MeasuredRun], local: HardwareSpec | None = None,
+                 probe: Probe | None = None) -> None:
+        self.hw, self.local, self.probe = hw, local, probe
+        self.runs = [r for r in runs if usable(r)]
+        self._probed: dict[Job, SequentialTime] = {}
+
+    # -- sequential time ------------------------------------------------------------------
+    def sequential(self, job: Job, hw: HardwareSpec, runs: Sequence[MeasuredRun]) -> SequentialTime:
+        profile = profile_of_job(job)
+        measured = from_runs(job, hw, runs, profile)
+        if measured is not None:
+            return measured
+        if self.probe is not None and self.local is not None and hw is self.local:
+            if job not in self._probed:
+                self._probed[job] = from_probe(job, hw, profile, self.probe(job))
+            return self._probed[job]
+        effs = efficiency_from_runs(runs, self._hw_of_run, lambda r: profile_of_job(Job.from_run(r)), hw.device_kind)
+        return from_flops(job, hw, profile, effs)
+
+    def _hw_of_run(self, run: MeasuredRun) -> HardwareSpec | None:
+        for hw in (self.hw, self.local):
+            if hw is not None and on_hardware(run, hw):
+                return hw
+        return None
+
+    # -- calibration ----------------------------------------------------------------------
+    def calibration(self, runs: Sequence[MeasuredRun]) -> tuple[dict[str, list[float]], str]:
+        """Measured / modelled ratios per strategy group, and where the runs came from."""
+        source, source_hw = self._calibration_source(runs)
+        ratios: dict[str, list[float]] = defaultdict(list)
+        for run in source:
+            setup = setup_of_run(run.params, run.tags)
+            group = calibration_group(setup)
+            if group == "sequential":
+                continue
+            job = Job.from_run(run)
+            seq = from_runs(job, source_hw, runs, profile_of_job(job))
+            if seq is None:
+                continue
+            modelled = model_batch_s(setup, job, source_hw, profile_of_job(job), seq)
+            ratios[group].append(measured_per_batch_s(run) / modelled)
+        return ratios, (source_hw.name if source else "")
+
+    def _calibration_source(self, runs: Sequence[MeasuredRun]) -> tuple[list[MeasuredRun], HardwareSpec]:
+        on_target = [r for r in runs if on_hardware(r, self.hw)]
+        if on_target:
+            return on_target, self.hw
+        if self.local is not None and self.local.device_kind == self.hw.device_kind:
+            return [r for r in runs if on_hardware(r, self.local)], self.local
+        return [], self.hw
+
+    # -- prediction -----------------------------------------------------------------------
+    def recommend(self, job: Job, setups: Sequence[Setup] | None = None,
+                  exclude: Callable[[MeasuredRun], bool] | None = None) -> Recommendation:
+        runs = [r for r in self.runs if not (exclude and exclude(r))]
+        profile = profile_of_job(job)
+        seq = self.sequential(job, self.hw, runs)
+        ratios, source = self.calibration(runs)
+        baseline_epoch = seq.batch_s(job.batch_size) * job.steps
+        predictions = []
+        for setup in setups if setups is not None else candidates(self.hw, job):
+            group = calibration_group(setup)
+            modelled = model_batch_s(setup, job, self.hw, profile, seq)
+            if group == "sequential":
+                factor, how = 1.0, ""
+            elif ratios.get(group):
+                factor = statistics.median(ratios[group])
+                how = f"; model x{factor:.2f} calibrated on {len(ratios[group])} {source} run(s)"
+            else:
+                factor, how = 1.0, f"; model uncalibrated (no measured {setup.strategy} run on {self.hw.device_kind} hardware)"
+            epoch = modelled * factor * job.steps
+            predictions.append(Prediction(setup, epoch, baseline_epoch / epoch, memory_need(setup, job, self.hw, profile),
+                                          f"T_seq {seq.basis}{how}"))
+        predictions.sort(key=lambda p: (not p.memory.fits, p.epoch_s))
+        return Recommendation(job, self.hw, seq, predictions, len(runs))
+
+
+# ---- validation (source 004 Tables 8.1 / 8.2) ------------------------------------------
+
+
+@dataclass
+class ValidationRow:
+    run_id: str
+    workload: str
+    setup: str
+    group: str
+    measured_s: float
+    predicted_s: float
+    basis: str
+
+    @property
+    def error(self) -> float:
+        return (self.predicted_s - self.measured_s) / self.measured_s
+
+
+def workload_key(run: MeasuredRun) -> str:
+    p = run.params
+    return f"{p['model.name']}/{p['data.name']} {p['data.image_size']}px b{p['data.batch_size']}"
+
+
+@dataclass
+class Pick:
+    """Source 004 Table 8.1's cell: the recommended and the measured fastest setup of a workload,
+    and how much slower the recommended one measured."""
+
+    recommended: str
+    fastest: str
+    slowdown: float  # measured(recommended) / measured(fastest) - 1
+
+    @property
+    def correct(self) -> bool:
+        return self.recommended == self.fastest
+
+
+def validate(predictor: Predictor) -> tuple[list[ValidationRow], dict[str, Pick]]:
+    """Leave-one-out: every measured run on the target hardware predicted from all the others.
+
+    Returns the rows and, per workload with two or more measured setups, the recommendation made
+    from the leave-one-out predictions against the measured fastest."""
+    rows = []
+    for run in [r for r in predictor.runs if on_hardware(r, predictor.hw)]:
+        setup = setup_of_run(run.params, run.tags)
+        job = Job.from_run(run)
+        rec = predictor.recommend(job, [setup], exclude=lambda r, rid=run.run_id: r.run_id == rid)
+        (pred,) = rec.predictions
+        rows.append(ValidationRow(run.run_id, workload_key(run), setup.label, calibration_group(setup),
+                                  run.metrics["mean_epoch_time_s"], pred.epoch_s, pred.basis))
+    by_setup: dict[str, dict[str, list[ValidationRow]]] = defaultdict(lambda: defaultdict(list))
+    for row in rows:
+        by_setup[row.workload][row.setup].append(row)
+    picks: dict[str, Pick] = {}
+    for workload, setups in by_setup.items():
+        if len(setups) < 2:
+            continue
+        measured = {s: statistics.median(r.measured_s for r in rs) for s, rs in setups.items()}
+        predicted = {s: statistics.median(r.predicted_s for r in rs) for s, rs in setups.items()}
+        rec, fastest = min(predicted, key=predicted.get), min(measured, key=measured.get)
+        picks[workload] = Pick(rec, fastest, measured[rec] / measured[fastest] - 1)
+    return rows, picks
+
+
+def data_config_from_params(params: dict[str, str]):
+    """The ``data`` config of a run, rebuilt from its flattened params (for a probe)."""
+    data = {}
+    for key, value in params.items():
+        if key.startswith("data."):
+            data[key[5:]] = None if value == "None" else yaml.safe_load(value)
+    return OmegaConf.create(data)

@@ -1,0 +1,125 @@
+"""The sequential time T_seq of a job on one device, in order of preference (source 004 ch. 4):
+
+1. measured: ddlx runs of this network on this hardware on one device (``sequential``,
+   one core or one GPU), the same batch preferred;
+2. probe: when the hardware is this machine, train a few batches here (the thesis' statistical
+   model: per-batch time is stable within seconds, so extrapolate);
+3. scaled: counted training FLOPs / (the device's peak x an efficiency calibrated from the
+   measured baselines on hardware whose peak is known; a stated default when there are none).
+
+Every result says which one it is.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+from ..measure.report import MeasuredRun
+from .hardware import HardwareSpec
+from .job import Job, measured_per_batch_s, on_hardware, same_network, usable
+from .profile import ModelProfile
+from .setups import SequentialTime, calibration_group, setup_of_run, weight_seconds
+
+# Fraction of fp32 peak a training step reaches when no run calibrates it (GPU convolution
+# nets in fp32 typically reach 30-50%; CPUs near their GEMM rate on conv layers).
+DEFAULT_EFFICIENCY = {"gpu": 0.35, "cpu": 0.5}
+
+
+def is_one_device_baseline(run: MeasuredRun) -> bool:
+    return calibration_group(setup_of_run(run.params, run.tags)) == "sequential"
+
+
+def from_runs(job: Job, hw: HardwareSpec, runs: Sequence[MeasuredRun], profile: ModelProfile) -> SequentialTime | None:
+    base = [r for r in runs if usable(r) and on_hardware(r, hw) and same_network(r, job) and is_one_device_baseline(r)]
+    if not base:
+        return None
+    same_batch = [r for r in base if int(r.params["data.batch_size"]) == job.batch_size]
+    chosen = same_batch or base
+    weights = weight_seconds(profile.params, hw)
+    per_sample = statistics.median(
+        (measured_per_batch_s(r) - weights) / int(r.params["data.batch_size"]) for r in chosen
+    )
+    what = "same batch" if same_batch else f"batch {chosen[0].params['data.batch_size']}, scaled per sample"
+    return SequentialTime(max(per_sample, 1e-9), weights, f"measured ({len(chosen)} run{'s' * (len(chosen) > 1)}, {what})")
+
+
+def from_probe(job: Job, hw: HardwareSpec, profile: ModelProfile, train_batches: Callable[[int], list[float]]) -> SequentialTime:
+    """``train_batches(n)`` trains n batches of the job on one device and returns their seconds
+    (the first, warm-up, dropped by the caller); the median is the batch time."""
+    times = train_batches(4)
+    batch_s = statistics.median(times)
+    weights = weight_seconds(profile.params, hw)
+    return SequentialTime(max((batch_s - weights) / job.batch_size, 1e-9), weights,
+                          f"local probe ({len(times)} batches, median {batch_s:.3f} s)")
+
+
+def efficiency_from_runs(runs: Sequence[MeasuredRun], hw_of_run: Callable[[MeasuredRun], HardwareSpec | None],
+                         profile_of: Callable[[MeasuredRun], ModelProfile], kind: str) -> list[float]:
+    """Achieved fraction of peak of the one-device baselines on hardware of ``kind``."""
+    out = []
+    for run in runs:
+        hw = hw_of_run(run)
+        if hw is None or hw.device_kind != kind or not usable(run) or not is_one_device_baseline(run):
+            continue
+        profile = profile_of(run)
+        batch = int(run.params["data.batch_size"])
+        compute_s = measured_per_batch_s(run) - weight_seconds(profile.params, hw)
+        if compute_s > 0:
+            out.append(batch * profile.train_flops_per_sample / compute_s / (hw.peak_tflops * 1e12))
+    return out
+
+
+def from_flops(job: Job, hw: HardwareSpec, profile: ModelProfile, efficiencies: Sequence[float]) -> SequentialTime:
+    if efficiencies:
+        eff = statistics.median(efficiencies)
+        how = f"efficiency {eff:.2f} of peak from {len(efficiencies)} measured {hw.device_kind} baseline(s)"
+    else:
+        eff = DEFAULT_EFFICIENCY[hw.device_kind]
+        how = f"assumed efficiency {eff:.2f} of peak: no measured {hw.device_kind} baseline to calibrate"
+    per_sample = profile.train_flops_per_sample / (hw.peak_tflops * 1e12 * eff)
+    return SequentialTime(per_sample, weight_seconds(profile.params, hw),
+                          f"scaled estimate ({profile.train_flops_per_sample / 1e9:.2f} GFLOP/sample at "
+                          f"{hw.peak_tflops:g} TFLOPS, {how})")
+
+
+def probe_batches(cfg_data, model: str, threads: int = 1, max_seconds: float = 30.0) -> Callable[[int], list[float]]:
+    """A probe on this machine with ddlx's own datamodule (the real decode and augmentation) and
+    model, one core or one GPU: train n + 1 batches, return the last n times (stops early at
+    ``max_seconds``, keeping at least two)."""
+
+    def run(n: int) -> list[float]:
+        import torch
+
+        from ..models import build_model
+        from ..run import build_datamodule
+
+        dm = build_datamodule(cfg_data)
+        dm.prepare_data()
+        dm.setup("fit")
+        device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            net = build_model(model, cfg_data.num_classes, cfg_data.channels, cfg_data.image_size, None).to(device)
+            opt = torch.optim.SGD(net.parameters(), lr=0.001, momentum=0.9)
+            loss_fn = torch.nn.CrossEntropyLoss()
+            times, start, spent = [], time.perf_counter(), time.perf_counter()
+            for i, (x, y) in enumerate(dm.train_dataloader()):
+                x, y = x.to(device), y.to(device)
+                opt.zero_grad(set_to_none=True)
+                loss_fn(net(x), y).backward()
+                opt.step()
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                now = time.perf_counter()
+                if i > 0:
+                    times.append(now - start)
+                start = now
+                if len(times) >= n or (len(times) >= 2 and now - spent > max_seconds):
+                    break
+            return times
+        finally:
+            torch.set_num_threads(before)
+
+    return run

@@ -1,0 +1,32 @@
+"""Predict seconds per epoch and memory for every strategy on a described machine; recommend one.
+
+    python recommend.py hw=titanrtx_4x model=vgg16 data=firesmall     # ranked table + recommendation
+    python recommend.py hw=local output=json                         # this machine, as JSON
+    python recommend.py mode=validate                                # leave-one-out on the measured runs
+    python recommend.py mode=probe                                   # measure this machine's links
+"""
+from pathlib import Path
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig
+
+from ddlx.cli import register_resolvers, report_config_errors
+from ddlx.predict.hardware import HardwareSpec
+
+ROOT = Path(__file__).resolve().parent
+register_resolvers(ROOT)
+ConfigStore.instance().store(group="hw", name="schema", node=HardwareSpec)
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="recommend")
+def main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    from ddlx.predict.cli import run
+
+    report_config_errors(lambda: run(cfg, Path(HydraConfig.get().runtime.output_dir), ROOT / "conf" / "hw"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,280 @@
+"""The recommender's parts: each formula on hand-computed cases, the model profile, memory
+filter, calibration, leave-one-out validation, hardware configs and recommend.py's output."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torchvision
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+from conftest import CONF_DIR, PROJECT_DIR, subprocess_env
+from ddlx.errors import ConfigError
+from ddlx.measure.report import MeasuredRun, Workload
+from ddlx.predict import perf_models as pm
+from ddlx.predict.cli import hardware
+from ddlx.predict.hardware import HardwareSpec, LinkSpec
+from ddlx.predict.job import Job
+from ddlx.predict.profile import profile_model
+from ddlx.predict.recommender import Predictor, validate
+from ddlx.predict.setups import SequentialTime, Setup, memory_need, model_batch_s
+
+FAST = pm.Link(latency_s=1e-5, bandwidth_mb_s=1000.0)  # 10 µs, 1 GB/s
+SLOW = pm.Link(latency_s=1e-4, bandwidth_mb_s=100.0)
+
+
+# ---- formulas -------------------------------------------------------------------------------
+
+def test_ring_allreduce_is_eq_5_1_over_the_slowest_link():
+    assert pm.ring_allreduce_s(4, 100.0, [FAST] * 4) == pytest.approx(2 * 3 * (1e-5 + 100 / (4 * 1000)))
+    assert pm.ring_allreduce_s(4, 100.0, [FAST, FAST, SLOW, FAST]) == pytest.approx(6 * (1e-4 + 100 / 400))
+    assert pm.ring_allreduce_s(2, 8.0, [FAST] * 2, fixed_s=0.003) == pytest.approx(2 * (1e-5 + 8 / 2000) + 0.003)
+    assert pm.ring_allreduce_s(1, 100.0, [FAST]) == 0.0
+
+
+def test_data_parallel_exposes_the_last_bucket_or_every_bucket():
+    overlapped = pm.data_parallel_s(2.0, 4, gradient_mb=60.0, bucket_mb=25.0, ring=[FAST] * 4, fixed_s=0.001)
+    assert overlapped == pytest.approx(0.5 + 6 * (1e-5 + 25 / 4000) + 0.001)  # min(G, th) = 25 MB
+    exposed = pm.data_parallel_s(2.0, 4, gradient_mb=60.0, bucket_mb=25.0, ring=[FAST] * 4, fixed_s=0.001, overlap=False)
+    per = [6 * (1e-5 + size / 4000) + 0.001 for size in (25, 25, 10)]
+    assert exposed == pytest.approx(0.5 + sum(per))
+    small = pm.data_parallel_s(2.0, 4, gradient_mb=5.0, bucket_mb=25.0, ring=[FAST] * 4)
+    assert small == pytest.approx(0.5 + 6 * (1e-5 + 5 / 4000)), "min(G, th) with G < th"
+
+
+def test_gpipe_compute_is_eq_6_1():
+    assert pm.gpipe_compute_s(10.0, 4, 12) == pytest.approx(10.0 * 15 / 48)
+    assert pm.gpipe_compute_s(10.0, 4, 1) == pytest.approx(10.0), "one micro-batch: plain model parallelism"
+
+
+def test_gpipe_comm_is_eq_6_2():
+    # Two stages: every one of the #mb steps crosses the one boundary, forward and backward.
+    assert pm.gpipe_comm_s(8, 4, [0.5], [FAST]) == pytest.approx(2 * 4 * (1e-5 + 8 * 0.5 / 1000))
+    # Three stages, links of different speed: fill max(s1), full (#mb-1) x max(s1, s2), drain max(s2).
+    s1, s2 = 1e-5 + 4 * 1.0 / 1000, 1e-4 + 4 * 0.25 / 100
+    assert pm.gpipe_comm_s(4, 6, [1.0, 0.25], [FAST, SLOW]) == pytest.approx(2 * (s1 + 5 * max(s1, s2) + s2))
+
+
+def test_split_threads_cpu_mp_and_hybrid():
+    assert pm.split_s(1.0, 32, 0.1, FAST) == pytest.approx(1.0 + 2 * (1e-5 + 3.2 / 1000))
+    assert pm.threads_s(1.0, 4, join_s=0.01) == pytest.approx(0.26)
+    assert pm.cpu_mp_s(1.0, 2, gradient_mb=100.0, memory_bandwidth_mb_s=10000.0, barrier_s=1e-4) == pytest.approx(
+        0.5 + 3 * 100 / 10000 + 2e-4)
+    assert pm.hybrid_s(0.4, 2, 60.0, 25.0, [FAST, FAST], 0.0) == pytest.approx(0.4 + 2 * (1e-5 + 25 / 2000))
+
+
+# ---- model profile ----------------------------------------------------------------------------
+
+def test_profile_counts_torchvisions_parameters_and_3x_forward_flops():
+    profile = profile_model("alexnet", 1000, 3, 224)
+    assert profile.params == sum(p.numel() for p in torchvision.models.alexnet().parameters())
+    last = profile.layers[-1]  # Linear(4096, 1000): 4096 x 1000 multiply-adds per sample
+    assert last.forward_flops == 2 * 4096 * 1000 and last.output_bytes == 1000 * 4
+    assert profile.train_flops_per_sample == pytest.approx(3 * sum(layer.forward_flops for layer in profile.layers))
+
+
+def test_partitions_and_boundaries_follow_the_balance():
+    profile = profile_model("alexnet", 3, 3, 64)
+    balance = profile.even_balance(3)
+    assert len(balance) == 3 and sum(balance) == len(profile.layers) and min(balance) >= 1
+    bounds = profile.boundary_bytes([profile.split_index, len(profile.layers) - profile.split_index])
+    assert bounds == [profile.layers[profile.split_index - 1].output_bytes]
+    with pytest.raises(ValueError, match="does not cover"):
+        profile.partitions([1, 1])
+
+
+# ---- hardware, memory, calibration ------------------------------------------------------------
+
+def _hw(**over) -> HardwareSpec:
+    spec = HardwareSpec(name="test", nodes=1, device_kind="cpu", device_name="x", devices_per_node=2, cores_per_node=2,
+                        memory_per_device_gb=24, ram_per_node_gb=24, peak_tflops=0.1,
+                        intra_node=LinkSpec(5.0, 20.0), memory_bandwidth_gb_s=10.0, host="test-host")
+    for key, value in over.items():
+        setattr(spec, key, value)
+    return spec
+
+
+JOB = Job("resnet18", "firesmall", 3, 3, 64, 32, 320)
+
+
+def test_memory_filter_refuses_what_does_not_fit():
+    profile = profile_model("vgg16", 3, 3, 224)
+    job = Job("vgg16", "firesmall", 3, 3, 224, 256, 633)
+    gpu = _hw(device_kind="gpu", memory_per_device_gb=16, devices_per_node=4)
+    seq = memory_need(Setup("sequential", (("trainer", "gpu"),)), job, gpu, profile)
+    ddp = memory_need(Setup("ddp_nccl", (("processes", 4),)), job, gpu, profile)
+    pipe = memory_need(Setup("pipe", (("chunks", 8), ("devices", ("cuda:0", "cuda:1", "cuda:2", "cuda:3")))), job, gpu, profile)
+    assert not seq.fits and seq.per_device_gb > 16
+    assert ddp.per_device_gb < seq.per_device_gb and pipe.per_device_gb < seq.per_device_gb
+    assert pipe.fits and ddp.fits
+
+
+def test_recommendation_ranks_fitting_setups_first():
+    gpu = _hw(device_kind="gpu", memory_per_device_gb=8, devices_per_node=4, peak_tflops=10.0)
+    rec = Predictor(gpu, []).recommend(Job("vgg16", "firesmall", 3, 3, 224, 256, 633))
+    fits = [p.memory.fits for p in rec.predictions]
+    assert fits == sorted(fits, reverse=True), "setups that do not fit come last"
+    assert rec.best is not None and rec.best.memory.fits and rec.best.setup.strategy != "sequential"
+    assert "assumed efficiency" in rec.sequential.basis and "no measured gpu baseline" in rec.sequential.basis
+
+
+def _run(run_id: str, setup: Setup, params: dict, epoch_s: float, host: str = "test-host") -> MeasuredRun:
+    strategy_params = {f"strategy.{k}": str(v) for k, v in setup.knobs if k != "devices"}
+    tags = {"strategy": setup.strategy, "host": host, "accelerator": "cpu"}
+    if setup.get("devices"):
+        tags["devices"] = ",".join(setup.get("devices"))
+    samples = int(params["train"])
+    return MeasuredRun(run_id, "FINISHED", Workload(*["x"] * 9), "cpu", setup.strategy, setup.label, epoch_s,
+                       params={**{k: v for k, v in params.items() if k != "train"}, **strategy_params}, tags=tags,
+                       metrics={"mean_epoch_time_s": epoch_s, "mean_samples_per_s": samples / epoch_s})
+
+
+def _workload_params(model: str, size: int) -> dict:
+    return {"model.name": model, "data.name": "firesmall", "data.num_classes": "3", "data.channels": "3",
+            "data.image_size": str(size), "data.batch_size": "32", "train": "320"}
+
+
+SETUPS = [Setup("sequential", (("threads", 1),)), Setup("threads", (("threads", 2),)),
+          Setup("cpu_mp", (("processes", 2),)), Setup("pipe", (("chunks", 4), ("devices", ("cpu", "cpu"))))]
+FACTORS = {"threads": 1.2, "cpu_mp": 1.1, "pipe": 2.0}  # what the implementation adds to the model
+
+
+def _consistent_runs(hw: HardwareSpec) -> list[MeasuredRun]:
+    """Runs whose times are exactly model x a per-strategy factor: leave-one-out must recover them."""
+    runs = []
+    for model, size, per_sample in (("alexnet", 64, 0.010), ("resnet18", 64, 0.030), ("vgg11", 64, 0.050)):
+        params = _workload_params(model, size)
+        job = Job(model, "firesmall", 3, 3, size, 32, 320)
+        profile = profile_model(model, 3, 3, size)
+        from ddlx.predict.setups import weight_seconds
+
+        seq = SequentialTime(per_sample, weight_seconds(profile.params, hw), "truth")
+        for setup in SETUPS:
+            batch_s = model_batch_s(setup, job, hw, profile, seq) * FACTORS.get(setup.strategy, 1.0)
+            runs.append(_run(f"{model}-{setup.label}", setup, params, batch_s * job.steps))
+    return runs
+
+
+def test_calibration_learns_each_strategys_factor():
+    hw = _hw()
+    runs = _consistent_runs(hw)
+    rec = Predictor(hw, runs).recommend(Job("alexnet", "firesmall", 3, 3, 64, 32, 320), SETUPS)
+    measured = {r.setup: r.mean_epoch_time_s for r in runs if r.params["model.name"] == "alexnet"}
+    for p in rec.predictions:
+        assert p.epoch_s == pytest.approx(measured[p.setup.label], rel=1e-6), p.setup.label
+    assert "measured (1 run, same batch)" in rec.sequential.basis
+    (pipe,) = [p for p in rec.predictions if p.setup.strategy == "pipe"]
+    assert "x2.00 calibrated on 3 test run(s)" in pipe.basis
+
+
+def test_leave_one_out_recovers_consistent_runs_and_picks_the_fastest():
+    hw = _hw()
+    runs = _consistent_runs(hw)
+    probe_calls = []
+
+    def probe(job):
+        def batches(n):  # the held-out baseline's own time: what a perfect probe would measure
+            probe_calls.append(job.model)
+            (base,) = [r for r in runs if r.params["model.name"] == job.model and r.strategy == "sequential"]
+            return [base.mean_epoch_time_s / job.steps] * n
+        return batches
+
+    rows, picks = validate(Predictor(hw, runs, local=hw, probe=probe))
+    assert len(rows) == len(runs)
+    assert max(abs(r.error) for r in rows) < 1e-6
+    assert sorted(set(probe_calls)) == ["alexnet", "resnet18", "vgg11"], "held-out baselines are probed"
+    assert len(picks) == 3 and all(p.correct and p.slowdown == 0 for p in picks.values())
+
+
+def test_runs_of_another_machine_are_not_this_machines_measurements():
+    hw = _hw()
+    runs = [_run("x", SETUPS[0], _workload_params("alexnet", 64), 10.0, host="elsewhere")]
+    rec = Predictor(hw, runs).recommend(Job("alexnet", "firesmall", 3, 3, 64, 32, 320), SETUPS[:1])
+    assert rec.sequential.basis.startswith("scaled estimate")
+
+
+# ---- hardware configs and the command --------------------------------------------------------
+
+def _compose_hw(*overrides: str):
+    ConfigStore.instance().store(group="hw", name="schema", node=HardwareSpec)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="recommend", overrides=list(overrides)).hw
+
+
+@pytest.mark.parametrize("name", ["titanrtx_4x", "h100_1x", "v100_8x", "cpu_2core_cluster"])
+def test_every_described_machine_loads(name):
+    spec = hardware(_compose_hw(f"hw={name}"))
+    assert spec.name == name and spec.total_devices >= 1
+
+
+def test_titanrtx_links_follow_the_nvlink_pairs():
+    spec = hardware(_compose_hw("hw=titanrtx_4x", "hw.nodes=2"))
+    assert spec.link(0, 1).bandwidth_gb_s == 25.0 and spec.link(1, 2).bandwidth_gb_s == 10.0
+    assert spec.link(3, 4) == spec.inter_node and spec.total_devices == 8
+
+
+def test_local_is_detected():
+    spec = hardware(_compose_hw("hw=local"))
+    assert spec.cores_per_node >= 1 and spec.ram_per_node_gb > 1 and spec.peak_tflops > 0 and spec.host
+
+
+def test_bad_hw_configs_are_clear_errors():
+    with pytest.raises(Exception, match="Could not override 'hw.bogus'"):
+        _compose_hw("hw=titanrtx_4x", "hw.bogus=1")
+    with pytest.raises(ConfigError, match="hw.bogus is not a hardware field"):
+        hardware(_compose_hw("hw=titanrtx_4x", "+hw.bogus=1"))
+    with pytest.raises(Exception, match="nodes"):
+        _compose_hw("hw=titanrtx_4x", "hw.nodes=two")
+    with pytest.raises(ConfigError, match=r"hw.nodes=0 .* must be 1 or more"):
+        hardware(_compose_hw("hw=titanrtx_4x", "hw.nodes=0"))
+    with pytest.raises(ConfigError, match="no inter_node link"):
+        hardware(_compose_hw("hw=h100_1x", "hw.nodes=2"))
+    with pytest.raises(ConfigError, match=r"intra_node_pairs\[0\].devices=\[0, 7\]"):
+        hardware(_compose_hw("hw=titanrtx_4x", "hw.intra_node_pairs=[{devices:[0,7],bandwidth_gb_s:1,latency_us:1}]"))
+    missing = OmegaConf.merge(OmegaConf.structured(HardwareSpec), {"name": "x"})
+    with pytest.raises(ConfigError, match=r"hw=x: hw.device_kind is missing"):
+        hardware(missing)
+
+
+def test_recommend_py_answers_as_json_with_no_runs(tmp_path):
+    cmd = [sys.executable, str(PROJECT_DIR / "recommend.py"), "hw=titanrtx_4x", "model=vgg16", "output=json",
+           f"paths.root={tmp_path}", f"hydra.run.dir={tmp_path}/out"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=subprocess_env(), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    answer = json.loads(proc.stdout)
+    assert answer["hw"] == "titanrtx_4x" and answer["runs"].startswith("no MLflow store")
+    setups = {p["strategy"] for p in answer["predictions"]}
+    assert {"sequential", "ddp_nccl", "split", "pipe", "hybrid"} <= setups
+    assert answer["recommended"]["fits"] and answer["recommended"]["predicted_epoch_s"] > 0
+    assert all({"predicted_epoch_s", "speedup", "memory_per_device_gb", "fits", "basis"} <= set(p) for p in answer["predictions"])
+    from conftest import runs
+
+    (logged,) = runs(f"sqlite:///{tmp_path / 'mlflow.db'}", "recommendations")
+    assert logged.data.tags["recommended"] == answer["recommended"]["setup"]
+
+
+def test_recommend_py_names_a_bad_mode(tmp_path):
+    cmd = [sys.executable, str(PROJECT_DIR / "recommend.py"), "hw=titanrtx_4x", "mode=guess",
+           f"paths.root={tmp_path}", f"hydra.run.dir={tmp_path}/out"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=subprocess_env(), cwd=tmp_path)
+    assert proc.returncode == 2 and "mode=guess; expected one of recommend, validate, probe" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_link_probe_writes_a_loadable_hw_file(tmp_path):
+    from ddlx.predict.linkprobe import fit_line, write_probed_hw
+
+    assert fit_line([0, 1, 2], [1.0, 3.0, 5.0]) == pytest.approx((1.0, 2.0))
+    local = hardware(_compose_hw("hw=local"))
+    path, doc = write_probed_hw(local, tmp_path)
+    assert path.name == f"probed_{local.host}.yaml"
+    assert doc["intra_node"]["bandwidth_gb_s"] > 0 and doc["intra_node"]["latency_us"] > 0
+    assert doc["memory_bandwidth_gb_s"] > 0
+    described = OmegaConf.load(path)
+    described.pop("defaults")
+    spec = hardware(OmegaConf.merge(OmegaConf.structured(HardwareSpec), described))
+    assert spec.host == local.host and spec.intra_node.bandwidth_gb_s == doc["intra_node"]["bandwidth_gb_s"]

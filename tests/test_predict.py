@@ -278,3 +278,17 @@ def test_link_probe_writes_a_loadable_hw_file(tmp_path):
     described.pop("defaults")
     spec = hardware(OmegaConf.merge(OmegaConf.structured(HardwareSpec), described))
     assert spec.host == local.host and spec.intra_node.bandwidth_gb_s == doc["intra_node"]["bandwidth_gb_s"]
+
+
+def test_checkpointed_pipe_trades_time_for_memory():
+    gpu = _hw(device_kind="gpu", devices_per_node=4, memory_per_device_gb=16, memory_bandwidth_gb_s=600.0)
+    job = Job("vgg16", "firesmall", 3, 3, 224, 256, 633)
+    profile = profile_model("vgg16", 3, 3, 224)
+    seq = SequentialTime(0.01, 0.001, "test")
+    devices = ("cuda:0", "cuda:1", "cuda:2", "cuda:3")
+    plain = Setup("pipe", (("chunks", 16), ("devices", devices)))
+    ckpt = Setup("pipe", (("chunks", 16), ("devices", devices), ("checkpoint", "always")))
+    assert memory_need(ckpt, job, gpu, profile).per_device_gb < memory_need(plain, job, gpu, profile).per_device_gb
+    slower = model_batch_s(ckpt, job, gpu, profile, seq) - model_batch_s(plain, job, gpu, profile, seq)
+    # Eq. 6.1's compute with every sample's forward (1/3 of its work) done again.
+    assert slower == pytest.approx(pm.gpipe_compute_s(256 * 0.01 / 3, 4, 16))

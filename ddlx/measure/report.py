@@ -24,8 +24,9 @@ WORKLOAD_PARAMS = (
 # Tags that name a setup's knobs, in the order they are printed.
 KNOB_TAGS = (
     "threads", "processes", "ranks", "nodes", "backend", "comm_hook", "bucket_cap_mb",
-    "local", "devices", "cut_point", "chunks", "balance", "checkpoint",
+    "local", "devices", "cut_point", "chunks", "checkpoint",
 )
+DEFAULT_KNOBS = {"comm_hook": "none", "checkpoint": "never"}
 BASELINE_LABEL = {"cpu": "sequential threads=1 (one core)", "gpu": "sequential (one GPU)"}
 
 
@@ -95,8 +96,13 @@ class Report:
     unmeasured: list[MeasuredRun] = field(default_factory=list)
 
 
-def setup_label(tags: dict[str, str]) -> str:
-    knobs = [f"{k}={tags[k]}" for k in KNOB_TAGS if tags.get(k) not in (None, "", "none", "None")]
+def setup_label(tags: dict[str, str], params: dict[str, str] | None = None) -> str:
+    """Strategy and knobs; a pipeline's balance only when the user chose one (the resolved
+    default differs per model and would make every model's pipe a different setup)."""
+    knobs = [f"{k}={tags[k]}" for k in KNOB_TAGS if tags.get(k) not in (None, "", "None", DEFAULT_KNOBS.get(k))]
+    balance = (params or {}).get("strategy.balance")
+    if tags.get("strategy") == "pipe" and balance not in (None, "None"):
+        knobs.append(f"balance={balance}")
     return " ".join([tags.get("strategy", "?"), *knobs])
 
 
@@ -112,7 +118,7 @@ def to_measured_run(run) -> MeasuredRun:
         workload=workload,
         device=t.get("accelerator", p.get("trainer.accelerator", "cpu")),
         strategy=t.get("strategy", "?"),
-        setup=setup_label(t),
+        setup=setup_label(t, p),
         mean_epoch_time_s=m.get("mean_epoch_time_s"),
         sweep_id=t.get("sweep_id", ""),
         error=t.get("error", ""),

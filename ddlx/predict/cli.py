@@ -224,7 +224,7 @@ def report_validation(cfg: DictConfig, predictor: Predictor, note: str, out_dir:
     if cfg.output == "json":
         print(json.dumps(result, indent=2))
         return
-    print(f"leave-one-out on hw={predictor.hw.name}: {note}\n")
+    print(f"leave-one-configuration-out on hw={predictor.hw.name}: {note}\n")
     print("| workload | setup | measured s | predicted s | error |\n|---|---|---|---|---|")
     for r in sorted(rows, key=lambda r: (r.workload, r.measured_s)):
         print(f"| {r.workload} | {r.setup} | {r.measured_s:.2f} | {r.predicted_s:.2f} | {100 * r.error:+.1f}% |")

@@ -161,7 +161,7 @@ class Predictor:
 
 @dataclass
 class ValidationRow:
-    run_id: str
+    run_ids: str  # the configuration's runs, comma-separated
     workload: str
     setup: str
     group: str
@@ -194,29 +194,34 @@ class Pick:
 
 
 def validate(predictor: Predictor) -> tuple[list[ValidationRow], dict[str, Pick]]:
-    """Leave-one-out: every measured run on the target hardware predicted from all the others.
+    """Leave-one-out over measured configurations (workload x setup) on the target hardware: each
+    predicted from the runs of every other configuration, against the median of its own runs
+    (repeats of one configuration are one measurement, so none of them informs its prediction).
 
     Returns the rows and, per workload with two or more measured setups, the recommendation made
     from the leave-one-out predictions against the measured fastest."""
-    rows = []
+    configs: dict[tuple[str, str], list[MeasuredRun]] = defaultdict(list)
     for run in [r for r in predictor.runs if on_hardware(r, predictor.hw)]:
-        setup = setup_of_run(run.params, run.tags)
-        job = Job.from_run(run)
-        rec = predictor.recommend(job, [setup], exclude=lambda r, rid=run.run_id: r.run_id == rid)
+        configs[workload_key(run), setup_of_run(run.params, run.tags).label].append(run)
+    rows = []
+    for (workload, label), group in sorted(configs.items()):
+        ids = {r.run_id for r in group}
+        setup = setup_of_run(group[0].params, group[0].tags)
+        job = Job.from_run(group[0])
+        rec = predictor.recommend(job, [setup], exclude=lambda r, ids=ids: r.run_id in ids)
         (pred,) = rec.predictions
-        rows.append(ValidationRow(run.run_id, workload_key(run), setup.label, calibration_group(setup),
-                                  run.metrics["mean_epoch_time_s"], pred.epoch_s, pred.basis))
-    by_setup: dict[str, dict[str, list[ValidationRow]]] = defaultdict(lambda: defaultdict(list))
+        measured = statistics.median(r.metrics["mean_epoch_time_s"] for r in group)
+        rows.append(ValidationRow(",".join(sorted(ids)), workload, label, calibration_group(setup), measured, pred.epoch_s,
+                                  pred.basis))
+    by_workload: dict[str, list[ValidationRow]] = defaultdict(list)
     for row in rows:
-        by_setup[row.workload][row.setup].append(row)
+        by_workload[row.workload].append(row)
     picks: dict[str, Pick] = {}
-    for workload, setups in by_setup.items():
-        if len(setups) < 2:
+    for workload, group in by_workload.items():
+        if len(group) < 2:
             continue
-        measured = {s: statistics.median(r.measured_s for r in rs) for s, rs in setups.items()}
-        predicted = {s: statistics.median(r.predicted_s for r in rs) for s, rs in setups.items()}
-        rec, fastest = min(predicted, key=predicted.get), min(measured, key=measured.get)
-        picks[workload] = Pick(rec, fastest, measured[rec] / measured[fastest] - 1)
+        rec_row, fastest = min(group, key=lambda r: r.predicted_s), min(group, key=lambda r: r.measured_s)
+        picks[workload] = Pick(rec_row.setup, fastest.setup, rec_row.measured_s / fastest.measured_s - 1)
     return rows, picks
 
 

@@ -40,6 +40,7 @@ WEIGHT_PASSES = 12
 # Share of those passes each extra replica on the same weights repeats (its own forward and
 # backward weight reads and gradient accumulation; the optimizer step is done once).
 REPLICA_SHARE = 0.5
+FORWARD_SHARE = 1 / 3  # of a training step's FLOPs (backward = 2 x forward): what checkpointing recomputes
 MEMORY_HEADROOM = 0.9  # of a device's memory usable for training
 DEFAULT_BUCKET_MB = 25.0
 
@@ -119,6 +120,8 @@ def candidates(hw: HardwareSpec, job: Job) -> list[Setup]:
         for stages in sorted({2, n}):
             devices = tuple(f"cuda:{i}" for i in range(stages))
             out += [Setup("pipe", (("chunks", c), ("devices", devices))) for c in chunks if c >= stages]
+        if chunks:  # when nothing else fits: recompute activations instead of keeping them
+            out.append(Setup("pipe", (("chunks", chunks[-1]), ("devices", devices), ("checkpoint", "always"))))
         if n >= 4:
             out.append(Setup("hybrid", (("processes", n // 2), ("local", "split"))))
     if hw.nodes > 1:
@@ -144,7 +147,9 @@ def setup_of_run(params: dict[str, str], tags: dict[str, str]) -> Setup:
         return Setup(strategy, (("processes", int(params["strategy.processes"])),))
     devices = tuple(tags.get("devices", "cpu,cpu").split(","))
     if strategy == "pipe":
-        return Setup("pipe", (("chunks", int(params["strategy.chunks"])), ("devices", devices)))
+        knobs = (("chunks", int(params["strategy.chunks"])), ("devices", devices))
+        checkpoint = params.get("strategy.checkpoint", "never")
+        return Setup("pipe", knobs + ((("checkpoint", checkpoint),) if checkpoint != "never" else ()))
     if strategy == "split":
         return Setup("split", (("devices", devices),))
     if strategy == "hybrid":
@@ -209,7 +214,10 @@ def _pipe_batch_s(setup: Setup, hw: HardwareSpec, profile: ModelProfile, seq: Se
     w, m = len(devices), setup.get("chunks")
     micro = max(1, b // m)
     weights = seq.weight_s * (1 + (m - 1) * REPLICA_SHARE)
-    compute = gpipe_compute_s(m * micro * seq.per_sample_s, w, m) + (weights if hw.device_kind == "cpu" else weights / w)
+    checkpoint = setup.get("checkpoint", "never")
+    recomputing = {"never": 0, "except_last": w - 1, "always": w}.get(checkpoint, 0) / w
+    per_sample = seq.per_sample_s * (1 + recomputing * FORWARD_SHARE)  # the forward again in backward
+    compute = gpipe_compute_s(m * micro * per_sample, w, m) + (weights if hw.device_kind == "cpu" else weights / w)
     balance = pipe_balance(setup, profile)
     boundaries = [x / 1e6 for x in profile.boundary_bytes(balance)]
     if all(d == "cpu" for d in devices):  # CPU stages: one memory, no link to cross
@@ -258,13 +266,24 @@ def memory_need(setup: Setup, job: Job, hw: HardwareSpec, profile: ModelProfile)
     elif name in ("split", "pipe", "hybrid"):
         groups = setup.get("processes", 1) if name == "hybrid" else 1
         balance = pipe_balance(setup, profile) if name == "pipe" else [profile.split_index, len(profile.layers) - profile.split_index]
-        parts = profile.partitions(balance)
         per_batch = b // groups
-        per = 0
+        m = setup.get("chunks", 1)
+        micro = max(1, per_batch // m)
+        checkpoint = setup.get("checkpoint", "never")
+        parts = profile.partitions(balance)
+        inputs = [profile.input_bytes] + profile.boundary_bytes(balance)
+        stage_bytes = []
         for i, part in enumerate(parts):
-            part_act = sum(layer.activation_bytes for layer in part) + (profile.input_bytes if i == 0 else 0)
-            per = max(per, _state_bytes(sum(layer.params for layer in part)) + per_batch * part_act)
-        replicas = len(parts) if hw.device_kind == "cpu" else 1
+            acts = sum(layer.activation_bytes for layer in part) + (profile.input_bytes if i == 0 else 0)
+            recomputes = checkpoint == "always" or (checkpoint == "except_last" and i < len(parts) - 1)
+            # A checkpointed stage keeps only each micro-batch's input, and one micro-batch's
+            # activations while it recomputes them in backward.
+            kept = per_batch * inputs[i] + micro * acts if recomputes else per_batch * acts
+            stage_bytes.append(_state_bytes(sum(layer.params for layer in part)) + kept)
+        if hw.device_kind == "cpu":  # every stage in the same RAM
+            per, replicas = sum(stage_bytes), 1
+        else:
+            per, replicas = max(stage_bytes), 1
     else:
         raise ValueError(f"no memory model for strategy {name!r}")
     if hw.device_kind == "cpu":

@@ -292,3 +292,22 @@ def test_checkpointed_pipe_trades_time_for_memory():
     slower = model_batch_s(ckpt, job, gpu, profile, seq) - model_batch_s(plain, job, gpu, profile, seq)
     # Eq. 6.1's compute with every sample's forward (1/3 of its work) done again.
     assert slower == pytest.approx(pm.gpipe_compute_s(256 * 0.01 / 3, 4, 16))
+
+
+def test_calibration_is_chosen_by_how_well_it_predicts_held_out_runs():
+    from ddlx.predict.recommender import fit_calibration
+    from ddlx.predict.setups import Cost
+
+    costs = [Cost(1.0, 0.2), Cost(0.5, 0.5), Cost(0.2, 1.0), Cost(0.8, 0.1)]
+    # Runs that are 1.5 x compute + 3 x overheads: two factors, recovered exactly.
+    two = fit_calibration([(c, 1.5 * c.compute_s + 3 * c.overhead_s) for c in costs])
+    assert (two.compute_factor, two.overhead_factor) == (pytest.approx(1.5), pytest.approx(3.0))
+    # Runs that are the model x 1.3: one factor.
+    one = fit_calibration([(c, 1.3 * c.total_s) for c in costs])
+    assert one.compute_factor == pytest.approx(1.3) and one.overhead_factor == pytest.approx(1.3)
+    # Each mix of compute and overheads measured twice, 10% either side of the model: no factor
+    # predicts a held-out run better than the model, which stays as is.
+    pairs = [Cost(1.0, 0.2), Cost(0.5, 0.5), Cost(0.2, 1.0)]
+    noisy = fit_calibration([(c, c.total_s * f) for c in pairs for f in (0.9, 1.1)])
+    assert (noisy.compute_factor, noisy.overhead_factor) == (1.0, 1.0)
+    assert "model as is" in noisy.describe("local")

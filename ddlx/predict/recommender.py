@@ -25,15 +25,84 @@ from .setups import (
     MemoryNeed,
     SequentialTime,
     Setup,
+    Cost,
     calibration_group,
     candidates,
     memory_need,
-    model_batch_s,
+    model_cost,
     setup_of_run,
 )
 from .tseq import efficiency_from_runs, from_flops, from_probe, from_runs
 
 Probe = Callable[[Job], Callable[[int], list[float]]]
+MIN_RUNS_FOR_TWO_TERMS = 3
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """measured batch time ~ compute_factor x modelled compute + overhead_factor x modelled overhead."""
+
+    compute_factor: float
+    overhead_factor: float
+    runs: int
+
+    def apply(self, cost: Cost) -> float:
+        return self.compute_factor * cost.compute_s + self.overhead_factor * cost.overhead_s
+
+    def describe(self, source: str) -> str:
+        if self.compute_factor == self.overhead_factor == 1.0:
+            return f"model as is: calibrating on {self.runs} {source} run(s) did not predict them better"
+        if abs(self.compute_factor - self.overhead_factor) <= 1e-6 * self.compute_factor:
+            return f"model x{self.compute_factor:.2f} calibrated on {self.runs} {source} run(s)"
+        return (f"model calibrated on {self.runs} {source} run(s): compute x{self.compute_factor:.2f}, "
+                f"overheads x{self.overhead_factor:.2f}")
+
+
+def fit_calibration(samples: Sequence[tuple[Cost, float]]) -> Calibration:
+    """The calibration that predicts the group's own runs best, chosen by leave-one-out among
+    the runs given: the model as it is, one factor (the median measured/modelled ratio), or two
+    factors (compute and overheads apart, least squares on relative error; with 4+ runs and
+    both factors positive). The model alone wins when the runs only add noise to it."""
+    options = [_identity, _single_factor, _two_factors]
+    best, best_error = None, float("inf")
+    for fit in options:
+        errors = []
+        for i, (cost, measured) in enumerate(samples):
+            rest = [s for j, s in enumerate(samples) if j != i]
+            calib = fit(rest) if rest else None
+            if calib is None:
+                break
+            errors.append(abs(calib.apply(cost) - measured) / measured)
+        else:
+            error = statistics.fmean(errors) if errors else float("inf")
+            if error < best_error:
+                best, best_error = fit, error
+    chosen = (best or _single_factor)(samples)
+    return chosen if chosen is not None else Calibration(1.0, 1.0, len(samples))
+
+
+def _identity(samples: Sequence[tuple[Cost, float]]) -> Calibration:
+    return Calibration(1.0, 1.0, len(samples))
+
+
+def _single_factor(samples: Sequence[tuple[Cost, float]]) -> Calibration | None:
+    if not samples:
+        return None
+    factor = statistics.median(measured / cost.total_s for cost, measured in samples)
+    return Calibration(factor, factor, len(samples))
+
+
+def _two_factors(samples: Sequence[tuple[Cost, float]]) -> Calibration | None:
+    if len(samples) < MIN_RUNS_FOR_TWO_TERMS:
+        return None
+    rows = [(cost.compute_s / m, cost.overhead_s / m) for cost, m in samples]  # rows . (a, b) ~ 1
+    scc, soo = sum(c * c for c, _ in rows), sum(o * o for _, o in rows)
+    sco, sc, so = sum(c * o for c, o in rows), sum(c for c, _ in rows), sum(o for _, o in rows)
+    det = scc * soo - sco * sco
+    if det <= 1e-12 * scc * soo:
+        return None
+    a, b = (sc * soo - so * sco) / det, (so * scc - sc * sco) / det
+    return Calibration(a, b, len(samples)) if a > 0 and b > 0 else None
 
 
 @dataclass
@@ -105,10 +174,10 @@ class Predictor:
         return None
 
     # -- calibration ----------------------------------------------------------------------
-    def calibration(self, runs: Sequence[MeasuredRun]) -> tuple[dict[str, list[float]], str]:
-        """Measured / modelled ratios per strategy group, and where the runs came from."""
+    def calibration(self, runs: Sequence[MeasuredRun]) -> tuple[dict[str, Calibration], str]:
+        """Calibration per strategy group, and where its runs came from."""
         source, source_hw = self._calibration_source(runs)
-        ratios: dict[str, list[float]] = defaultdict(list)
+        samples: dict[str, list[tuple[Cost, float]]] = defaultdict(list)
         for run in source:
             setup = setup_of_run(run.params, run.tags)
             group = calibration_group(setup)
@@ -118,9 +187,9 @@ class Predictor:
             seq = from_runs(job, source_hw, runs, profile_of_job(job))
             if seq is None:
                 continue
-            modelled = model_batch_s(setup, job, source_hw, profile_of_job(job), seq)
-            ratios[group].append(measured_per_batch_s(run) / modelled)
-        return ratios, (source_hw.name if source else "")
+            cost = model_cost(setup, job, source_hw, profile_of_job(job), seq)
+            samples[group].append((cost, measured_per_batch_s(run)))
+        return {g: fit_calibration(v) for g, v in samples.items()}, (source_hw.name if source else "")
 
     def _calibration_source(self, runs: Sequence[MeasuredRun]) -> tuple[list[MeasuredRun], HardwareSpec]:
         on_target = [r for r in runs if on_hardware(r, self.hw)]
@@ -136,20 +205,20 @@ class Predictor:
         runs = [r for r in self.runs if not (exclude and exclude(r))]
         profile = profile_of_job(job)
         seq = self.sequential(job, self.hw, runs)
-        ratios, source = self.calibration(runs)
+        calibrations, source = self.calibration(runs)
         baseline_epoch = seq.batch_s(job.batch_size) * job.steps
         predictions = []
         for setup in setups if setups is not None else candidates(self.hw, job):
             group = calibration_group(setup)
-            modelled = model_batch_s(setup, job, self.hw, profile, seq)
+            cost = model_cost(setup, job, self.hw, profile, seq)
             if group == "sequential":
-                factor, how = 1.0, ""
-            elif ratios.get(group):
-                factor = statistics.median(ratios[group])
-                how = f"; model x{factor:.2f} calibrated on {len(ratios[group])} {source} run(s)"
+                batch_s, how = cost.total_s, ""
+            elif group in calibrations:
+                batch_s, how = calibrations[group].apply(cost), "; " + calibrations[group].describe(source)
             else:
-                factor, how = 1.0, f"; model uncalibrated (no measured {setup.strategy} run on {self.hw.device_kind} hardware)"
-            epoch = modelled * factor * job.steps
+                batch_s = cost.total_s
+                how = f"; model uncalibrated (no measured {setup.strategy} run on {self.hw.device_kind} hardware)"
+            epoch = batch_s * job.steps
             predictions.append(Prediction(setup, epoch, baseline_epoch / epoch, memory_need(setup, job, self.hw, profile),
                                           f"T_seq {seq.basis}{how}"))
         predictions.sort(key=lambda p: (not p.memory.fits, p.epoch_s))

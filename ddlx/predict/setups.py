@@ -166,6 +166,45 @@ def calibration_group(setup: Setup) -> str:
     return setup.strategy
 
 
+@dataclass(frozen=True)
+class Cost:
+    """A modelled batch time in two parts that calibration may weigh apart: ``compute`` (the
+    forward/backward work each worker does on its share) and ``overhead`` (weight traffic,
+    communication, synchronisation)."""
+
+    compute_s: float
+    overhead_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.overhead_s
+
+
+def model_cost(setup: Setup, job: Job, hw: HardwareSpec, profile: ModelProfile, seq: SequentialTime) -> Cost:
+    """:func:`model_batch_s` split into its compute and overhead parts."""
+    total = model_batch_s(setup, job, hw, profile, seq)
+    compute = min(total, compute_share_s(setup, job, hw, profile, seq))
+    return Cost(compute, total - compute)
+
+
+def compute_share_s(setup: Setup, job: Job, hw: HardwareSpec, profile: ModelProfile, seq: SequentialTime) -> float:
+    """The compute part of a setup's batch time: each worker's share of the forward/backward work."""
+    b, name = job.batch_size, setup.strategy
+    compute = b * seq.per_sample_s
+    if name in ("sequential", "threads"):
+        return compute / setup.get("threads", 1)
+    if name in ("cpu_mp", "ddp_gloo", "ddp_nccl", "mpi"):
+        return compute / (setup.get("processes") or setup.get("ranks"))
+    if name == "split":
+        return compute
+    if name == "hybrid":
+        return compute / setup.get("processes")
+    if name == "pipe":
+        w, m = len(setup.get("devices")), setup.get("chunks")
+        return gpipe_compute_s(m * max(1, b // m) * seq.per_sample_s, w, m)
+    raise ValueError(f"no performance model for strategy {name!r}")
+
+
 def model_batch_s(setup: Setup, job: Job, hw: HardwareSpec, profile: ModelProfile, seq: SequentialTime) -> float:
     """Modelled seconds per global batch of ``setup`` (before calibration)."""
     b, g = job.batch_size, profile.gradient_mb

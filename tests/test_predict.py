@@ -155,7 +155,7 @@ def _consistent_runs(hw: HardwareSpec) -> list[MeasuredRun]:
         seq = SequentialTime(per_sample, weight_seconds(profile.params, hw), "truth")
         for setup in SETUPS:
             batch_s = model_batch_s(setup, job, hw, profile, seq) * FACTORS.get(setup.strategy, 1.0)
-            runs.append(_run(f"{model}-{setup.label}", setup, params, batch_s * job.steps))
+            runs.append(_run(f"{model}-{setup.label}", setup, params, batch_s * job.steps, host=hw.host))
     return runs
 
 
@@ -311,3 +311,31 @@ def test_calibration_is_chosen_by_how_well_it_predicts_held_out_runs():
     noisy = fit_calibration([(c, c.total_s * f) for c in pairs for f in (0.9, 1.1)])
     assert (noisy.compute_factor, noisy.overhead_factor) == (1.0, 1.0)
     assert "model as is" in noisy.describe("local")
+
+
+def test_recommend_py_validate_reports_errors_and_picks(tmp_path):
+    """mode=validate end to end on a store of runs taken on this host (no probe: FLOPs fallback)."""
+    import socket
+
+    from mlflow.tracking import MlflowClient
+
+    hw = _hw(host=socket.gethostname())
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("ddlx")
+    for run in _consistent_runs(hw):
+        created = client.create_run(exp, tags=run.tags)
+        for key, value in run.params.items():
+            client.log_param(created.info.run_id, key, value)
+        for key, value in run.metrics.items():
+            client.log_metric(created.info.run_id, key, value)
+        client.set_terminated(created.info.run_id, "FINISHED")
+    cmd = [sys.executable, str(PROJECT_DIR / "recommend.py"), "mode=validate", "output=json", "probe=false",
+           f"paths.root={tmp_path}", f"hydra.run.dir={tmp_path}/out"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=subprocess_env(), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert len(result["rows"]) == 12 and set(result["per_strategy"]) == {"sequential", "threads", "cpu_mp", "pipe"}
+    assert set(result["recommendations"]) == {"alexnet/firesmall 64px b32", "resnet18/firesmall 64px b32", "vgg11/firesmall 64px b32"}
+    assert 0 <= result["correct_fraction"] <= 1
+    assert (tmp_path / "out" / "validation.json").exists() and (tmp_path / "out" / "predicted_vs_measured.png").exists()

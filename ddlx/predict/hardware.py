@@ -46,7 +46,8 @@ class HardwareSpec:
     intra_node: LinkSpec = field(default_factory=LinkSpec)  # between devices (processes) of a node
     intra_node_pairs: list[PairLink] = field(default_factory=list)
     inter_node: Optional[LinkSpec] = None
-    memory_bandwidth_gb_s: float = 10.0  # a core's practical copy bandwidth (CPU strategies' shared memory)
+    memory_bandwidth_gb_s: float = 10.0  # a device's memory bandwidth; on CPU one core's copy rate
+    node_memory_bandwidth_gb_s: float = 0.0  # CPU: all cores of a node copying at once (0: cores x one core's)
     allreduce_fixed_us: float = 50.0  # fixed cost of one allreduce call: launch, negotiation, copies
     host: str = ""  # the machine the runs of this hardware were measured on ("" = not this machine)
     detect: bool = False  # fill cores, memory and GPUs from this machine (hw=local)
@@ -124,18 +125,19 @@ def detect_local(spec: HardwareSpec) -> HardwareSpec:
         spec.memory_per_device_gb = spec.ram_per_node_gb
         spec.peak_tflops = core_gemm_tflops()
         spec.memory_bandwidth_gb_s = _copy_gb_s(torch.device("cpu"))
+        spec.node_memory_bandwidth_gb_s = _copy_gb_s(torch.device("cpu"), threads=spec.cores_per_node)
     return spec
 
 
-def _copy_gb_s(device, mb: int = 64, repeats: int = 7) -> float:
+def _copy_gb_s(device, mb: int = 64, repeats: int = 7, threads: int = 1) -> float:
     """Bytes read + written per second by a tensor copy on ``device`` (one core on CPU): the best
     of ``repeats`` copies, as STREAM reports, so a moment of contention does not set the figure."""
     import time
 
     import torch
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
     try:
         src = torch.ones(mb * 2**20 // 4, device=device)
         dst = torch.empty_like(src)
@@ -151,7 +153,7 @@ def _copy_gb_s(device, mb: int = 64, repeats: int = 7) -> float:
             best = min(best, time.perf_counter() - start)
         return 2 * src.numel() * 4 / best / 1e9
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
 
 
 def core_gemm_tflops(size: int = 512, repeats: int = 8) -> float:

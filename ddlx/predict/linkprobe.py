@@ -118,6 +118,7 @@ def write_probed_hw(spec, hw_dir: Path) -> tuple[Path, dict]:
         "ram_per_node_gb": round(spec.ram_per_node_gb, 2),
         "peak_tflops": round(spec.peak_tflops, 4),
         "memory_bandwidth_gb_s": spec.memory_bandwidth_gb_s,
+        "node_memory_bandwidth_gb_s": round(_copy_gb_s(torch.device("cpu"), mb=256, threads=spec.cores_per_node), 2),
         "allreduce_fixed_us": 0.0,  # folded into the measured latency
         "intra_node": {"bandwidth_gb_s": round(bandwidth, 3), "latency_us": round(latency_us, 2)},
         "intra_node_pairs": [],

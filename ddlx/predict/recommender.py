@@ -217,7 +217,7 @@ class Predictor:
                 batch_s, how = calibrations[group].apply(cost), "; " + calibrations[group].describe(source)
             else:
                 batch_s = cost.total_s
-                how = f"; model uncalibrated (no measured {setup.strategy} run on {self.hw.device_kind} hardware)"
+                how = f"; model uncalibrated (no measured {group} run on {self.hw.device_kind} hardware)"
             epoch = batch_s * job.steps
             predictions.append(Prediction(setup, epoch, baseline_epoch / epoch, memory_need(setup, job, self.hw, profile),
                                           f"T_seq {seq.basis}{how}"))

@@ -87,7 +87,20 @@ class SequentialTime:
 
 
 def weight_seconds(params: int, hw: HardwareSpec) -> float:
+    """One replica's weight traffic moved by one core (one device)."""
     return WEIGHT_PASSES * params * FLOAT_BYTES / (hw.memory_bandwidth_gb_s * GB)
+
+
+def weight_traffic_s(seq: SequentialTime, hw: HardwareSpec, replicas: float, cores: int) -> float:
+    """``replicas`` x one replica's weight traffic moved by ``cores`` cores of one CPU node: each
+    core moves ``memory_bandwidth_gb_s``, all of them together at most the node's
+    ``node_memory_bandwidth_gb_s`` (measured here: 13.5 GB/s one core, 22 GB/s two). On GPUs
+    every device has its own memory: the caller passes one device's share."""
+    if hw.device_kind != "cpu":
+        return seq.weight_s * replicas
+    per_core = hw.memory_bandwidth_gb_s
+    together = min(hw.node_memory_bandwidth_gb_s or per_core * cores, per_core * max(1, cores))
+    return seq.weight_s * replicas * per_core / together
 
 
 def _link(spec: LinkSpec) -> Link:
@@ -214,18 +227,19 @@ def model_batch_s(setup: Setup, job: Job, hw: HardwareSpec, profile: ModelProfil
     shared_bus = hw.device_kind == "cpu"  # replicas of a CPU node share one memory bus
     compute = b * seq.per_sample_s
     if name == "sequential":
-        return compute / setup.get("threads", 1) + seq.weight_s
+        threads = setup.get("threads", 1)
+        return compute / threads + weight_traffic_s(seq, hw, 1, threads)
     if name == "threads":
         k = setup.get("threads")
-        return threads_s(compute, k) + seq.weight_s * (1 + (k - 1) * REPLICA_SHARE)
+        return threads_s(compute, k) + weight_traffic_s(seq, hw, 1 + (k - 1) * REPLICA_SHARE, k)
     if name == "cpu_mp":
         p = setup.get("processes")
         barrier = hw.intra_node.latency_us * 1e-6
-        return cpu_mp_s(compute, p, g, hw.memory_bandwidth_gb_s * 1e3, barrier) + seq.weight_s * p
+        return cpu_mp_s(compute, p, g, hw.memory_bandwidth_gb_s * 1e3, barrier) + weight_traffic_s(seq, hw, p, p)
     if name in ("ddp_gloo", "ddp_nccl", "mpi"):
         w = setup.get("processes") or setup.get("ranks")
-        replicas_per_bus = min(w, hw.devices_per_node) if shared_bus else 1
-        return data_parallel_s(compute, w, g, bucket, _ring(hw, w), fixed, overlap=not shared_bus) + seq.weight_s * replicas_per_bus
+        local = min(w, hw.devices_per_node) if shared_bus else 1  # replicas on one node's memory
+        return data_parallel_s(compute, w, g, bucket, _ring(hw, w), fixed, overlap=not shared_bus) + weight_traffic_s(seq, hw, local, local)
     if name == "split":
         boundary = profile.layers[profile.split_index - 1].output_bytes / 1e6
         return split_s(seq.batch_s(b), b, boundary, _link(hw.link(0, 1)) if hw.devices_per_node > 1 else _link(hw.intra_node))
@@ -252,11 +266,12 @@ def _pipe_batch_s(setup: Setup, hw: HardwareSpec, profile: ModelProfile, seq: Se
     devices = setup.get("devices")
     w, m = len(devices), setup.get("chunks")
     micro = max(1, b // m)
-    weights = seq.weight_s * (1 + (m - 1) * REPLICA_SHARE)
+    traffic = 1 + (m - 1) * REPLICA_SHARE
+    weights = weight_traffic_s(seq, hw, traffic, w) if hw.device_kind == "cpu" else seq.weight_s * traffic / w
     checkpoint = setup.get("checkpoint", "never")
     recomputing = {"never": 0, "except_last": w - 1, "always": w}.get(checkpoint, 0) / w
     per_sample = seq.per_sample_s * (1 + recomputing * FORWARD_SHARE)  # the forward again in backward
-    compute = gpipe_compute_s(m * micro * per_sample, w, m) + (weights if hw.device_kind == "cpu" else weights / w)
+    compute = gpipe_compute_s(m * micro * per_sample, w, m) + weights
     balance = pipe_balance(setup, profile)
     boundaries = [x / 1e6 for x in profile.boundary_bytes(balance)]
     if all(d == "cpu" for d in devices):  # CPU stages: one memory, no link to cross

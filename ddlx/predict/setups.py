@@ -193,64 +193,54 @@ class Cost:
         return self.compute_s + self.overhead_s
 
 
-def model_cost(setup: Setup, job: Job, hw: HardwareSpec, profile: ModelProfile, seq: SequentialTime) -> Cost:
-    """:func:`model_batch_s` split into its compute and overhead parts."""
-    total = model_batch_s(setup, job, hw, profile, seq)
-    compute = min(total, compute_share_s(setup, job, hw, profile, seq))
-    return Cost(compute, total - compute)
-
-
-def compute_share_s(setup: Setup, job: Job, hw: HardwareSpec, profile: ModelProfile, seq: SequentialTime) -> float:
-    """The compute part of a setup's batch time: each worker's share of the forward/backward work."""
-    b, name = job.batch_size, setup.strategy
-    compute = b * seq.per_sample_s
-    if name in ("sequential", "threads"):
-        return compute / setup.get("threads", 1)
-    if name in ("cpu_mp", "ddp_gloo", "ddp_nccl", "mpi"):
-        return compute / (setup.get("processes") or setup.get("ranks"))
-    if name == "split":
-        return compute
-    if name == "hybrid":
-        return compute / setup.get("processes")
-    if name == "pipe":
-        w, m = len(setup.get("devices")), setup.get("chunks")
-        return gpipe_compute_s(m * max(1, b // m) * seq.per_sample_s, w, m)
-    raise ValueError(f"no performance model for strategy {name!r}")
-
-
 def model_batch_s(setup: Setup, job: Job, hw: HardwareSpec, profile: ModelProfile, seq: SequentialTime) -> float:
     """Modelled seconds per global batch of ``setup`` (before calibration)."""
+    return model_cost(setup, job, hw, profile, seq).total_s
+
+
+def model_cost(setup: Setup, job: Job, hw: HardwareSpec, profile: ModelProfile, seq: SequentialTime) -> Cost:
+    """The modelled batch time of ``setup``, split into each worker's share of the forward and
+    backward work (``compute``) and the rest (``overhead``)."""
     b, g = job.batch_size, profile.gradient_mb
     bucket = float(setup.get("bucket_cap_mb", DEFAULT_BUCKET_MB))
     fixed = hw.allreduce_fixed_us * 1e-6
     name = setup.strategy
     shared_bus = hw.device_kind == "cpu"  # replicas of a CPU node share one memory bus
     compute = b * seq.per_sample_s
+    cut_mb = profile.layers[profile.split_index - 1].output_bytes / 1e6
     if name == "sequential":
         threads = setup.get("threads", 1)
-        return compute / threads + weight_traffic_s(seq, hw, 1, threads)
+        return _cost(compute / threads, compute / threads + weight_traffic_s(seq, hw, 1, threads))
     if name == "threads":
         k = setup.get("threads")
-        return threads_s(compute, k) + weight_traffic_s(seq, hw, 1 + (k - 1) * REPLICA_SHARE, k)
+        return _cost(compute / k, threads_s(compute, k) + weight_traffic_s(seq, hw, 1 + (k - 1) * REPLICA_SHARE, k))
     if name == "cpu_mp":
         p = setup.get("processes")
         barrier = hw.intra_node.latency_us * 1e-6
-        return cpu_mp_s(compute, p, g, hw.memory_bandwidth_gb_s * 1e3, barrier) + weight_traffic_s(seq, hw, p, p)
+        total = cpu_mp_s(compute, p, g, hw.memory_bandwidth_gb_s * 1e3, barrier) + weight_traffic_s(seq, hw, p, p)
+        return _cost(compute / p, total)
     if name in ("ddp_gloo", "ddp_nccl", "mpi"):
         w = setup.get("processes") or setup.get("ranks")
         local = min(w, hw.devices_per_node) if shared_bus else 1  # replicas on one node's memory
-        return data_parallel_s(compute, w, g, bucket, _ring(hw, w), fixed, overlap=not shared_bus) + weight_traffic_s(seq, hw, local, local)
+        total = data_parallel_s(compute, w, g, bucket, _ring(hw, w), fixed, overlap=not shared_bus) + weight_traffic_s(seq, hw, local, local)
+        return _cost(compute / w, total)
     if name == "split":
-        boundary = profile.layers[profile.split_index - 1].output_bytes / 1e6
-        return split_s(seq.batch_s(b), b, boundary, _link(hw.link(0, 1)) if hw.devices_per_node > 1 else _link(hw.intra_node))
+        link = _link(hw.link(0, 1)) if hw.devices_per_node > 1 else _link(hw.intra_node)
+        return _cost(compute, split_s(seq.batch_s(b), b, cut_mb, link))
     if name == "pipe":
-        return _pipe_batch_s(setup, hw, profile, seq, b)
+        w, m = len(setup.get("devices")), setup.get("chunks")
+        return _cost(gpipe_compute_s(m * max(1, b // m) * seq.per_sample_s, w, m), _pipe_batch_s(setup, hw, profile, seq, b))
     if name == "hybrid":
         p = setup.get("processes")
-        local = split_s(seq.batch_s(b // p), b // p, profile.layers[profile.split_index - 1].output_bytes / 1e6, _link(hw.link(0, 1)))
+        local = split_s(seq.batch_s(b // p), b // p, cut_mb, _link(hw.link(0, 1)))
         ring = [_link(hw.link(2 * i, 2 * ((i + 1) % p))) for i in range(p)]
-        return hybrid_s(local, p, g, bucket, ring, fixed)
+        return _cost(compute / p, hybrid_s(local, p, g, bucket, ring, fixed))
     raise ValueError(f"no performance model for strategy {name!r}")
+
+
+def _cost(compute_s: float, total_s: float) -> Cost:
+    compute = min(total_s, compute_s)
+    return Cost(compute, total_s - compute)
 
 
 def pipe_balance(setup: Setup, profile: ModelProfile) -> list[int]:

@@ -29,14 +29,14 @@ def machine_tags() -> dict[str, str]:
     """Where a run was measured: the report compares runs of one host only."""
     import torch
 
-    tags = {"host": socket.gethostname(), "cpu_cores": str(len(os.sched_getaffinity(0))), "cpu_model": _cpu_model()}
+    tags = {"host": socket.gethostname(), "cpu_cores": str(len(os.sched_getaffinity(0))), "cpu_model": cpu_model()}
     if torch.cuda.is_available():
         tags["gpus"] = str(torch.cuda.device_count())
         tags["gpu_name"] = torch.cuda.get_device_name(0)
     return tags
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

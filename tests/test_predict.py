@@ -16,7 +16,7 @@ from conftest import CONF_DIR, PROJECT_DIR, subprocess_env
 from ddlx.errors import ConfigError
 from ddlx.measure.report import MeasuredRun, Workload
 from ddlx.predict import perf_models as pm
-from ddlx.predict.cli import hardware
+from ddlx.predict.cli import hardware, load_hw_file
 from ddlx.predict.hardware import HardwareSpec, LinkSpec
 from ddlx.predict.job import Job
 from ddlx.predict.profile import profile_model
@@ -274,9 +274,7 @@ def test_link_probe_writes_a_loadable_hw_file(tmp_path):
     assert path.name == f"probed_{local.host}.yaml"
     assert doc["intra_node"]["bandwidth_gb_s"] > 0 and doc["intra_node"]["latency_us"] > 0
     assert doc["memory_bandwidth_gb_s"] > 0
-    described = OmegaConf.load(path)
-    described.pop("defaults")
-    spec = hardware(OmegaConf.merge(OmegaConf.structured(HardwareSpec), described))
+    spec = hardware(load_hw_file(path))
     assert spec.host == local.host and spec.intra_node.bandwidth_gb_s == doc["intra_node"]["bandwidth_gb_s"]
 
 
@@ -339,3 +337,14 @@ def test_recommend_py_validate_reports_errors_and_picks(tmp_path):
     assert set(result["recommendations"]) == {"alexnet/firesmall 64px b32", "resnet18/firesmall 64px b32", "vgg11/firesmall 64px b32"}
     assert 0 <= result["correct_fraction"] <= 1
     assert (tmp_path / "out" / "validation.json").exists() and (tmp_path / "out" / "predicted_vs_measured.png").exists()
+
+
+def test_json_answer_stays_parseable_when_a_probe_logs(tmp_path):
+    """hw=local with no runs probes a few batches; its log lines go to stderr, not into the JSON."""
+    cmd = [sys.executable, str(PROJECT_DIR / "recommend.py"), "hw=local", "model=alexnet", "output=json",
+           "data.image_size=32", "data.synthetic_size=[40,64]", "data.num_images=48", "data.batch_size=8",
+           "data.num_workers=0", f"paths.root={tmp_path}", f"hydra.run.dir={tmp_path}/out"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=subprocess_env(), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    answer = json.loads(proc.stdout)
+    assert answer["sequential_basis"].startswith("local probe") and "INFO" in proc.stderr

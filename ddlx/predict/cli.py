@@ -53,9 +53,14 @@ def local_hardware(target: HardwareSpec, hw_dir: Path) -> HardwareSpec:
 
         if target.host == socket.gethostname():
             return target
-    described = OmegaConf.load(hw_dir / "local.yaml")
+    return hardware(load_hw_file(hw_dir / "local.yaml"))
+
+
+def load_hw_file(path: Path) -> DictConfig:
+    """A ``conf/hw`` file outside Hydra's composition, on the same typed schema."""
+    described = OmegaConf.load(path)
     described.pop("defaults", None)
-    return hardware(OmegaConf.merge(OmegaConf.structured(HardwareSpec), described))
+    return OmegaConf.merge(OmegaConf.structured(HardwareSpec), described)
 
 
 def job_from_config(cfg: DictConfig) -> Job:

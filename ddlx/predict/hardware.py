@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -58,8 +60,7 @@ class HardwareSpec:
 
     def link(self, a: int, b: int) -> LinkSpec:
         """The link between global devices ``a`` and ``b`` (node-major numbering)."""
-        node_a, node_b = divmod(a, self.devices_per_node)[0], divmod(b, self.devices_per_node)[0]
-        if node_a != node_b:
+        if a // self.devices_per_node != b // self.devices_per_node:
             if self.inter_node is None:
                 raise ConfigError(f"hw={self.name} has {self.nodes} nodes but no inter_node link; describe it")
             return self.inter_node
@@ -109,6 +110,8 @@ def detect_local(spec: HardwareSpec) -> HardwareSpec:
     import psutil
     import torch
 
+    from ..tracking import cpu_model
+
     spec.host = socket.gethostname()
     spec.cores_per_node = len(os.sched_getaffinity(0))
     spec.ram_per_node_gb = psutil.virtual_memory().total / GB
@@ -118,27 +121,38 @@ def detect_local(spec: HardwareSpec) -> HardwareSpec:
         spec.devices_per_node = torch.cuda.device_count()
         spec.memory_per_device_gb = props.total_memory / GB
         spec.peak_tflops = next((v for k, v in GPU_PEAK_TFLOPS.items() if k in props.name.upper()), spec.peak_tflops)
-        spec.memory_bandwidth_gb_s = _copy_gb_s(torch.device("cuda:0"))
+        spec.memory_bandwidth_gb_s = copy_gb_s(torch.device("cuda:0"))
     else:
-        spec.device_kind, spec.device_name = "cpu", _cpu_name()
+        spec.device_kind, spec.device_name = "cpu", cpu_model()
         spec.devices_per_node = spec.cores_per_node
         spec.memory_per_device_gb = spec.ram_per_node_gb
         spec.peak_tflops = core_gemm_tflops()
-        spec.memory_bandwidth_gb_s = _copy_gb_s(torch.device("cpu"))
-        spec.node_memory_bandwidth_gb_s = _copy_gb_s(torch.device("cpu"), threads=spec.cores_per_node)
+        spec.memory_bandwidth_gb_s = copy_gb_s(torch.device("cpu"))
+        spec.node_memory_bandwidth_gb_s = copy_gb_s(torch.device("cpu"), threads=spec.cores_per_node)
     return spec
 
 
-def _copy_gb_s(device, mb: int = 64, repeats: int = 7, threads: int = 1) -> float:
+@contextmanager
+def intra_op_threads(threads: int) -> Iterator[None]:
+    """Run a measurement on ``threads`` intra-op threads, then give the process its own back."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def copy_gb_s(device, mb: int = 64, repeats: int = 7, threads: int = 1) -> float:
     """Bytes read + written per second by a tensor copy on ``device`` (one core on CPU): the best
     of ``repeats`` copies, as STREAM reports, so a moment of contention does not set the figure."""
     import time
 
     import torch
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with intra_op_threads(threads):
         src = torch.ones(mb * 2**20 // 4, device=device)
         dst = torch.empty_like(src)
         dst.copy_(src)
@@ -151,9 +165,7 @@ def _copy_gb_s(device, mb: int = 64, repeats: int = 7, threads: int = 1) -> floa
             if device.type == "cuda":
                 torch.cuda.synchronize()
             best = min(best, time.perf_counter() - start)
-        return 2 * src.numel() * 4 / best / 1e9
-    finally:
-        torch.set_num_threads(before)
+    return 2 * src.numel() * 4 / best / 1e9
 
 
 def core_gemm_tflops(size: int = 512, repeats: int = 8) -> float:
@@ -162,21 +174,13 @@ def core_gemm_tflops(size: int = 512, repeats: int = 8) -> float:
 
     import torch
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with intra_op_threads(1):
         a, b = torch.randn(size, size), torch.randn(size, size)
         a @ b  # warm-up
         start = time.perf_counter()
         for _ in range(repeats):
             a @ b
         seconds = time.perf_counter() - start
-    finally:
-        torch.set_num_threads(threads)
     return 2 * size**3 * repeats / seconds / 1e12
 
 
-def _cpu_name() -> str:
-    from ..tracking import machine_tags
-
-    return machine_tags()["cpu_model"]

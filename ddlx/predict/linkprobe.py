@@ -4,7 +4,7 @@ p2pBandwidthLatencyTest; this measures what ddlx's strategies actually use).
 - between processes: a gloo allreduce between two local processes over a range of sizes; the
   two-worker ring costs 2 L + S / BW (Eq. 5.1 with W = 2), so a least-squares line through
   (S, t) gives the latency L (half the intercept; it includes the fixed per-call cost) and BW;
-- a core's memory copy bandwidth (cpu_mp's shared-memory averaging, pipeline stages on CPU);
+- the copy bandwidths of one core and of all cores come from the detected spec (hw=local);
 - on CUDA: device-to-device copies between every GPU pair (latency from 4-byte copies,
   bandwidth from 64 MB ones).
 """
@@ -14,13 +14,15 @@ import os
 import socket
 import statistics
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .hardware import _copy_gb_s
+from .hardware import HardwareSpec
+
 
 SIZES_BYTES = (4, 64 * 2**10, 2**20, 8 * 2**20, 32 * 2**20)
 
@@ -99,33 +101,23 @@ def _timed(fn, a: int, b: int, repeats: int) -> float:
     return (time.perf_counter() - start) / repeats
 
 
-def write_probed_hw(spec, hw_dir: Path) -> tuple[Path, dict]:
-    """Measure and write ``conf/hw/probed_<host>.yaml``: the detected local spec with measured links."""
+def write_probed_hw(spec: HardwareSpec, hw_dir: Path) -> tuple[Path, dict]:
+    """Measure the links and write ``conf/hw/probed_<host>.yaml``: the detected local spec (its
+    cores, memory, GEMM rate and copy bandwidths as hw=local measured them) with measured links."""
     import yaml
 
     latency_us, bandwidth, raw = process_link()
-    spec.memory_bandwidth_gb_s = round(_copy_gb_s(torch.device("cpu"), mb=256), 2)
     doc = {
         "defaults": ["schema", "_self_"],
+        **asdict(spec),
         "name": f"probed_{spec.host}",
-        "host": spec.host,
+        "detect": False,
         "nodes": 1,
-        "device_kind": spec.device_kind,
-        "device_name": spec.device_name,
-        "devices_per_node": spec.devices_per_node,
-        "cores_per_node": spec.cores_per_node,
-        "memory_per_device_gb": round(spec.memory_per_device_gb, 2),
-        "ram_per_node_gb": round(spec.ram_per_node_gb, 2),
-        "peak_tflops": round(spec.peak_tflops, 4),
-        "memory_bandwidth_gb_s": spec.memory_bandwidth_gb_s,
-        "node_memory_bandwidth_gb_s": round(_copy_gb_s(torch.device("cpu"), mb=256, threads=spec.cores_per_node), 2),
         "allreduce_fixed_us": 0.0,  # folded into the measured latency
         "intra_node": {"bandwidth_gb_s": round(bandwidth, 3), "latency_us": round(latency_us, 2)},
-        "intra_node_pairs": [],
+        "intra_node_pairs": gpu_pairs() if torch.cuda.is_available() and torch.cuda.device_count() > 1 else [],
         "inter_node": None,
     }
-    if torch.cuda.is_available() and torch.cuda.device_count() > 1:
-        doc["intra_node_pairs"] = gpu_pairs()
     path = hw_dir / f"probed_{spec.host}.yaml"
     header = (f"# Written by `python recommend.py mode=probe` on {spec.host} at {time.strftime('%Y-%m-%d %H:%M')}.\n"
               f"# gloo allreduce, 2 processes, (bytes, s): {[(s, round(t, 6)) for s, t in raw]}\n")

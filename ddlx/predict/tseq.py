@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from ..measure.report import MeasuredRun
-from .hardware import HardwareSpec
+from .hardware import HardwareSpec, intra_op_threads
 from .job import Job, measured_per_batch_s, on_hardware, same_network, usable
 from .profile import ModelProfile
 from .setups import SequentialTime, calibration_group, setup_of_run, weight_seconds
@@ -98,9 +98,7 @@ def probe_batches(cfg_data, model: str, threads: int = 1, max_seconds: float = 3
         dm.prepare_data()
         dm.setup("fit")
         device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-        before = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
+        with intra_op_threads(threads):
             net = build_model(model, cfg_data.num_classes, cfg_data.channels, cfg_data.image_size, None).to(device)
             opt = torch.optim.SGD(net.parameters(), lr=0.001, momentum=0.9)
             loss_fn = torch.nn.CrossEntropyLoss()
@@ -118,8 +116,6 @@ def probe_batches(cfg_data, model: str, threads: int = 1, max_seconds: float = 3
                 start = now
                 if len(times) >= n or (len(times) >= 2 and now - spent > max_seconds):
                     break
-            return times
-        finally:
-            torch.set_num_threads(before)
+        return times
 
     return run

@@ -128,11 +128,16 @@ def to_measured_run(run) -> MeasuredRun:
     )
 
 
+def store_exists(tracking_uri: str) -> bool:
+    """False for an SQLite store whose file is not there (opening it would create an empty one)."""
+    return not tracking_uri.startswith("sqlite:///") or Path(tracking_uri[len("sqlite:///"):]).is_file()
+
+
 def load_runs(tracking_uri: str, experiments: list[str], sweep_id: str | None = None) -> list[MeasuredRun]:
     """Every run of ``experiments`` (or only those of ``sweep_id``; ``latest`` = the newest sweep)."""
     from mlflow.tracking import MlflowClient
 
-    if tracking_uri.startswith("sqlite:///") and not Path(tracking_uri[len("sqlite:///"):]).is_file():
+    if not store_exists(tracking_uri):
         raise ValueError(f"no MLflow store at {tracking_uri}: train first (python train.py ...) or pass --tracking-uri")
     client = MlflowClient(tracking_uri)
     ids = []

@@ -10,7 +10,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from ..errors import ConfigError
-from ..measure.report import load_runs
+from ..measure.report import load_runs, store_exists
 from ..tracking import check_tracking_uri
 from .hardware import HardwareSpec, detect_local, validate
 from .job import Job
@@ -76,7 +76,7 @@ def job_from_config(cfg: DictConfig) -> Job:
 
 def measured_runs(cfg: DictConfig) -> tuple[list, str]:
     uri = cfg.logger.tracking_uri
-    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).is_file():
+    if not store_exists(uri):
         return [], f"no MLflow store at {uri}"
     check_tracking_uri(uri)
     runs, missing = [], []

@@ -75,6 +75,19 @@ def test_a_different_batch_is_a_different_workload(store):
     assert len(b16) == 1 and b16[0].speedup == pytest.approx(1.0), "not compared with the batch-32 runs"
 
 
+def test_workloads_sharing_a_short_label_are_named_apart(store):
+    client = MlflowClient(store)
+    exp = client.get_experiment_by_name("ddlx").experiment_id
+    _log(client, exp, "sequential", 90.0, tags={"threads": "1"}, params={"data.num_images": "800"})
+    built = report.build_report(report.load_runs(store, ["ddlx"]))
+    base = [r for r in built.rows if r.setup == "sequential threads=1" and r.workload.model == "alexnet"
+            and r.workload.batch_size == "32"]
+    assert sorted(built.label(r.workload) for r in base) == [
+        "alexnet/firesmall 64px b32 num_images=200", "alexnet/firesmall 64px b32 num_images=800"]
+    assert all(r.speedup == pytest.approx(1.0) for r in base), "each compared with its own baseline"
+    assert "num_images=800" in report.to_markdown(built)
+
+
 def test_sweep_filter_and_latest(store):
     assert {r.sweep_id for r in report.load_runs(store, ["ddlx"], "multirun/a")} == {"multirun/a"}
     assert {r.sweep_id for r in report.load_runs(store, ["ddlx"], "latest")} == {"multirun/b"}

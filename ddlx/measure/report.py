@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import io
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import median
@@ -94,6 +95,28 @@ class Report:
     missing_baselines: list[str] = field(default_factory=list)
     failed: list[MeasuredRun] = field(default_factory=list)
     unmeasured: list[MeasuredRun] = field(default_factory=list)
+    labels: dict[Workload, str] = field(default_factory=dict)
+
+    def label(self, workload: Workload) -> str:
+        return self.labels.get(workload, workload.label)
+
+
+# What tells apart workloads whose short labels (model/data, size, batch) coincide.
+DISTINGUISHING_FIELDS = ("num_images", "num_workers", "limit_train_batches", "root", "host")
+
+
+def distinct_labels(workloads: Iterable[Workload]) -> dict[Workload, str]:
+    """Each workload's short label, followed by the fields whose values differ among the
+    workloads sharing it (``alexnet/firesmall 64px b32 num_images=400``), so no two coincide."""
+    by_label: dict[str, set[Workload]] = defaultdict(set)
+    for workload in workloads:
+        by_label[workload.label].add(workload)
+    labels = {}
+    for label, group in by_label.items():
+        differing = [f for f in DISTINGUISHING_FIELDS if len({getattr(w, f) for w in group}) > 1]
+        for workload in group:
+            labels[workload] = label + "".join(f" {f}={getattr(workload, f)}" for f in differing)
+    return labels
 
 
 def setup_label(tags: dict[str, str], params: dict[str, str] | None = None) -> str:
@@ -106,16 +129,18 @@ def setup_label(tags: dict[str, str], params: dict[str, str] | None = None) -> s
     return " ".join([tags.get("strategy", "?"), *knobs])
 
 
+def workload_of(params: dict[str, str], tags: dict[str, str]) -> Workload:
+    return Workload(tags.get("host", "?"), *(str(params.get(k, "")) for k in WORKLOAD_PARAMS),
+                    use_case=tags.get("use_case", ""))
+
+
 def to_measured_run(run) -> MeasuredRun:
     """One MLflow run (``mlflow.entities.Run``) as the report sees it."""
     p, t, m = run.data.params, run.data.tags, run.data.metrics
-    workload = Workload(
-        t.get("host", "?"), *(str(p.get(k, "")) for k in WORKLOAD_PARAMS), use_case=t.get("use_case", "")
-    )
     return MeasuredRun(
         run_id=run.info.run_id,
         status=run.info.status,
-        workload=workload,
+        workload=workload_of(p, t),
         device=t.get("accelerator", p.get("trainer.accelerator", "cpu")),
         strategy=t.get("strategy", "?"),
         setup=setup_label(t, p),
@@ -160,7 +185,7 @@ def load_runs(tracking_uri: str, experiments: list[str], sweep_id: str | None = 
 
 
 def build_report(runs: list[MeasuredRun]) -> Report:
-    report = Report()
+    report = Report(labels=distinct_labels(run.workload for run in runs))
     groups: dict[tuple[Workload, str], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     baselines: dict[tuple[Workload, str], list[float]] = defaultdict(list)
     for run in runs:
@@ -172,11 +197,11 @@ def build_report(runs: list[MeasuredRun]) -> Report:
             groups[run.workload, run.device][run.setup].append(run.mean_epoch_time_s)
             if run.is_baseline:
                 baselines[run.workload, run.device].append(run.mean_epoch_time_s)
-    for (workload, device), setups in sorted(groups.items(), key=lambda kv: (kv[0][0].label, kv[0][1])):
+    for (workload, device), setups in sorted(groups.items(), key=lambda kv: (report.label(kv[0][0]), kv[0][1])):
         base = median(baselines[workload, device]) if baselines[workload, device] else None
         if base is None:
             report.missing_baselines.append(
-                f"{workload.label} on {device} ({workload.host}): no finished {BASELINE_LABEL.get(device, 'sequential')} "
+                f"{report.label(workload)} on {device} ({workload.host}): no finished {BASELINE_LABEL.get(device, 'sequential')} "
                 f"run, so no speedups; measure it with: {workload.baseline_command(device)}"
             )
         for setup, times in sorted(setups.items(), key=lambda kv: median(kv[1]), reverse=True):
@@ -190,13 +215,13 @@ def build_report(runs: list[MeasuredRun]) -> Report:
 COLUMNS = ("use case", "device", "setup", "runs", "mean epoch s", "speedup")
 
 
-def _cells(row: Row) -> list[str]:
+def _cells(report: Report, row: Row) -> list[str]:
     speedup = f"{row.speedup:.2f}x" if row.speedup is not None else "n/a"
-    return [row.workload.label, row.device, row.setup, str(row.runs), f"{row.mean_epoch_time_s:.2f}", speedup]
+    return [report.label(row.workload), row.device, row.setup, str(row.runs), f"{row.mean_epoch_time_s:.2f}", speedup]
 
 
 def to_text(report: Report) -> str:
-    table = [list(COLUMNS)] + [_cells(r) for r in report.rows]
+    table = [list(COLUMNS)] + [_cells(report, r) for r in report.rows]
     widths = [max(len(line[i]) for line in table) for i in range(len(COLUMNS))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths)) for line in table]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -206,12 +231,12 @@ def to_text(report: Report) -> str:
 def to_markdown(report: Report) -> str:
     """The long table, then the paper's shape: setups x use cases (per device kind), speedups."""
     out = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    out += ["| " + " | ".join(_cells(r)) + " |" for r in report.rows]
+    out += ["| " + " | ".join(_cells(report, r)) + " |" for r in report.rows]
     for device in sorted({r.device for r in report.rows}):
         rows = [r for r in report.rows if r.device == device]
-        cases = sorted({r.workload.label for r in rows})
+        cases = sorted({report.label(r.workload) for r in rows})
         setups = sorted({r.setup for r in rows})
-        value = {(r.setup, r.workload.label): r.speedup for r in rows}
+        value = {(r.setup, report.label(r.workload)): r.speedup for r in rows}
         out += ["", f"Speedup over {BASELINE_LABEL.get(device, 'sequential')} on {device}:", "",
                 "| setup | " + " | ".join(cases) + " |", "|---|" + "---|" * len(cases)]
         for setup in setups:
@@ -237,10 +262,10 @@ def _notes(report: Report) -> list[str]:
     for line in report.missing_baselines:
         notes.append(f"missing baseline: {line}")
     for run in report.failed:
-        notes.append(f"failed: {run.workload.label} {run.setup} (run {run.run_id}): {run.error or 'no error recorded'}")
+        notes.append(f"failed: {report.label(run.workload)} {run.setup} (run {run.run_id}): {run.error or 'no error recorded'}")
     for run in report.unmeasured:
         why = "no mean_epoch_time_s" if run.status == "FINISHED" else f"status {run.status}"
-        notes.append(f"not counted: {run.workload.label} {run.setup} (run {run.run_id}): {why}")
+        notes.append(f"not counted: {report.label(run.workload)} {run.setup} (run {run.run_id}): {why}")
     return notes
 
 
@@ -252,14 +277,14 @@ def plot(report: Report, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     rows = [r for r in report.rows if r.speedup is not None]
-    groups = sorted({(r.workload.label, r.device) for r in rows})
+    groups = sorted({(report.label(r.workload), r.device) for r in rows})
     setups = sorted({r.setup for r in rows})
     fig, ax = plt.subplots(figsize=(max(6.0, 3 + 0.4 * len(groups) * len(setups)), 4.5))
     width = 0.8 / max(1, len(setups))
     for i, setup in enumerate(setups):
         xs, ys = [], []
         for g, (label, device) in enumerate(groups):
-            match = [r.speedup for r in rows if (r.workload.label, r.device, r.setup) == (label, device, setup)]
+            match = [r.speedup for r in rows if (report.label(r.workload), r.device, r.setup) == (label, device, setup)]
             if match:
                 xs.append(g + i * width)
                 ys.append(match[0])

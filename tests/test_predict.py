@@ -14,14 +14,14 @@ from omegaconf import OmegaConf
 
 from conftest import CONF_DIR, PROJECT_DIR, subprocess_env
 from ddlx.errors import ConfigError
-from ddlx.measure.report import MeasuredRun, Workload
+from ddlx.measure.report import MeasuredRun, workload_of
 from ddlx.predict import perf_models as pm
 from ddlx.predict.cli import hardware, load_hw_file
 from ddlx.predict.hardware import HardwareSpec, LinkSpec
 from ddlx.predict.job import Job
 from ddlx.predict.profile import profile_model
-from ddlx.predict.recommender import Predictor, validate
-from ddlx.predict.setups import SequentialTime, Setup, memory_need, model_batch_s
+from ddlx.predict.recommender import Predictor, ValidationRow, pick, validate
+from ddlx.predict.setups import SequentialTime, Setup, memory_need, model_batch_s, setup_of_run
 
 FAST = pm.Link(latency_s=1e-5, bandwidth_mb_s=1000.0)  # 10 µs, 1 GB/s
 SLOW = pm.Link(latency_s=1e-4, bandwidth_mb_s=100.0)
@@ -122,20 +122,30 @@ def test_recommendation_ranks_fitting_setups_first():
     assert "assumed efficiency" in rec.sequential.basis and "no measured gpu baseline" in rec.sequential.basis
 
 
+def test_close_calls_are_the_fitting_setups_within_the_band_of_the_best():
+    gpu = _hw(device_kind="gpu", memory_per_device_gb=8, devices_per_node=4, peak_tflops=10.0)
+    rec = Predictor(gpu, []).recommend(Job("vgg16", "firesmall", 3, 3, 224, 256, 633))
+    fitting = [p for p in rec.predictions if p.memory.fits]
+    runner_up = fitting[1].epoch_s / fitting[0].epoch_s - 1
+    assert rec.close_calls(runner_up / 2) == []
+    assert rec.close_calls(runner_up * 1.001)[0] is fitting[1]
+    assert all(p.memory.fits for p in rec.close_calls(10.0)) and rec.best not in rec.close_calls(10.0)
+
+
 def _run(run_id: str, setup: Setup, params: dict, epoch_s: float, host: str = "test-host") -> MeasuredRun:
     strategy_params = {f"strategy.{k}": str(v) for k, v in setup.knobs if k != "devices"}
     tags = {"strategy": setup.strategy, "host": host, "accelerator": "cpu"}
     if setup.get("devices"):
         tags["devices"] = ",".join(setup.get("devices"))
     samples = int(params["train"])
-    return MeasuredRun(run_id, "FINISHED", Workload(*["x"] * 9), "cpu", setup.strategy, setup.label, epoch_s,
+    return MeasuredRun(run_id, "FINISHED", workload_of(params, tags), "cpu", setup.strategy, setup.label, epoch_s,
                        params={**{k: v for k, v in params.items() if k != "train"}, **strategy_params}, tags=tags,
                        metrics={"mean_epoch_time_s": epoch_s, "mean_samples_per_s": samples / epoch_s})
 
 
 def _workload_params(model: str, size: int) -> dict:
     return {"model.name": model, "data.name": "firesmall", "data.num_classes": "3", "data.channels": "3",
-            "data.image_size": str(size), "data.batch_size": "32", "train": "320"}
+            "data.image_size": str(size), "data.batch_size": "32", "data.num_images": "400", "train": "320"}
 
 
 SETUPS = [Setup("sequential", (("threads", 1),)), Setup("threads", (("threads", 2),)),
@@ -188,6 +198,53 @@ def test_leave_one_out_recovers_consistent_runs_and_picks_the_fastest():
     assert max(abs(r.error) for r in rows) < 1e-6
     assert sorted(set(probe_calls)) == ["alexnet", "resnet18", "vgg11"], "held-out baselines are probed"
     assert len(picks) == 3 and all(p.correct and p.slowdown == 0 for p in picks.values())
+
+
+def test_a_probe_is_put_on_the_runs_footing_by_a_reference_probed_in_the_same_sitting():
+    """The machine is 25% faster now than when the runs were taken: every probe reads 0.8 x the
+    runs' time. Scaled by a measured workload probed alongside, the held-out baseline comes out
+    right; and a run at another batch is not preferred to the probe."""
+    hw = _hw()
+    runs = _consistent_runs(hw)
+
+    def probe(job):
+        def batches(n):
+            (base,) = [r for r in runs if r.params["model.name"] == job.model and r.strategy == "sequential"]
+            return [0.8 * base.mean_epoch_time_s / job.steps] * n
+        return batches
+
+    rows, _ = validate(Predictor(hw, runs, local=hw, probe=probe))
+    baselines = [r for r in rows if r.group == "sequential"]
+    assert len(baselines) == 3 and max(abs(r.error) for r in baselines) < 1e-6
+    assert all("x 1.25: measured/probed ratio of" in r.basis for r in baselines)
+    b16 = Job("alexnet", "firesmall", 3, 3, 64, 16, 320)
+    seq = Predictor(hw, runs, local=hw, probe=probe).sequential(b16, hw, runs)
+    assert seq.basis.startswith("local probe"), "a probe of the batch itself beats scaling batch 32 per sample"
+    assert Predictor(hw, runs).sequential(b16, hw, runs).basis.startswith("measured (1 run, batch 32, scaled per sample")
+
+
+def test_a_pick_says_when_the_repeats_cannot_tell_the_setups_apart():
+    def row(setup, predicted, runs):
+        return ValidationRow("", "w", setup, setup, sorted(runs)[len(runs) // 2], predicted, "", min(runs), max(runs))
+
+    noisy = pick([row("a", 1.0, [9.0, 10.0, 12.0]), row("b", 2.0, [9.4, 9.5, 9.6]), row("c", 3.0, [20.0])])
+    assert (noisy.recommended, noisy.fastest, noisy.correct) == ("a", "b", False)
+    assert noisy.slowdown == pytest.approx(10.0 / 9.5 - 1) and noisy.overlapping
+    clear = pick([row("a", 1.0, [10.0, 10.2]), row("b", 2.0, [9.4, 9.6])])
+    assert not clear.correct and not clear.overlapping
+    right = pick([row("a", 1.0, [9.0]), row("b", 2.0, [9.5])])
+    assert right.correct and not right.overlapping
+
+
+def test_validation_keeps_workloads_apart_that_differ_only_in_dataset_size():
+    hw = _hw()
+    runs = _consistent_runs(hw)
+    bigger = [_run(f"{r.run_id}-n800", setup_of_run(r.params, r.tags), {**r.params, "data.num_images": "800", "train": "640"},
+                   2 * r.mean_epoch_time_s, host=hw.host) for r in runs if r.params["model.name"] == "alexnet"]
+    rows, picks = validate(Predictor(hw, runs + bigger, local=hw))
+    alexnet = sorted(w for w in picks if w.startswith("alexnet"))
+    assert alexnet == ["alexnet/firesmall 64px b32 num_images=400", "alexnet/firesmall 64px b32 num_images=800"]
+    assert len(rows) == len(runs) + len(bigger), "the n=800 runs are their own configurations, not repeats"
 
 
 def test_runs_of_another_machine_are_not_this_machines_measurements():
@@ -251,6 +308,10 @@ def test_recommend_py_answers_as_json_with_no_runs(tmp_path):
     assert {"sequential", "ddp_nccl", "split", "pipe", "hybrid"} <= setups
     assert answer["recommended"]["fits"] and answer["recommended"]["predicted_epoch_s"] > 0
     assert all({"predicted_epoch_s", "speedup", "memory_per_device_gb", "fits", "basis"} <= set(p) for p in answer["predictions"])
+    best = answer["recommended"]["predicted_epoch_s"]
+    close = {p["setup"] for p in answer["close_calls"]}
+    assert close == {p["setup"] for p in answer["predictions"] if p["fits"] and p["setup"] != answer["recommended"]["setup"]
+                     and p["predicted_epoch_s"] <= best * (1 + answer["close_call_band"])}
     from conftest import runs
 
     (logged,) = runs(f"sqlite:///{tmp_path / 'mlflow.db'}", "recommendations")

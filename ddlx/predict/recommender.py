@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import yaml
 from omegaconf import OmegaConf
 
-from ..measure.report import MeasuredRun
+from ..measure.report import MeasuredRun, distinct_labels
 from .hardware import HardwareSpec
 from .job import Job, measured_per_batch_s, on_hardware, usable
 from .profile import ModelProfile, profile_model
@@ -32,7 +32,7 @@ from .setups import (
     model_cost,
     setup_of_run,
 )
-from .tseq import efficiency_from_runs, from_flops, from_probe, from_runs
+from .tseq import efficiency_from_runs, from_flops, from_probe, from_runs, is_one_device_baseline, rescaled
 
 Probe = Callable[[Job], Callable[[int], list[float]]]
 MIN_RUNS_FOR_TWO_TERMS = 3
@@ -140,6 +140,14 @@ class Recommendation:
     def best(self) -> Prediction | None:
         return next((p for p in self.predictions if p.memory.fits), None)
 
+    def close_calls(self, band: float) -> list[Prediction]:
+        """The other setups that fit and are predicted within ``band`` (a fraction) of the best:
+        inside the models' error, so the ranking among them is not settled by prediction."""
+        best = self.best
+        if best is None:
+            return []
+        return [p for p in self.predictions if p is not best and p.memory.fits and p.epoch_s <= best.epoch_s * (1 + band)]
+
 
 def profile_of_job(job: Job) -> ModelProfile:
     return profile_model(job.model, job.num_classes, job.channels, job.image_size)
@@ -157,15 +165,38 @@ class Predictor:
     # -- sequential time ------------------------------------------------------------------
     def sequential(self, job: Job, hw: HardwareSpec, runs: Sequence[MeasuredRun]) -> SequentialTime:
         profile = profile_of_job(job)
-        measured = from_runs(job, hw, runs, profile)
+        can_probe = self.probe is not None and self.local is not None and hw is self.local
+        measured = from_runs(job, hw, runs, profile, other_batch=not can_probe)
         if measured is not None:
             return measured
-        if self.probe is not None and self.local is not None and hw is self.local:
-            if job not in self._probed:
-                self._probed[job] = from_probe(job, hw, profile, self.probe(job))
-            return self._probed[job]
+        if can_probe:
+            return self._referenced_probe(job, hw, runs)
         effs = efficiency_from_runs(runs, self._hw_of_run, lambda r: profile_of_job(Job.from_run(r)), hw.device_kind)
         return from_flops(job, hw, profile, effs)
+
+    def _probed_time(self, job: Job, hw: HardwareSpec) -> SequentialTime:
+        if job not in self._probed:
+            self._probed[job] = from_probe(job, hw, profile_of_job(job), self.probe(job))
+        return self._probed[job]
+
+    def _referenced_probe(self, job: Job, hw: HardwareSpec, runs: Sequence[MeasuredRun]) -> SequentialTime:
+        """The probe of ``job``, put on the footing of the measured runs: this machine's speed drifts
+        by 10-25% between sittings, so a reference workload with measured one-device runs is
+        probed in the same sitting and the job's probe scaled by that workload's measured/probed
+        ratio. The reference: the same network if measured at another size or batch, else the
+        workload with the most baseline runs (the steadiest median), the quickest to probe on ties."""
+        probed = self._probed_time(job, hw)
+        measured: dict[Job, list[float]] = defaultdict(list)
+        for run in runs:
+            if usable(run) and on_hardware(run, hw) and is_one_device_baseline(run) and Job.from_run(run) != job:
+                measured[Job.from_run(run)].append(measured_per_batch_s(run))
+        if not measured:
+            return probed
+        ref = min(measured, key=lambda j: (j.model != job.model, -len(measured[j]), statistics.median(measured[j])))
+        ratio = statistics.median(measured[ref]) / self._probed_time(ref, hw).batch_s(ref.batch_size)
+        why = (f"measured/probed ratio of {ref.model} {ref.image_size}px b{ref.batch_size} "
+               f"({len(measured[ref])} run(s)) probed in the same sitting")
+        return rescaled(probed, job.batch_size, ratio, why)
 
     def _hw_of_run(self, run: MeasuredRun) -> HardwareSpec | None:
         for hw in (self.hw, self.local):
@@ -234,18 +265,15 @@ class ValidationRow:
     workload: str
     setup: str
     group: str
-    measured_s: float
+    measured_s: float  # median of the configuration's runs
     predicted_s: float
     basis: str
+    fastest_run_s: float = 0.0  # the configuration's fastest and slowest run
+    slowest_run_s: float = 0.0
 
     @property
     def error(self) -> float:
         return (self.predicted_s - self.measured_s) / self.measured_s
-
-
-def workload_key(run: MeasuredRun) -> str:
-    p = run.params
-    return f"{p['model.name']}/{p['data.name']} {p['data.image_size']}px b{p['data.batch_size']}"
 
 
 @dataclass
@@ -256,6 +284,9 @@ class Pick:
     recommended: str
     fastest: str
     slowdown: float  # measured(recommended) / measured(fastest) - 1
+    # The two setups' repeated runs overlap (the recommended one's fastest run beat the fastest
+    # setup's slowest): on this machine's noise the measurements do not tell them apart.
+    overlapping: bool = False
 
     @property
     def correct(self) -> bool:
@@ -270,8 +301,10 @@ def validate(predictor: Predictor) -> tuple[list[ValidationRow], dict[str, Pick]
     Returns the rows and, per workload with two or more measured setups, the recommendation made
     from the leave-one-out predictions against the measured fastest."""
     configs: dict[tuple[str, str], list[MeasuredRun]] = defaultdict(list)
-    for run in [r for r in predictor.runs if on_hardware(r, predictor.hw)]:
-        configs[workload_key(run), setup_of_run(run.params, run.tags).label].append(run)
+    target = [r for r in predictor.runs if on_hardware(r, predictor.hw)]
+    labels = distinct_labels(r.workload for r in target)  # the report's workloads, named apart
+    for run in target:
+        configs[labels[run.workload], setup_of_run(run.params, run.tags).label].append(run)
     rows = []
     for (workload, label), group in sorted(configs.items()):
         ids = {r.run_id for r in group}
@@ -279,19 +312,20 @@ def validate(predictor: Predictor) -> tuple[list[ValidationRow], dict[str, Pick]
         job = Job.from_run(group[0])
         rec = predictor.recommend(job, [setup], exclude=lambda r, ids=ids: r.run_id in ids)
         (pred,) = rec.predictions
-        measured = statistics.median(r.metrics["mean_epoch_time_s"] for r in group)
-        rows.append(ValidationRow(",".join(sorted(ids)), workload, label, calibration_group(setup), measured, pred.epoch_s,
-                                  pred.basis))
+        times = [r.metrics["mean_epoch_time_s"] for r in group]
+        rows.append(ValidationRow(",".join(sorted(ids)), workload, label, calibration_group(setup), statistics.median(times),
+                                  pred.epoch_s, pred.basis, min(times), max(times)))
     by_workload: dict[str, list[ValidationRow]] = defaultdict(list)
     for row in rows:
         by_workload[row.workload].append(row)
-    picks: dict[str, Pick] = {}
-    for workload, group in by_workload.items():
-        if len(group) < 2:
-            continue
-        rec_row, fastest = min(group, key=lambda r: r.predicted_s), min(group, key=lambda r: r.measured_s)
-        picks[workload] = Pick(rec_row.setup, fastest.setup, rec_row.measured_s / fastest.measured_s - 1)
-    return rows, picks
+    return rows, {workload: pick(group) for workload, group in by_workload.items() if len(group) >= 2}
+
+
+def pick(rows: Sequence[ValidationRow]) -> Pick:
+    """One workload's recommendation (the least predicted time) against its measured fastest."""
+    recommended, fastest = min(rows, key=lambda r: r.predicted_s), min(rows, key=lambda r: r.measured_s)
+    return Pick(recommended.setup, fastest.setup, recommended.measured_s / fastest.measured_s - 1,
+                recommended is not fastest and recommended.fastest_run_s <= fastest.slowest_run_s)
 
 
 def data_config_from_params(params: dict[str, str]):

@@ -1,10 +1,12 @@
 """The sequential time T_seq of a job on one device, in order of preference (source 004 ch. 4):
 
-1. measured: ddlx runs of this network on this hardware on one device (``sequential``,
-   one core or one GPU), the same batch preferred;
+1. measured: ddlx runs of this network and batch on this hardware on one device
+   (``sequential``, one core or one GPU);
 2. probe: when the hardware is this machine, train a few batches here (the thesis' statistical
-   model: per-batch time is stable within seconds, so extrapolate);
-3. scaled: counted training FLOPs / (the device's peak x an efficiency calibrated from the
+   model: per-batch time is stable within seconds, so extrapolate), scaled by a measured
+   workload probed in the same sitting (the machine's speed drifts between sittings);
+3. measured at another batch, scaled per sample;
+4. scaled: counted training FLOPs / (the device's peak x an efficiency calibrated from the
    measured baselines on hardware whose peak is known; a stated default when there are none).
 
 Every result says which one it is.
@@ -30,12 +32,15 @@ def is_one_device_baseline(run: MeasuredRun) -> bool:
     return calibration_group(setup_of_run(run.params, run.tags)) == "sequential"
 
 
-def from_runs(job: Job, hw: HardwareSpec, runs: Sequence[MeasuredRun], profile: ModelProfile) -> SequentialTime | None:
+def from_runs(job: Job, hw: HardwareSpec, runs: Sequence[MeasuredRun], profile: ModelProfile,
+              other_batch: bool = True) -> SequentialTime | None:
+    """From baselines of the same batch; with ``other_batch``, else from another batch scaled per
+    sample (which misses how per-sample cost changes with the batch: 6-24% off here)."""
     base = [r for r in runs if usable(r) and on_hardware(r, hw) and same_network(r, job) and is_one_device_baseline(r)]
-    if not base:
-        return None
     same_batch = [r for r in base if int(r.params["data.batch_size"]) == job.batch_size]
-    chosen = same_batch or base
+    chosen = same_batch or (base if other_batch else [])
+    if not chosen:
+        return None
     weights = weight_seconds(profile.params, hw)
     per_sample = statistics.median(
         (measured_per_batch_s(r) - weights) / int(r.params["data.batch_size"]) for r in chosen
@@ -52,6 +57,13 @@ def from_probe(job: Job, hw: HardwareSpec, profile: ModelProfile, train_batches:
     weights = weight_seconds(profile.params, hw)
     return SequentialTime(max((batch_s - weights) / job.batch_size, 1e-9), weights,
                           f"local probe ({len(times)} batches, median {batch_s:.3f} s)")
+
+
+def rescaled(probed: SequentialTime, batch: int, ratio: float, why: str) -> SequentialTime:
+    """``probed`` with its batch time multiplied by ``ratio`` (the weight term, a modelled
+    constant, stays; the per-sample part absorbs the change)."""
+    per_sample = (ratio * probed.batch_s(batch) - probed.weight_s) / batch
+    return SequentialTime(max(per_sample, 1e-9), probed.weight_s, f"{probed.basis} x {ratio:.2f}: {why}")
 
 
 def efficiency_from_runs(runs: Sequence[MeasuredRun], hw_of_run: Callable[[MeasuredRun], HardwareSpec | None],

@@ -16,7 +16,8 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 
 from .data import ImageFolderDataModule
 from .errors import ConfigError
-from .measure import EpochTimer, ResourceMonitor
+from .measure.resources import ResourceMonitor
+from .measure.timing import EpochTimer
 from .models import build_model
 from .module import ClassifierModule
 from .predict.memory import GIB, estimate_training_memory

@@ -10,11 +10,12 @@ import urllib.request
 from collections.abc import Mapping
 from contextlib import closing
 from pathlib import Path
-from typing import Any
-
-from pytorch_lightning.loggers import MLFlowLogger
+from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError
+
+if TYPE_CHECKING:  # Lightning is imported where a logger is made, not by every tracking check
+    from pytorch_lightning.loggers import MLFlowLogger
 
 # The paper's two use cases (source 000, section 3.1).
 USE_CASES = {("vgg16", "firesmall"): "complexsmall", ("alexnet", "firebig"): "simplebig"}
@@ -94,6 +95,8 @@ def make_logger(
     tags: Mapping[str, str],
     artifact_location: str | None,
 ) -> MLFlowLogger:
+    from pytorch_lightning.loggers import MLFlowLogger
+
     # A server chooses its own artifact store; a local path only makes sense for a local store.
     local_store = not tracking_uri.startswith(("http://", "https://", "databricks"))
     return MLFlowLogger(

@@ -25,7 +25,10 @@ def main(cfg: DictConfig) -> None:
 
     from ddlx.predict.cli import run
 
-    report_config_errors(lambda: run(cfg, Path(HydraConfig.get().runtime.output_dir), ROOT / "conf" / "hw"))
+    hydra_cfg = HydraConfig.get()
+    # The user's model/data overrides, so the train.py command it prints trains the same job.
+    job_overrides = [o for o in hydra_cfg.overrides.task if o.lstrip("+~").split("=")[0].split(".")[0] in ("model", "data")]
+    report_config_errors(lambda: run(cfg, Path(hydra_cfg.runtime.output_dir), ROOT / "conf" / "hw", job_overrides))
 
 
 if __name__ == "__main__":

@@ -216,7 +216,7 @@ def test_a_probe_is_put_on_the_runs_footing_by_a_reference_probed_in_the_same_si
     rows, _ = validate(Predictor(hw, runs, local=hw, probe=probe))
     baselines = [r for r in rows if r.group == "sequential"]
     assert len(baselines) == 3 and max(abs(r.error) for r in baselines) < 1e-6
-    assert all("x 1.25: measured/probed ratio of" in r.basis for r in baselines)
+    assert all("x 1.25: median measured/probed ratio of" in r.basis for r in baselines)
     b16 = Job("alexnet", "firesmall", 3, 3, 64, 16, 320)
     seq = Predictor(hw, runs, local=hw, probe=probe).sequential(b16, hw, runs)
     assert seq.basis.startswith("local probe"), "a probe of the batch itself beats scaling batch 32 per sample"
@@ -298,11 +298,14 @@ def test_bad_hw_configs_are_clear_errors():
 
 
 def test_recommend_py_answers_as_json_with_no_runs(tmp_path):
-    cmd = [sys.executable, str(PROJECT_DIR / "recommend.py"), "hw=titanrtx_4x", "model=vgg16", "output=json",
-           f"paths.root={tmp_path}", f"hydra.run.dir={tmp_path}/out"]
+    cmd = [sys.executable, str(PROJECT_DIR / "recommend.py"), "hw=titanrtx_4x", "model=vgg16", "data.image_size=128",
+           "output=json", f"paths.root={tmp_path}", f"hydra.run.dir={tmp_path}/out"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=subprocess_env(), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     answer = json.loads(proc.stdout)
+    rec = answer["recommended"]
+    assert rec["command"] == f"python train.py model=vgg16 data=firesmall data.image_size=128 {rec['overrides']}", \
+        "the command trains the job asked about, at its image size"
     assert answer["hw"] == "titanrtx_4x" and answer["runs"].startswith("no MLflow store")
     setups = {p["strategy"] for p in answer["predictions"]}
     assert {"sequential", "ddp_nccl", "split", "pipe", "hybrid"} <= setups

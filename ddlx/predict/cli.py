@@ -14,7 +14,7 @@ from ..measure.report import load_runs, store_exists
 from ..tracking import check_tracking_uri
 from .hardware import HardwareSpec, detect_local, validate
 from .job import Job
-from .recommender import Predictor, Recommendation, data_config_from_params, validate as leave_one_out
+from .recommender import Prediction, Predictor, Recommendation, data_config_from_params, validate as leave_one_out
 from .tseq import probe_batches
 
 MODES = ("recommend", "validate", "probe")
@@ -86,7 +86,9 @@ def measured_runs(cfg: DictConfig) -> tuple[list, str]:
     return runs, note
 
 
-def run(cfg: DictConfig, out_dir: Path, hw_dir: Path) -> None:
+def run(cfg: DictConfig, out_dir: Path, hw_dir: Path, job_overrides: list[str] | None = None) -> None:
+    """``job_overrides``: the model/data overrides the job was given, repeated in the train.py
+    commands printed for it."""
     if cfg.mode not in MODES:
         raise ConfigError(f"mode={cfg.mode}; expected one of {', '.join(MODES)}")
     if cfg.output not in OUTPUTS:
@@ -114,11 +116,12 @@ def run(cfg: DictConfig, out_dir: Path, hw_dir: Path) -> None:
         return
     rec = predictor.recommend(job_from_config(cfg))
     elapsed = time.perf_counter() - started
+    overrides = job_overrides or []
     if cfg.output == "json":
-        print(json.dumps(recommendation_dict(rec, note, elapsed, cfg.close_call), indent=2))
+        print(json.dumps(recommendation_dict(rec, note, elapsed, cfg.close_call, overrides), indent=2))
     else:
-        print(recommendation_table(rec, note, elapsed, cfg.close_call))
-    log_recommendation(cfg, rec, note, out_dir)
+        print(recommendation_table(rec, note, elapsed, cfg.close_call, overrides))
+    log_recommendation(cfg, rec, note, out_dir, overrides)
 
 
 def _probe_data(cfg: DictConfig, job: Job, runs) -> DictConfig:
@@ -133,22 +136,35 @@ def _probe_data(cfg: DictConfig, job: Job, runs) -> DictConfig:
     return cfg.data
 
 
-def recommendation_dict(rec: Recommendation, note: str, elapsed: float, close_call: float) -> dict:
+def train_command(rec: Recommendation, prediction: Prediction, job_overrides: list[str]) -> str:
+    """The train.py command that runs ``prediction``'s setup on the job: model and data, the
+    user's own model/data overrides (the later of two for one key wins, as in Hydra), the setup."""
+    parts = {"model": f"model={rec.job.model}", "data": f"data={rec.job.data}"}
+    for override in job_overrides:
+        parts[override.split("=")[0]] = override
+    return " ".join(["python train.py", *parts.values(), prediction.setup.overrides])
+
+
+def recommendation_dict(rec: Recommendation, note: str, elapsed: float, close_call: float, job_overrides: list[str]) -> dict:
     best = rec.best
+
+    def with_command(p: Prediction) -> dict:
+        return p.as_dict() | {"command": train_command(rec, p, job_overrides)}
+
     return {
         "hw": rec.hw.name,
         "job": vars(rec.job) | {"steps_per_epoch": rec.job.steps},
         "runs": note,
         "sequential_basis": rec.sequential.basis,
         "predictions": [p.as_dict() for p in rec.predictions],
-        "recommended": best.as_dict() if best else None,
+        "recommended": with_command(best) if best else None,
         "close_call_band": close_call,
-        "close_calls": [p.as_dict() for p in rec.close_calls(close_call)],
+        "close_calls": [with_command(p) for p in rec.close_calls(close_call)],
         "seconds": round(elapsed, 2),
     }
 
 
-def recommendation_table(rec: Recommendation, note: str, elapsed: float, close_call: float) -> str:
+def recommendation_table(rec: Recommendation, note: str, elapsed: float, close_call: float, job_overrides: list[str]) -> str:
     j = rec.job
     lines = [f"{j.model} on {j.data} ({j.image_size}px, global batch {j.batch_size}, {j.train_samples} training images) "
              f"on hw={rec.hw.name}: {rec.hw.nodes} node(s) x {rec.hw.devices_per_node} {rec.hw.device_kind}"
@@ -169,19 +185,19 @@ def recommendation_table(rec: Recommendation, note: str, elapsed: float, close_c
         lines.append("recommendation: none of these setups fits in memory; lower data.batch_size or use more devices")
     else:
         lines.append(f"recommendation: {best.setup.label}: {best.epoch_s:.2f} s/epoch predicted, {best.speedup:.2f}x one device")
-        lines.append(f"  python train.py model={j.model} data={j.data} {best.setup.overrides}")
+        lines.append(f"  {train_command(rec, best, job_overrides)}")
         close = rec.close_calls(close_call)
         if close:
             lines.append(f"close calls: predicted within {100 * close_call:.0f}% of it, inside the models' error, so "
                          f"measure them too before settling:")
             for p in close:
                 lines.append(f"  {p.setup.label} ({100 * (p.epoch_s / best.epoch_s - 1):+.1f}%): "
-                             f"python train.py model={j.model} data={j.data} {p.setup.overrides}")
+                             f"{train_command(rec, p, job_overrides)}")
     lines.append(f"({elapsed:.1f} s)")
     return "\n".join(lines)
 
 
-def log_recommendation(cfg: DictConfig, rec: Recommendation, note: str, out_dir: Path) -> None:
+def log_recommendation(cfg: DictConfig, rec: Recommendation, note: str, out_dir: Path, job_overrides: list[str]) -> None:
     """One run in the ``recommendations`` experiment: the inputs as params, the answer as tags,
     metrics and a JSON artifact."""
     from mlflow.tracking import MlflowClient
@@ -205,7 +221,7 @@ def log_recommendation(cfg: DictConfig, rec: Recommendation, note: str, out_dir:
         client.log_metric(rid, "predicted_speedup", best.speedup)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "recommendation.json"
-    path.write_text(json.dumps(recommendation_dict(rec, note, 0.0, cfg.close_call), indent=2))
+    path.write_text(json.dumps(recommendation_dict(rec, note, 0.0, cfg.close_call, job_overrides), indent=2))
     client.log_artifact(rid, str(path))
     client.set_terminated(rid, "FINISHED")
 

@@ -36,6 +36,7 @@ from .tseq import efficiency_from_runs, from_flops, from_probe, from_runs, is_on
 
 Probe = Callable[[Job], Callable[[int], list[float]]]
 MIN_RUNS_FOR_TWO_TERMS = 3
+PROBE_REFERENCES = 3  # measured workloads probed beside a new one to rescale its probe
 
 
 @dataclass(frozen=True)
@@ -181,10 +182,10 @@ class Predictor:
 
     def _referenced_probe(self, job: Job, hw: HardwareSpec, runs: Sequence[MeasuredRun]) -> SequentialTime:
         """The probe of ``job``, put on the footing of the measured runs: this machine's speed drifts
-        by 10-25% between sittings, so a reference workload with measured one-device runs is
-        probed in the same sitting and the job's probe scaled by that workload's measured/probed
-        ratio. The reference: the same network if measured at another size or batch, else the
-        workload with the most baseline runs (the steadiest median), the quickest to probe on ties."""
+        by 10-25% between sittings, so the job's probe is multiplied by the median measured/probed
+        ratio of up to ``PROBE_REFERENCES`` workloads with measured one-device runs, probed in the
+        same sitting: those with the most runs (their medians span the most sittings), the
+        quickest to probe on ties."""
         probed = self._probed_time(job, hw)
         measured: dict[Job, list[float]] = defaultdict(list)
         for run in runs:
@@ -192,11 +193,11 @@ class Predictor:
                 measured[Job.from_run(run)].append(measured_per_batch_s(run))
         if not measured:
             return probed
-        ref = min(measured, key=lambda j: (j.model != job.model, -len(measured[j]), statistics.median(measured[j])))
-        ratio = statistics.median(measured[ref]) / self._probed_time(ref, hw).batch_s(ref.batch_size)
-        why = (f"measured/probed ratio of {ref.model} {ref.image_size}px b{ref.batch_size} "
-               f"({len(measured[ref])} run(s)) probed in the same sitting")
-        return rescaled(probed, job.batch_size, ratio, why)
+        refs = sorted(measured, key=lambda j: (-len(measured[j]), statistics.median(measured[j])))[:PROBE_REFERENCES]
+        ratio = statistics.median(statistics.median(measured[r]) / self._probed_time(r, hw).batch_s(r.batch_size)
+                                  for r in refs)
+        names = ", ".join(f"{r.model} {r.image_size}px b{r.batch_size} ({len(measured[r])} runs)" for r in refs)
+        return rescaled(probed, job.batch_size, ratio, f"median measured/probed ratio of {names}, probed in the same sitting")
 
     def _hw_of_run(self, run: MeasuredRun) -> HardwareSpec | None:
         for hw in (self.hw, self.local):

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The CPU study behind `python recommend.py mode=validate`: every CPU setup that can win on a
+# 2-core node, on several workloads, as Hydra sweeps into the `ddlx` experiment.
+#
+#   bash benchmarks/cpu_study.sh [ROUNDS] [WORKLOAD-SET]     # defaults: 1 round, "new"
+#
+# Sets: "first" (the first study's 5 workloads), "new" (6 more), "check" (2 predicted first).
+#
+# Each round runs, for each workload in turn, all its setups back to back (one-core and
+# two-thread sequential, threads, cpu_mp, ddp_gloo), so the setups a recommendation must rank
+# are measured minutes apart: this machine's speed drifts by up to 25% between sittings, more
+# than the gaps between the best setups. Pipe on [cpu, cpu] is left out: it measured 2-3x
+# slower than the others on every workload of the first study.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+rounds=${1:-1}
+set_name=${2:-new}
+common=(data=firesmall data.num_images=400 "data.synthetic_size=[128,192]" data.num_workers=0
+        trainer.max_epochs=3 measure.warmup_epochs=1 trainer.enable_checkpointing=false
+        trainer.enable_progress_bar=false)
+
+case $set_name in
+  new) workloads=(
+      "model=mobilenet_v2 data.image_size=64"
+      "model=resnet50 data.image_size=64"
+      "model=alexnet data.image_size=96"
+      "model=resnet18 data.image_size=96"
+      "model=alexnet data.image_size=64 data.batch_size=64"
+      "model=resnet18 data.image_size=64 data.batch_size=16") ;;
+  first) workloads=(
+      "model=alexnet data.image_size=64"
+      "model=alexnet data.image_size=128"
+      "model=resnet18 data.image_size=64"
+      "model=resnet18 data.image_size=128"
+      "model=vgg11 data.image_size=64") ;;
+  check) workloads=(  # predicted by recommend.py before they were measured
+      "model=vgg16 data.image_size=64"
+      "model=mobilenet_v2 data.image_size=96") ;;
+  *) echo "unknown workload set '$set_name': expected new, first or check" >&2; exit 2 ;;
+esac
+
+for ((r = 1; r <= rounds; r++)); do
+  for w in "${workloads[@]}"; do
+    echo "round $r/$rounds: $w" >&2
+    # shellcheck disable=SC2086  # $w holds several overrides
+    python train.py -m strategy=sequential strategy.threads=1,2 $w "${common[@]}"
+    python train.py -m strategy=threads,cpu_mp,ddp_gloo $w "${common[@]}"
+  done
+done

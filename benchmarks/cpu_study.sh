@@ -36,7 +36,9 @@ case $set_name in
       "model=vgg11 data.image_size=64") ;;
   check) workloads=(  # predicted by recommend.py before they were measured
       "model=vgg16 data.image_size=64"
-      "model=mobilenet_v2 data.image_size=96") ;;
+      "model=mobilenet_v2 data.image_size=96"
+      "model=resnet50 data.image_size=96"
+      "model=alexnet data.image_size=160") ;;
   *) echo "unknown workload set '$set_name': expected new, first or check" >&2; exit 2 ;;
 esac
 

@@ -164,14 +164,17 @@ class Predictor:
         self._probed: dict[Job, SequentialTime] = {}
 
     # -- sequential time ------------------------------------------------------------------
-    def sequential(self, job: Job, hw: HardwareSpec, runs: Sequence[MeasuredRun]) -> SequentialTime:
+    def sequential(self, job: Job, hw: HardwareSpec, runs: Sequence[MeasuredRun],
+                   probe_on_runs_footing: bool = False) -> SequentialTime:
+        """``probe_on_runs_footing``: rescale a probe to the stored runs' sittings (validation
+        compares with runs taken then); otherwise a probe stands as measured now, for a run now."""
         profile = profile_of_job(job)
         can_probe = self.probe is not None and self.local is not None and hw is self.local
         measured = from_runs(job, hw, runs, profile, other_batch=not can_probe)
         if measured is not None:
             return measured
         if can_probe:
-            return self._referenced_probe(job, hw, runs)
+            return self._referenced_probe(job, hw, runs) if probe_on_runs_footing else self._probed_time(job, hw)
         effs = efficiency_from_runs(runs, self._hw_of_run, lambda r: profile_of_job(Job.from_run(r)), hw.device_kind)
         return from_flops(job, hw, profile, effs)
 
@@ -182,7 +185,8 @@ class Predictor:
 
     def _referenced_probe(self, job: Job, hw: HardwareSpec, runs: Sequence[MeasuredRun]) -> SequentialTime:
         """The probe of ``job``, put on the footing of the measured runs: this machine's speed drifts
-        by 10-25% between sittings, so the job's probe is multiplied by the median measured/probed
+        by 10-25% between sittings, so to compare a probe taken now with held-out runs taken then,
+        the job's probe is multiplied by the median measured/probed
         ratio of up to ``PROBE_REFERENCES`` workloads with measured one-device runs, probed in the
         same sitting: those with the most runs (their medians span the most sittings), the
         quickest to probe on ties."""
@@ -233,10 +237,10 @@ class Predictor:
 
     # -- prediction -----------------------------------------------------------------------
     def recommend(self, job: Job, setups: Sequence[Setup] | None = None,
-                  exclude: Callable[[MeasuredRun], bool] | None = None) -> Recommendation:
+                  exclude: Callable[[MeasuredRun], bool] | None = None, probe_on_runs_footing: bool = False) -> Recommendation:
         runs = [r for r in self.runs if not (exclude and exclude(r))]
         profile = profile_of_job(job)
-        seq = self.sequential(job, self.hw, runs)
+        seq = self.sequential(job, self.hw, runs, probe_on_runs_footing)
         calibrations, source = self.calibration(runs)
         baseline_epoch = seq.batch_s(job.batch_size) * job.steps
         predictions = []
@@ -311,7 +315,8 @@ def validate(predictor: Predictor) -> tuple[list[ValidationRow], dict[str, Pick]
         ids = {r.run_id for r in group}
         setup = setup_of_run(group[0].params, group[0].tags)
         job = Job.from_run(group[0])
-        rec = predictor.recommend(job, [setup], exclude=lambda r, ids=ids: r.run_id in ids)
+        # The held-out runs were taken in their own sittings: a probe is put on their footing.
+        rec = predictor.recommend(job, [setup], exclude=lambda r, ids=ids: r.run_id in ids, probe_on_runs_footing=True)
         (pred,) = rec.predictions
         times = [r.metrics["mean_epoch_time_s"] for r in group]
         rows.append(ValidationRow(",".join(sorted(ids)), workload, label, calibration_group(setup), statistics.median(times),

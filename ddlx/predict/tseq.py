@@ -3,8 +3,8 @@
 1. measured: ddlx runs of this network and batch on this hardware on one device
    (``sequential``, one core or one GPU);
 2. probe: when the hardware is this machine, train a few batches here (the thesis' statistical
-   model: per-batch time is stable within seconds, so extrapolate), scaled by a measured
-   workload probed in the same sitting (the machine's speed drifts between sittings);
+   model: per-batch time is stable within seconds, so extrapolate); validation rescales it to
+   the held-out runs' sittings (:func:`rescaled`), since the machine's speed drifts between them;
 3. measured at another batch, scaled per sample;
 4. scaled: counted training FLOPs / (the device's peak x an efficiency calibrated from the
    measured baselines on hardware whose peak is known; a stated default when there are none).

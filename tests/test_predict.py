@@ -414,3 +414,16 @@ def test_json_answer_stays_parseable_when_a_probe_logs(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     answer = json.loads(proc.stdout)
     assert answer["sequential_basis"].startswith("local probe") and "INFO" in proc.stderr
+
+
+def test_the_training_process_data_loading_is_split_by_processes_not_by_threads():
+    hw = _hw()
+    job = Job("resnet18", "firesmall", 3, 3, 64, 32, 320)
+    profile = profile_model("resnet18", 3, 3, 64)
+    bare, loading = SequentialTime(0.01, 0.02, "t"), SequentialTime(0.01, 0.02, "t", load_per_sample_s=0.002)
+    added = {s.label: model_batch_s(s, job, hw, profile, loading) - model_batch_s(s, job, hw, profile, bare)
+             for s in [Setup("sequential", (("threads", 2),)), Setup("threads", (("threads", 2),)),
+                       Setup("cpu_mp", (("processes", 2),)), Setup("ddp_gloo", (("processes", 2),))]}
+    assert added["sequential threads=2"] == pytest.approx(32 * 0.002), "intra-op threads do not load images"
+    assert added["threads threads=2"] == pytest.approx(32 * 0.002), "the main thread loads the whole batch"
+    assert added["cpu_mp processes=2"] == pytest.approx(16 * 0.002) and added["ddp_gloo processes=2"] == pytest.approx(16 * 0.002)

@@ -3,7 +3,7 @@
 A :class:`Setup` is a strategy config (``conf/strategy/<name>.yaml``) with its knobs; the
 time of one global batch comes from :mod:`.perf_models`, given the sequential time split as
 
-    t_seq(b) = b * per_sample_s + weight_s
+    t_seq(b) = b * (per_sample_s + load_per_sample_s) + weight_s
 
 ``weight_s`` is the per-step traffic over the parameters that does not shrink with the batch:
 the optimizer step and gradient reset, the forward and backward passes' weight reads and the
@@ -11,7 +11,9 @@ gradient writes (``WEIGHT_PASSES`` passes over the parameters at the memory band
 data-parallel replica pays it in full, and on a CPU node all replicas share one memory bus, so
 there it adds up: why FC-heavy AlexNet (57M parameters, few FLOPs) scales worse than ResNet18
 under data parallelism on CPU. The thesis' models have no such term; they were built for GPUs,
-where each replica has its own memory.
+where each replica has its own memory. ``load_per_sample_s`` is the training process's own data
+loading (its measured data wait): intra-op threads and the threads strategy leave it to one
+thread, data-parallel processes each load their share.
 """
 from __future__ import annotations
 
@@ -76,14 +78,18 @@ def _gpu_index(device: str) -> int:
 
 @dataclass
 class SequentialTime:
-    """One device's time for a global batch: ``per_sample_s`` x b + ``weight_s``, and its basis."""
+    """One device's time for a global batch: (``per_sample_s`` + ``load_per_sample_s``) x b +
+    ``weight_s``, and its basis. ``load_per_sample_s``: the training process's own data loading
+    (its measured data wait), which intra-op threads do not share out and data-parallel
+    processes split; 0 where it was not measured apart (a probe, a FLOPs estimate)."""
 
     per_sample_s: float
     weight_s: float
     basis: str
+    load_per_sample_s: float = 0.0
 
     def batch_s(self, batch: int) -> float:
-        return batch * self.per_sample_s + self.weight_s
+        return batch * (self.per_sample_s + self.load_per_sample_s) + self.weight_s
 
 
 def weight_seconds(params: int, hw: HardwareSpec) -> float:
@@ -207,34 +213,35 @@ def model_cost(setup: Setup, job: Job, hw: HardwareSpec, profile: ModelProfile, 
     name = setup.strategy
     shared_bus = hw.device_kind == "cpu"  # replicas of a CPU node share one memory bus
     compute = b * seq.per_sample_s
+    load = b * seq.load_per_sample_s
     cut_mb = profile.layers[profile.split_index - 1].output_bytes / 1e6
     if name == "sequential":
         threads = setup.get("threads", 1)
-        return _cost(compute / threads, compute / threads + weight_traffic_s(seq, hw, 1, threads))
+        return _cost(compute / threads + load, compute / threads + load + weight_traffic_s(seq, hw, 1, threads))
     if name == "threads":
         k = setup.get("threads")
-        return _cost(compute / k, threads_s(compute, k) + weight_traffic_s(seq, hw, 1 + (k - 1) * REPLICA_SHARE, k))
+        return _cost(compute / k + load, threads_s(compute, k) + load + weight_traffic_s(seq, hw, 1 + (k - 1) * REPLICA_SHARE, k))
     if name == "cpu_mp":
         p = setup.get("processes")
         barrier = hw.intra_node.latency_us * 1e-6
-        total = cpu_mp_s(compute, p, g, hw.memory_bandwidth_gb_s * 1e3, barrier) + weight_traffic_s(seq, hw, p, p)
-        return _cost(compute / p, total)
+        total = cpu_mp_s(compute + load, p, g, hw.memory_bandwidth_gb_s * 1e3, barrier) + weight_traffic_s(seq, hw, p, p)
+        return _cost((compute + load) / p, total)
     if name in ("ddp_gloo", "ddp_nccl", "mpi"):
         w = setup.get("processes") or setup.get("ranks")
         local = min(w, hw.devices_per_node) if shared_bus else 1  # replicas on one node's memory
-        total = data_parallel_s(compute, w, g, bucket, _ring(hw, w), fixed, overlap=not shared_bus) + weight_traffic_s(seq, hw, local, local)
-        return _cost(compute / w, total)
+        total = data_parallel_s(compute + load, w, g, bucket, _ring(hw, w), fixed, overlap=not shared_bus) + weight_traffic_s(seq, hw, local, local)
+        return _cost((compute + load) / w, total)
     if name == "split":
         link = _link(hw.link(0, 1)) if hw.devices_per_node > 1 else _link(hw.intra_node)
-        return _cost(compute, split_s(seq.batch_s(b), b, cut_mb, link))
+        return _cost(compute + load, split_s(seq.batch_s(b), b, cut_mb, link))
     if name == "pipe":
         w, m = len(setup.get("devices")), setup.get("chunks")
-        return _cost(gpipe_compute_s(m * max(1, b // m) * seq.per_sample_s, w, m), _pipe_batch_s(setup, hw, profile, seq, b))
+        return _cost(gpipe_compute_s(m * max(1, b // m) * seq.per_sample_s, w, m) + load, _pipe_batch_s(setup, hw, profile, seq, b) + load)
     if name == "hybrid":
         p = setup.get("processes")
         local = split_s(seq.batch_s(b // p), b // p, cut_mb, _link(hw.link(0, 1)))
         ring = [_link(hw.link(2 * i, 2 * ((i + 1) % p))) for i in range(p)]
-        return _cost(compute / p, hybrid_s(local, p, g, bucket, ring, fixed))
+        return _cost((compute + load) / p, hybrid_s(local, p, g, bucket, ring, fixed))
     raise ValueError(f"no performance model for strategy {name!r}")
 
 

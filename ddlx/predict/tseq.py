@@ -42,11 +42,21 @@ def from_runs(job: Job, hw: HardwareSpec, runs: Sequence[MeasuredRun], profile: 
     if not chosen:
         return None
     weights = weight_seconds(profile.params, hw)
+    load = statistics.median(_load_per_sample_s(r) for r in chosen)
     per_sample = statistics.median(
         (measured_per_batch_s(r) - weights) / int(r.params["data.batch_size"]) for r in chosen
-    )
+    ) - load
     what = "same batch" if same_batch else f"batch {chosen[0].params['data.batch_size']}, scaled per sample"
-    return SequentialTime(max(per_sample, 1e-9), weights, f"measured ({len(chosen)} run{'s' * (len(chosen) > 1)}, {what})")
+    return SequentialTime(max(per_sample, 1e-9), weights, f"measured ({len(chosen)} run{'s' * (len(chosen) > 1)}, {what})", load)
+
+
+def _load_per_sample_s(run: MeasuredRun) -> float:
+    """The run's last measured epoch's data wait, per training sample (0 if it has none)."""
+    wait = run.metrics.get("data_wait_s")
+    if wait is None:
+        return 0.0
+    samples = run.metrics["mean_samples_per_s"] * run.metrics["mean_epoch_time_s"]
+    return wait / samples
 
 
 def from_probe(job: Job, hw: HardwareSpec, profile: ModelProfile, train_batches: Callable[[int], list[float]]) -> SequentialTime:

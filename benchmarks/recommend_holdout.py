@@ -1,0 +1,76 @@
+"""The recommender on whole workloads it has not seen: each named workload is predicted as
+``recommend.py`` would before it was measured (none of its runs used, its baseline probed now),
+then compared with its measured runs. Stricter than ``recommend.py mode=validate``, which holds
+out one configuration at a time.
+
+    python benchmarks/recommend_holdout.py                       # the check set of cpu_study.sh
+    python benchmarks/recommend_holdout.py resnet18:96 alexnet:64
+
+Workloads are MODEL:IMAGE_SIZE as measured by benchmarks/cpu_study.sh (runs in the project's
+mlflow.db, experiment ddlx). Prints predicted vs measured (median of repeats) per setup, the
+pick against the measured fastest, and the median absolute error.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CHECK_SET = ["vgg16:64", "mobilenet_v2:96", "resnet50:96", "alexnet:160"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("workloads", nargs="*", default=CHECK_SET, help="MODEL:IMAGE_SIZE")
+    parser.add_argument("--close-call", type=float, default=0.05)
+    args = parser.parse_args()
+
+    from ddlx.measure.report import load_runs
+    from ddlx.predict.cli import hardware, load_hw_file
+    from ddlx.predict.job import Job
+    from ddlx.predict.recommender import Predictor, data_config_from_params
+    from ddlx.predict.setups import setup_of_run
+    from ddlx.predict.tseq import probe_batches
+
+    held = {tuple(w.split(":")) for w in args.workloads}
+    runs = load_runs(f"sqlite:///{ROOT / 'mlflow.db'}", ["ddlx"])
+
+    def held_out(run) -> bool:
+        return (run.params.get("model.name"), run.params.get("data.image_size")) in held
+
+    def probe(job, threads=1):
+        params = next(r.params for r in runs if held_out(r) and r.params["model.name"] == job.model
+                      and r.params["data.image_size"] == str(job.image_size))
+        return probe_batches(data_config_from_params(params), job.model, threads, 30)
+
+    hw = hardware(load_hw_file(ROOT / "conf" / "hw" / "local.yaml"))
+    predictor = Predictor(hw, [r for r in runs if not held_out(r)], hw, probe)
+    errors, right = [], 0
+    for model, size in sorted(held):
+        mine = [r for r in runs if held_out(r) and r.params["model.name"] == model and r.params["data.image_size"] == size
+                and r.status == "FINISHED" and "mean_epoch_time_s" in r.metrics]
+        if not mine:
+            raise SystemExit(f"no finished runs of {model} at {size} px: measure them with benchmarks/cpu_study.sh")
+        measured: dict[str, list[float]] = {}
+        for r in mine:
+            measured.setdefault(setup_of_run(r.params, r.tags).label, []).append(r.metrics["mean_epoch_time_s"])
+        rec = predictor.recommend(Job.from_run(mine[0]))
+        print(f"\n{model} {size}px (T_seq {rec.sequential.basis})")
+        for p in rec.predictions:
+            if p.setup.label in measured:
+                m = statistics.median(measured[p.setup.label])
+                errors.append(abs(p.epoch_s / m - 1))
+                print(f"  {p.setup.label:24s} predicted {p.epoch_s:7.2f}  measured {m:7.2f}  {100 * (p.epoch_s / m - 1):+6.1f}%")
+        fastest = min(measured, key=lambda k: statistics.median(measured[k]))
+        right += rec.best.setup.label == fastest
+        close = [p.setup.label for p in rec.close_calls(args.close_call)]
+        print(f"  recommended {rec.best.setup.label}; measured fastest {fastest}; close calls {close or 'none'}")
+    print(f"\npicks {right}/{len(held)}; median absolute error {100 * statistics.median(errors):.1f}% over {len(errors)} setups")
+
+
+if __name__ == "__main__":
+    main()

@@ -32,7 +32,7 @@ from .setups import (
     model_cost,
     setup_of_run,
 )
-from .tseq import efficiency_from_runs, from_flops, from_probe, from_runs, is_one_device_baseline, rescaled
+from .tseq import baselines_on, efficiency_from_runs, from_flops, from_probe, from_runs, rescaled
 
 Probe = Callable[[Job], Callable[[int], list[float]]]
 MIN_RUNS_FOR_TWO_TERMS = 3
@@ -192,9 +192,9 @@ class Predictor:
         quickest to probe on ties."""
         probed = self._probed_time(job, hw)
         measured: dict[Job, list[float]] = defaultdict(list)
-        for run in runs:
-            if usable(run) and on_hardware(run, hw) and is_one_device_baseline(run) and Job.from_run(run) != job:
-                measured[Job.from_run(run)].append(measured_per_batch_s(run))
+        for run in baselines_on(hw, runs):
+            measured[Job.from_run(run)].append(measured_per_batch_s(run))
+        measured.pop(job, None)
         if not measured:
             return probed
         refs = sorted(measured, key=lambda j: (-len(measured[j]), statistics.median(measured[j])))[:PROBE_REFERENCES]

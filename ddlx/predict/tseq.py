@@ -32,11 +32,16 @@ def is_one_device_baseline(run: MeasuredRun) -> bool:
     return calibration_group(setup_of_run(run.params, run.tags)) == "sequential"
 
 
+def baselines_on(hw: HardwareSpec, runs: Sequence[MeasuredRun]) -> list[MeasuredRun]:
+    """The finished one-device (one core, one GPU) runs measured on ``hw``."""
+    return [r for r in runs if usable(r) and on_hardware(r, hw) and is_one_device_baseline(r)]
+
+
 def from_runs(job: Job, hw: HardwareSpec, runs: Sequence[MeasuredRun], profile: ModelProfile,
               other_batch: bool = True) -> SequentialTime | None:
     """From baselines of the same batch; with ``other_batch``, else from another batch scaled per
     sample (which misses how per-sample cost changes with the batch: 6-24% off here)."""
-    base = [r for r in runs if usable(r) and on_hardware(r, hw) and same_network(r, job) and is_one_device_baseline(r)]
+    base = [r for r in baselines_on(hw, runs) if same_network(r, job)]
     same_batch = [r for r in base if int(r.params["data.batch_size"]) == job.batch_size]
     chosen = same_batch or (base if other_batch else [])
     if not chosen:
@@ -53,10 +58,7 @@ def from_runs(job: Job, hw: HardwareSpec, runs: Sequence[MeasuredRun], profile: 
 def _load_per_sample_s(run: MeasuredRun) -> float:
     """The run's last measured epoch's data wait, per training sample (0 if it has none)."""
     wait = run.metrics.get("data_wait_s")
-    if wait is None:
-        return 0.0
-    samples = run.metrics["mean_samples_per_s"] * run.metrics["mean_epoch_time_s"]
-    return wait / samples
+    return 0.0 if wait is None else wait / Job.from_run(run).train_samples
 
 
 def from_probe(job: Job, hw: HardwareSpec, profile: ModelProfile, train_batches: Callable[[int], list[float]]) -> SequentialTime:

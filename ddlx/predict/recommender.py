@@ -214,13 +214,16 @@ class Predictor:
         """Calibration per strategy group, and where its runs came from."""
         source, source_hw = self._calibration_source(runs)
         samples: dict[str, list[tuple[Cost, float]]] = defaultdict(list)
+        seqs: dict[Job, SequentialTime | None] = {}  # one T_seq per workload, not per run
         for run in source:
             setup = setup_of_run(run.params, run.tags)
             group = calibration_group(setup)
             if group == "sequential":
                 continue
             job = Job.from_run(run)
-            seq = from_runs(job, source_hw, runs, profile_of_job(job))
+            if job not in seqs:
+                seqs[job] = from_runs(job, source_hw, runs, profile_of_job(job))
+            seq = seqs[job]
             if seq is None:
                 continue
             cost = model_cost(setup, job, source_hw, profile_of_job(job), seq)
@@ -273,8 +276,8 @@ class ValidationRow:
     measured_s: float  # median of the configuration's runs
     predicted_s: float
     basis: str
-    fastest_run_s: float = 0.0  # the configuration's fastest and slowest run
-    slowest_run_s: float = 0.0
+    fastest_run_s: float  # the configuration's fastest and slowest run
+    slowest_run_s: float
 
     @property
     def error(self) -> float:

@@ -4,7 +4,8 @@
 #
 #   bash benchmarks/cpu_study.sh [ROUNDS] [WORKLOAD-SET]     # defaults: 1 round, "new"
 #
-# Sets: "first" (the first study's 5 workloads), "new" (6 more), "check" (2 predicted first).
+# Sets: "first" (the first study's 5 workloads), "new" (6 more), "check" (4 predicted first),
+# "ties" (the 6 whose two fastest setups were within 7% of each other, 2 more repeats each).
 #
 # Each round runs, for each workload in turn, all its setups back to back (one-core and
 # two-thread sequential, threads, cpu_mp, ddp_gloo), so the setups a recommendation must rank
@@ -39,7 +40,14 @@ case $set_name in
       "model=mobilenet_v2 data.image_size=96"
       "model=resnet50 data.image_size=96"
       "model=alexnet data.image_size=160") ;;
-  *) echo "unknown workload set '$set_name': expected new, first or check" >&2; exit 2 ;;
+  ties) workloads=(  # more repeats where the two fastest setups were within 7% (2-4 runs each)
+      "model=mobilenet_v2 data.image_size=64"
+      "model=mobilenet_v2 data.image_size=96"
+      "model=resnet18 data.image_size=96"
+      "model=resnet18 data.image_size=128"
+      "model=resnet50 data.image_size=64"
+      "model=resnet50 data.image_size=96") ;;
+  *) echo "unknown workload set '$set_name': expected new, first, check or ties" >&2; exit 2 ;;
 esac
 
 for ((r = 1; r <= rounds; r++)); do

@@ -47,7 +47,7 @@ def main() -> None:
                       and r.params["data.image_size"] == str(job.image_size))
         return probe_batches(data_config_from_params(params), job.model, threads, 30)
 
-    hw = hardware(load_hw_file(ROOT / "conf" / "hw" / "local.yaml"))
+    hw = hardware(load_hw_file(ROOT / "conf" / "hw" / "local.yaml"), ROOT / "outputs" / "hw")  # recommend.py's kept rates
     predictor = Predictor(hw, [r for r in runs if not held_out(r)], hw, probe)
     errors, right = [], 0
     for model, size in sorted(held):

@@ -281,6 +281,27 @@ def test_local_is_detected():
     assert spec.cores_per_node >= 1 and spec.ram_per_node_gb > 1 and spec.peak_tflops > 0 and spec.host
 
 
+def test_local_rates_are_timed_once_per_machine(tmp_path, monkeypatch):
+    from ddlx.predict import hardware as hw_module
+
+    def rates(value):
+        return lambda spec: dict.fromkeys(hw_module.MEASURED_RATES, value)
+
+    first = hardware(_compose_hw("hw=local"), tmp_path)
+    (kept,) = tmp_path.glob("detected_*.json")
+    monkeypatch.setattr(hw_module, "_measure_rates", rates(1.0))  # a second timing would read 1.0
+    again = hardware(_compose_hw("hw=local"), tmp_path)
+    assert [getattr(again, k) for k in hw_module.MEASURED_RATES] == [getattr(first, k) for k in hw_module.MEASURED_RATES]
+    assert again.peak_tflops != 1.0
+    doc = json.loads(kept.read_text())
+    doc["machine"]["cores_per_node"] += 1  # kept by another container on this host
+    kept.write_text(json.dumps(doc))
+    assert hardware(_compose_hw("hw=local"), tmp_path).peak_tflops == 1.0
+    assert json.loads(kept.read_text())["machine"]["cores_per_node"] == first.cores_per_node
+    monkeypatch.setattr(hw_module, "_measure_rates", rates(2.0))
+    assert hardware(_compose_hw("hw=local"), tmp_path, refresh=True).memory_bandwidth_gb_s == 2.0
+
+
 def test_bad_hw_configs_are_clear_errors():
     with pytest.raises(Exception, match="Could not override 'hw.bogus'"):
         _compose_hw("hw=titanrtx_4x", "hw.bogus=1")

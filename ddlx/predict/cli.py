@@ -21,8 +21,9 @@ MODES = ("recommend", "validate", "probe")
 OUTPUTS = ("table", "json")
 
 
-def hardware(cfg_hw: DictConfig) -> HardwareSpec:
-    """The typed, checked description: unknown keys and missing values are named."""
+def hardware(cfg_hw: DictConfig, detected_dir: Path | None = None, refresh: bool = False) -> HardwareSpec:
+    """The typed, checked description: unknown keys and missing values are named. ``detected_dir``
+    keeps hw=local's timed rates per machine (:func:`~ddlx.predict.hardware.detect_local`)."""
     from dataclasses import fields
 
     from omegaconf.errors import MissingMandatoryValue
@@ -39,18 +40,18 @@ def hardware(cfg_hw: DictConfig) -> HardwareSpec:
         raise ConfigError(f"hw={name}: hw.{err.full_key.removeprefix('hw.')} is missing; every machine description "
                           f"needs it (see conf/hw/titanrtx_4x.yaml)") from None
     if spec.detect:
-        detect_local(spec)
+        detect_local(spec, detected_dir, refresh)
     return validate(spec)
 
 
-def local_hardware(target: HardwareSpec, hw_dir: Path) -> HardwareSpec:
+def local_hardware(target: HardwareSpec, hw_dir: Path, detected_dir: Path | None = None, refresh: bool = False) -> HardwareSpec:
     """This machine: the target itself when it is this machine, else detected from local.yaml."""
     if target.detect or target.host:
         import socket
 
         if target.host == socket.gethostname():
             return target
-    return hardware(load_hw_file(hw_dir / "local.yaml"))
+    return hardware(load_hw_file(hw_dir / "local.yaml"), detected_dir, refresh)
 
 
 def load_hw_file(path: Path) -> DictConfig:
@@ -96,16 +97,17 @@ def run(cfg: DictConfig, out_dir: Path, hw_dir: Path, job_overrides: list[str] |
     if not 0 <= cfg.close_call < 1:
         raise ConfigError(f"close_call={cfg.close_call}; expected a fraction in [0, 1), e.g. close_call=0.05")
     started = time.perf_counter()
-    target = hardware(cfg.hw)
-    if cfg.mode == "probe":
+    detected_dir = Path(cfg.detected_dir) if cfg.detected_dir else None
+    target = hardware(cfg.hw, detected_dir, refresh=cfg.mode == "probe")
+    if cfg.mode == "probe":  # measures everything again, the kept rates included
         from .linkprobe import write_probed_hw
 
-        local = target if target.detect else local_hardware(target, hw_dir)
+        local = target if target.detect else local_hardware(target, hw_dir, detected_dir, refresh=True)
         path, doc = write_probed_hw(local, hw_dir)
         print(json.dumps(doc, indent=2) if cfg.output == "json" else f"wrote {path}: {doc['intra_node']}, "
               f"memory {doc['memory_bandwidth_gb_s']} GB/s per core; use it with hw={doc['name']}")
         return
-    local = local_hardware(target, hw_dir)
+    local = local_hardware(target, hw_dir, detected_dir)
     runs, note = measured_runs(cfg)
     probe = None
     if cfg.probe:

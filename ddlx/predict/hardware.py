@@ -7,11 +7,14 @@ strategies place processes and threads on cores.
 """
 from __future__ import annotations
 
+import json
 import os
 import socket
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 from omegaconf import MISSING
@@ -105,8 +108,18 @@ def validate(spec: HardwareSpec) -> HardwareSpec:
 GPU_PEAK_TFLOPS = {"H200": 67.0, "H100": 67.0, "A100": 19.5, "V100": 15.7, "TITAN RTX": 16.3, "A10": 31.2, "L4": 30.3, "T4": 8.1}
 
 
-def detect_local(spec: HardwareSpec) -> HardwareSpec:
-    """hw=local: this machine's cores, memory and GPUs (link figures come from the file / probe)."""
+# The detected figures that are timed, not read: they vary by a few percent from one measurement
+# to the next, which moved repeated answers by up to 4% and flipped near ties, so they are
+# measured once per machine and kept (see detect_local).
+MEASURED_RATES = ("peak_tflops", "memory_bandwidth_gb_s", "node_memory_bandwidth_gb_s")
+
+
+def detect_local(spec: HardwareSpec, cache_dir: Path | None = None, refresh: bool = False) -> HardwareSpec:
+    """hw=local: this machine's cores, memory and GPUs (link figures come from the file / probe).
+
+    The timed rates (GEMM rate, copy bandwidths) are read from ``cache_dir/detected_<host>.json``
+    when it was written for this same machine (host, device, core and device counts), else
+    measured and written there; ``refresh`` measures them again (``mode=probe`` does)."""
     import psutil
     import torch
 
@@ -121,15 +134,45 @@ def detect_local(spec: HardwareSpec) -> HardwareSpec:
         spec.devices_per_node = torch.cuda.device_count()
         spec.memory_per_device_gb = props.total_memory / GB
         spec.peak_tflops = next((v for k, v in GPU_PEAK_TFLOPS.items() if k in props.name.upper()), spec.peak_tflops)
-        spec.memory_bandwidth_gb_s = copy_gb_s(torch.device("cuda:0"))
     else:
         spec.device_kind, spec.device_name = "cpu", cpu_model()
         spec.devices_per_node = spec.cores_per_node
         spec.memory_per_device_gb = spec.ram_per_node_gb
-        spec.peak_tflops = core_gemm_tflops()
-        spec.memory_bandwidth_gb_s = copy_gb_s(torch.device("cpu"))
-        spec.node_memory_bandwidth_gb_s = copy_gb_s(torch.device("cpu"), threads=spec.cores_per_node)
+    machine = {"host": spec.host, "device_name": spec.device_name, "cores_per_node": spec.cores_per_node,
+               "devices_per_node": spec.devices_per_node}
+    path = cache_dir / f"detected_{spec.host}.json" if cache_dir is not None else None
+    rates = None if refresh or path is None else _cached_rates(path, machine)
+    if rates is None:
+        rates = _measure_rates(spec)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"machine": machine, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+                                        "rates": rates}, indent=2))
+    for key, value in rates.items():
+        setattr(spec, key, value)
     return spec
+
+
+def _cached_rates(path: Path, machine: dict) -> dict | None:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    rates = doc.get("rates", {}) if isinstance(doc, dict) else {}
+    if doc.get("machine") != machine or set(rates) != set(MEASURED_RATES):
+        return None  # another machine (or another container on this host): measure again
+    return rates
+
+
+def _measure_rates(spec: HardwareSpec) -> dict:
+    import torch
+
+    if spec.device_kind == "gpu":
+        return {"peak_tflops": spec.peak_tflops, "memory_bandwidth_gb_s": copy_gb_s(torch.device("cuda:0")),
+                "node_memory_bandwidth_gb_s": spec.node_memory_bandwidth_gb_s}
+    cpu = torch.device("cpu")
+    return {"peak_tflops": core_gemm_tflops(), "memory_bandwidth_gb_s": copy_gb_s(cpu),
+            "node_memory_bandwidth_gb_s": copy_gb_s(cpu, threads=spec.cores_per_node)}
 
 
 @contextmanager
@@ -148,8 +191,6 @@ def intra_op_threads(threads: int) -> Iterator[None]:
 def copy_gb_s(device, mb: int = 64, repeats: int = 7, threads: int = 1) -> float:
     """Bytes read + written per second by a tensor copy on ``device`` (one core on CPU): the best
     of ``repeats`` copies, as STREAM reports, so a moment of contention does not set the figure."""
-    import time
-
     import torch
 
     with intra_op_threads(threads):
@@ -170,8 +211,6 @@ def copy_gb_s(device, mb: int = 64, repeats: int = 7, threads: int = 1) -> float
 
 def core_gemm_tflops(size: int = 512, repeats: int = 8) -> float:
     """What one core achieves on an fp32 matrix product: the local CPU's practical peak (~0.3 s)."""
-    import time
-
     import torch
 
     with intra_op_threads(1):

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 from torchvision import models as tvm
 
+from ddlx.errors import ConfigError
 from ddlx.models import ARCHITECTURES, LayeredModel, build_model
 
 
@@ -85,9 +86,9 @@ def test_paper_split_points(arch, convs_before_split):
 
 
 def test_bad_requests_are_clear():
-    with pytest.raises(ValueError, match="unknown model 'vgg19'.*alexnet"):
+    with pytest.raises(ConfigError, match="unknown model 'vgg19'.*alexnet"):
         build_model("vgg19", 3)
-    with pytest.raises(ValueError, match="image_size=8 is too small"):
+    with pytest.raises(ConfigError, match="image_size=8 is too small"):
         build_model("alexnet", 3, 3, 8)
     with pytest.raises(KeyError, match="no cut point 'nope'"):
         build_model("resnet18", 3, 3, 32).cut("nope")

@@ -344,12 +344,18 @@ def test_recommend_py_answers_as_json_with_no_runs(tmp_path):
     assert logged.data.tags["recommended"] == answer["recommended"]["setup"]
 
 
-def test_recommend_py_names_a_bad_mode(tmp_path):
+def test_recommend_py_names_bad_values(tmp_path):
     cmd = [sys.executable, str(PROJECT_DIR / "recommend.py"), "hw=titanrtx_4x", "mode=guess",
            f"paths.root={tmp_path}", f"hydra.run.dir={tmp_path}/out"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=subprocess_env(), cwd=tmp_path)
     assert proc.returncode == 2 and "mode=guess; expected one of recommend, validate, probe" in proc.stderr
     assert "Traceback" not in proc.stderr
+    for bad, message in [("data.image_size=8", "image_size=8 is too small for alexnet; use data.image_size >= 16"),
+                         ("detected_dir=/proc/ddlx", "detected_dir=/proc/ddlx")]:
+        proc = subprocess.run([*cmd[:2], "hw=local", bad, *cmd[4:]], capture_output=True, text=True, timeout=300,
+                              env=subprocess_env(), cwd=tmp_path)
+        assert proc.returncode == 2 and f"ddlx: error: {message}" in proc.stderr, proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr
 
 
 def test_link_probe_writes_a_loadable_hw_file(tmp_path):

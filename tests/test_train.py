@@ -62,6 +62,12 @@ def test_missing_data_root_is_a_clear_error(tmp_path):
     assert runs(f"sqlite:///{tmp_path / 'mlflow.db'}") == [], "nothing is logged for a run that never started"
 
 
+def test_too_small_image_is_a_clear_error(tmp_path):
+    proc = run_train_py(tmp_path, "data.image_size=8")
+    _assert_clear_error(proc, r"ddlx: error: image_size=8 is too small for \w+; use data.image_size >= 16")
+    assert runs(f"sqlite:///{tmp_path / 'mlflow.db'}") == [], "refused before a run was opened"
+
+
 def test_unreachable_tracking_server_fails_at_start(tiny_config, tmp_path):
     cfg = tiny_config("logger.tracking_uri=http://127.0.0.1:9", f"paths.data_dir={tmp_path}/fresh")
     start = time.monotonic()

@@ -4,6 +4,7 @@ from __future__ import annotations
 from functools import partial
 from typing import Callable
 
+from ..errors import ConfigError
 from .alexnet import build_alexnet
 from .layered import LayeredModel
 from .mobilenet import build_mobilenet_v2
@@ -27,6 +28,18 @@ _BUILDERS: dict[str, Callable[..., LayeredModel]] = {
 ARCHITECTURES = tuple(_BUILDERS)
 
 
+def check_request(arch: str, num_classes: int, in_channels: int, image_size: int) -> None:
+    """The values :func:`build_model` cannot build, as a :class:`ConfigError` naming the fix
+    (callers that only predict check them before any work)."""
+    if arch not in _BUILDERS:
+        raise ConfigError(f"unknown model {arch!r}; expected one of {', '.join(ARCHITECTURES)}")
+    if image_size < MIN_IMAGE_SIZE:
+        raise ConfigError(f"image_size={image_size} is too small for {arch}; use data.image_size >= {MIN_IMAGE_SIZE}")
+    if num_classes < 2 or in_channels < 1:
+        raise ConfigError(f"data.num_classes={num_classes}, data.channels={in_channels}; expected num_classes >= 2 "
+                          f"and channels >= 1")
+
+
 def build_model(
     arch: str, num_classes: int, in_channels: int = 3, image_size: int = 224, dropout: float | None = None
 ) -> LayeredModel:
@@ -35,14 +48,9 @@ def build_model(
     ``dropout`` overrides the family's classifier dropout (AlexNet/VGG 0.5, MobileNetV2 0.2;
     ResNet has none); 0 makes training deterministic enough to compare strategies step by step.
     """
-    if arch not in _BUILDERS:
-        raise ValueError(f"unknown model {arch!r}; expected one of {', '.join(ARCHITECTURES)}")
-    if image_size < MIN_IMAGE_SIZE:
-        raise ValueError(f"image_size={image_size} is too small for {arch}; use data.image_size >= {MIN_IMAGE_SIZE}")
-    if num_classes < 2 or in_channels < 1:
-        raise ValueError(f"need num_classes >= 2 and in_channels >= 1, got {num_classes} and {in_channels}")
+    check_request(arch, num_classes, in_channels, image_size)
     kwargs = {} if dropout is None or arch.startswith("resnet") else {"dropout": dropout}
     return _BUILDERS[arch](num_classes=num_classes, in_channels=in_channels, small_input=image_size < SMALL_INPUT_BELOW, **kwargs)
 
 
-__all__ = ["ARCHITECTURES", "LayeredModel", "build_model"]
+__all__ = ["ARCHITECTURES", "LayeredModel", "build_model", "check_request"]

@@ -10,6 +10,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from ..errors import ConfigError
+from ..models import check_request
 from ..measure.report import load_runs, store_exists
 from ..tracking import check_tracking_uri
 from .hardware import HardwareSpec, detect_local, validate
@@ -69,6 +70,7 @@ def job_from_config(cfg: DictConfig) -> Job:
             raise ConfigError("data.num_images=null needs data.root to count the images; give data.num_images=N")
         count = sum(1 for p in Path(data.root).rglob("*") if p.suffix.lower() in (".jpg", ".jpeg", ".png"))
     train = count - round(count * data.val_fraction)
+    check_request(cfg.model.name, data.num_classes, data.channels, data.image_size)
     return Job(cfg.model.name, data.name, data.num_classes, data.channels, data.image_size, data.batch_size, train)
 
 
@@ -97,6 +99,7 @@ def run(cfg: DictConfig, out_dir: Path, hw_dir: Path, job_overrides: list[str] |
     if not 0 <= cfg.close_call < 1:
         raise ConfigError(f"close_call={cfg.close_call}; expected a fraction in [0, 1), e.g. close_call=0.05")
     started = time.perf_counter()
+    job = job_from_config(cfg) if cfg.mode == "recommend" else None  # bad values named before any timing
     detected_dir = Path(cfg.detected_dir) if cfg.detected_dir else None
     target = hardware(cfg.hw, detected_dir, refresh=cfg.mode == "probe")
     if cfg.mode == "probe":  # measures everything again, the kept rates included
@@ -116,7 +119,7 @@ def run(cfg: DictConfig, out_dir: Path, hw_dir: Path, job_overrides: list[str] |
     if cfg.mode == "validate":
         report_validation(cfg, predictor, note, out_dir, started)
         return
-    rec = predictor.recommend(job_from_config(cfg))
+    rec = predictor.recommend(job)
     elapsed = time.perf_counter() - started
     overrides = job_overrides or []
     if cfg.output == "json":

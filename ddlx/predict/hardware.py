@@ -145,9 +145,14 @@ def detect_local(spec: HardwareSpec, cache_dir: Path | None = None, refresh: boo
     if rates is None:
         rates = _measure_rates(spec)
         if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({"machine": machine, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
-                                        "rates": rates}, indent=2))
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps({"machine": machine, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+                                            "rates": rates}, indent=2))
+            except OSError as err:
+                raise ConfigError(f"detected_dir={cache_dir}: cannot keep this machine's measured rates there "
+                                  f"({err.strerror}); give a writable folder, or detected_dir=null to measure "
+                                  f"them on every call") from None
     for key, value in rates.items():
         setattr(spec, key, value)
     return spec

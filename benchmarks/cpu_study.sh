@@ -5,7 +5,8 @@
 #   bash benchmarks/cpu_study.sh [ROUNDS] [WORKLOAD-SET]     # defaults: 1 round, "new"
 #
 # Sets: "first" (the first study's 5 workloads), "new" (6 more), "check" (4 predicted first),
-# "ties" (the 6 whose two fastest setups were within 7% of each other, 2 more repeats each).
+# "ties" (the 6 whose two fastest setups were within 7% of each other, 2 more repeats each),
+# "check2" (2 more predicted first, with the recommender as of 2026-11-22; 4 repeats, as ties).
 #
 # Each round runs, for each workload in turn, all its setups back to back (one-core and
 # two-thread sequential, threads, cpu_mp, ddp_gloo), so the setups a recommendation must rank
@@ -40,6 +41,9 @@ case $set_name in
       "model=mobilenet_v2 data.image_size=96"
       "model=resnet50 data.image_size=96"
       "model=alexnet data.image_size=160") ;;
+  check2) workloads=(  # predicted by recommend.py before they were measured: threads, cpu_mp a close call
+      "model=mobilenet_v2 data.image_size=128"
+      "model=resnet18 data.image_size=160") ;;
   ties) workloads=(  # more repeats where the two fastest setups were within 7% (2-4 runs each)
       "model=mobilenet_v2 data.image_size=64"
       "model=mobilenet_v2 data.image_size=96"
@@ -47,7 +51,7 @@ case $set_name in
       "model=resnet18 data.image_size=128"
       "model=resnet50 data.image_size=64"
       "model=resnet50 data.image_size=96") ;;
-  *) echo "unknown workload set '$set_name': expected new, first, check or ties" >&2; exit 2 ;;
+  *) echo "unknown workload set '$set_name': expected new, first, check, check2 or ties" >&2; exit 2 ;;
 esac
 
 for ((r = 1; r <= rounds; r++)); do

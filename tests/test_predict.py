@@ -429,6 +429,9 @@ def test_recommend_py_validate_reports_errors_and_picks(tmp_path):
     assert len(result["rows"]) == 12 and set(result["per_strategy"]) == {"sequential", "threads", "cpu_mp", "pipe"}
     assert set(result["recommendations"]) == {"alexnet/firesmall 64px b32", "resnet18/firesmall 64px b32", "vgg11/firesmall 64px b32"}
     assert 0 <= result["correct_fraction"] <= 1
+    slowdowns = [p["slowdown"] for p in result["recommendations"].values()]
+    assert result["mean_slowdown"] == pytest.approx(sum(slowdowns) / 3) and result["max_slowdown"] == max(slowdowns)
+    assert all(s == 0 for s, p in zip(slowdowns, result["recommendations"].values()) if p["correct"])
     assert (tmp_path / "out" / "validation.json").exists() and (tmp_path / "out" / "predicted_vs_measured.png").exists()
 
 

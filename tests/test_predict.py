@@ -404,6 +404,18 @@ def test_calibration_is_chosen_by_how_well_it_predicts_held_out_runs():
     assert "model as is" in noisy.describe("local")
 
 
+def test_a_held_out_workload_is_probed_with_its_own_runs_data(tiny_config):
+    from ddlx.predict.cli import _probe_data
+
+    cfg = tiny_config()
+    small, large = _workload_params("resnet18", 64), _workload_params("resnet18", 64)
+    large.update({"data.num_images": "800", "train": "640"})
+    runs = [_run(f"r{n}", SETUPS[0], p, 3.0) for n, p in (("small", small), ("large", large))]
+    job = Job.from_run(runs[1])
+    assert _probe_data(cfg, job, runs).num_images == 800, "the run of this job, not one of the same network and batch"
+    assert _probe_data(cfg, Job.from_run(runs[0]), runs).num_images == 400
+
+
 def test_recommend_py_validate_reports_errors_and_picks(tmp_path):
     """mode=validate end to end on a store of runs taken on this host (no probe: FLOPs fallback)."""
     import socket

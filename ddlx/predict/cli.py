@@ -14,7 +14,7 @@ from ..models import check_request
 from ..measure.report import load_runs, store_exists
 from ..tracking import check_tracking_uri
 from .hardware import HardwareSpec, detect_local, validate
-from .job import Job
+from .job import Job, usable
 from .recommender import Prediction, Predictor, Recommendation, data_config_from_params, validate as leave_one_out
 from .tseq import probe_batches
 
@@ -131,13 +131,12 @@ def run(cfg: DictConfig, out_dir: Path, hw_dir: Path, job_overrides: list[str] |
 
 def _probe_data(cfg: DictConfig, job: Job, runs) -> DictConfig:
     """The data config to probe ``job`` with: the composed one when it is that job, else the
-    config of a measured run of it (validation probes the runs' own workloads)."""
+    config of a measured run of exactly that job (validation probes the runs' own workloads)."""
     if (cfg.model.name, cfg.data.image_size, cfg.data.batch_size) == (job.model, job.image_size, job.batch_size):
         return cfg.data
     for r in runs:
-        p = r.params
-        if (p.get("model.name"), p.get("data.image_size"), p.get("data.batch_size")) == (job.model, str(job.image_size), str(job.batch_size)):
-            return data_config_from_params(p)
+        if usable(r) and Job.from_run(r) == job:
+            return data_config_from_params(r.params)
     return cfg.data
 
 

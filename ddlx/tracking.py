@@ -97,15 +97,35 @@ def make_logger(
 ) -> MLFlowLogger:
     from pytorch_lightning.loggers import MLFlowLogger
 
-    # A server chooses its own artifact store; a local path only makes sense for a local store.
-    local_store = not tracking_uri.startswith(("http://", "https://", "databricks"))
     return MLFlowLogger(
         experiment_name=experiment_name,
         run_name=run_name,
         tracking_uri=tracking_uri,
         tags={k: str(v) for k, v in tags.items() if v is not None},
-        artifact_location=artifact_location if local_store else None,
+        artifact_location=artifact_location if is_local_store(tracking_uri) else None,
     )
+
+
+def is_local_store(tracking_uri: str) -> bool:
+    """A server chooses its own artifact store; a local artifact path only makes sense for a local store."""
+    return not tracking_uri.startswith(("http://", "https://", "databricks"))
+
+
+def artifacts_beside_store(tracking_uri: str) -> str | None:
+    """An SQLite store's artifact folder: ``mlruns`` beside the database file, where train.py's
+    runs keep theirs (``${paths.root}/mlruns``); None for other stores, which choose their own."""
+    if tracking_uri.startswith("sqlite:///"):
+        return str(Path(tracking_uri[len("sqlite:///"):]).resolve().parent / "mlruns")
+    return None
+
+
+def experiment_id(client, name: str, tracking_uri: str, artifact_location: str | None) -> str:
+    """``name``'s experiment id, created if missing with its artifacts at ``artifact_location`` on a
+    local store: MLflow's default is ./mlruns of whichever folder the command ran in."""
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    return client.create_experiment(name, artifact_location=artifact_location if is_local_store(tracking_uri) else None)
 
 
 

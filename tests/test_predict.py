@@ -323,7 +323,9 @@ def test_bad_hw_configs_are_clear_errors():
 def test_recommend_py_answers_as_json_with_no_runs(tmp_path):
     cmd = [sys.executable, str(PROJECT_DIR / "recommend.py"), "hw=titanrtx_4x", "model=vgg16", "data.image_size=128",
            "output=json", f"paths.root={tmp_path}", f"hydra.run.dir={tmp_path}/out"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=subprocess_env(), cwd=tmp_path)
+    elsewhere = tmp_path / "elsewhere"  # the folder the user happens to run it from
+    elsewhere.mkdir()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=subprocess_env(), cwd=elsewhere)
     assert proc.returncode == 0, proc.stderr[-3000:]
     answer = json.loads(proc.stdout)
     rec = answer["recommended"]
@@ -342,6 +344,8 @@ def test_recommend_py_answers_as_json_with_no_runs(tmp_path):
 
     (logged,) = runs(f"sqlite:///{tmp_path / 'mlflow.db'}", "recommendations")
     assert logged.data.tags["recommended"] == answer["recommended"]["setup"]
+    assert list((tmp_path / "mlruns").rglob("recommendation.json")) and not (elsewhere / "mlruns").exists(), \
+        "the answer's artifact beside train.py's (paths.root/mlruns), not in the current folder"
 
 
 def test_recommend_py_names_bad_values(tmp_path):

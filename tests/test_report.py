@@ -120,6 +120,8 @@ def test_command_line_prints_writes_and_logs_the_report(store, tmp_path, capsys)
     (logged,) = client.search_runs([client.get_experiment_by_name("reports").experiment_id])
     assert logged.data.tags["sweep_id"] == "multirun/a"
     assert {a.path for a in client.list_artifacts(logged.info.run_id)} == {"speedup.md", "speedup.csv", "speedup.png"}
+    assert logged.info.artifact_uri.removeprefix("file://").startswith(str(tmp_path / "mlruns")), \
+        "artifacts beside the store, not in the folder the command ran from"
 
 
 def test_command_line_errors_name_the_problem(tmp_path, capsys):

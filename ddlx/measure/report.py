@@ -314,9 +314,10 @@ def log_to_mlflow(tracking_uri: str, files: list[Path], sources: dict[str, str],
     import mlflow
     from mlflow.tracking import MlflowClient
 
+    from ..tracking import artifacts_beside_store, experiment_id
+
     client = MlflowClient(tracking_uri)
-    exp = client.get_experiment_by_name(experiment)
-    exp_id = exp.experiment_id if exp else client.create_experiment(experiment)
+    exp_id = experiment_id(client, experiment, tracking_uri, artifacts_beside_store(tracking_uri))
     run = client.create_run(exp_id, tags={k: v for k, v in sources.items() if v}, run_name="speedup-report")
     for path in files:
         client.log_artifact(run.info.run_id, str(path))

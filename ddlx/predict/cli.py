@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 from ..errors import ConfigError
 from ..models import check_request
 from ..measure.report import load_runs, store_exists
-from ..tracking import check_tracking_uri
+from ..tracking import check_tracking_uri, experiment_id
 from .hardware import HardwareSpec, detect_local, validate
 from .job import Job, usable
 from .recommender import Prediction, Predictor, Recommendation, data_config_from_params, validate as leave_one_out
@@ -209,8 +209,7 @@ def log_recommendation(cfg: DictConfig, rec: Recommendation, note: str, out_dir:
     uri = cfg.logger.tracking_uri
     check_tracking_uri(uri)
     client = MlflowClient(uri)
-    exp = client.get_experiment_by_name(cfg.logger.experiment_name)
-    exp_id = exp.experiment_id if exp else client.create_experiment(cfg.logger.experiment_name)
+    exp_id = experiment_id(client, cfg.logger.experiment_name, uri, cfg.logger.artifact_location)
     best = rec.best
     run = client.create_run(exp_id, run_name=cfg.logger.run_name, tags={
         "hw": rec.hw.name, "model": rec.job.model, "data": rec.job.data,

@@ -285,18 +285,19 @@ def test_local_rates_are_timed_once_per_machine(tmp_path, monkeypatch):
     from ddlx.predict import hardware as hw_module
 
     def rates(value):
-        return lambda spec: dict.fromkeys(hw_module.MEASURED_RATES, value)
+        return lambda spec: dict.fromkeys(hw_module.TIMED_RATES[spec.device_kind], value)
 
     first = hardware(_compose_hw("hw=local"), tmp_path)
+    timed = hw_module.TIMED_RATES[first.device_kind]
     (kept,) = tmp_path.glob("detected_*.json")
     monkeypatch.setattr(hw_module, "_measure_rates", rates(1.0))  # a second timing would read 1.0
     again = hardware(_compose_hw("hw=local"), tmp_path)
-    assert [getattr(again, k) for k in hw_module.MEASURED_RATES] == [getattr(first, k) for k in hw_module.MEASURED_RATES]
-    assert again.peak_tflops != 1.0
+    assert [getattr(again, k) for k in timed] == [getattr(first, k) for k in timed]
+    assert again.memory_bandwidth_gb_s != 1.0  # timed on CPUs and GPUs alike
     doc = json.loads(kept.read_text())
     doc["machine"]["cores_per_node"] += 1  # kept by another container on this host
     kept.write_text(json.dumps(doc))
-    assert hardware(_compose_hw("hw=local"), tmp_path).peak_tflops == 1.0
+    assert hardware(_compose_hw("hw=local"), tmp_path).memory_bandwidth_gb_s == 1.0
     assert json.loads(kept.read_text())["machine"]["cores_per_node"] == first.cores_per_node
     monkeypatch.setattr(hw_module, "_measure_rates", rates(2.0))
     assert hardware(_compose_hw("hw=local"), tmp_path, refresh=True).memory_bandwidth_gb_s == 2.0

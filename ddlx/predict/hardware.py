@@ -108,10 +108,12 @@ def validate(spec: HardwareSpec) -> HardwareSpec:
 GPU_PEAK_TFLOPS = {"H200": 67.0, "H100": 67.0, "A100": 19.5, "V100": 15.7, "TITAN RTX": 16.3, "A10": 31.2, "L4": 30.3, "T4": 8.1}
 
 
-# The detected figures that are timed, not read: they vary by a few percent from one measurement
-# to the next, which moved repeated answers by up to 4% and flipped near ties, so they are
-# measured once per machine and kept (see detect_local).
-MEASURED_RATES = ("peak_tflops", "memory_bandwidth_gb_s", "node_memory_bandwidth_gb_s")
+# The detected figures that are timed, not read, per device kind: they vary by a few percent from
+# one measurement to the next, which moved repeated answers by up to 4% and flipped near ties,
+# so they are measured once per machine and kept (see detect_local). A GPU's peak is its data
+# sheet's (GPU_PEAK_TFLOPS), read on every call like the core count.
+TIMED_RATES = {"cpu": ("peak_tflops", "memory_bandwidth_gb_s", "node_memory_bandwidth_gb_s"),
+               "gpu": ("memory_bandwidth_gb_s",)}
 
 
 def detect_local(spec: HardwareSpec, cache_dir: Path | None = None, refresh: bool = False) -> HardwareSpec:
@@ -141,7 +143,7 @@ def detect_local(spec: HardwareSpec, cache_dir: Path | None = None, refresh: boo
     machine = {"host": spec.host, "device_name": spec.device_name, "cores_per_node": spec.cores_per_node,
                "devices_per_node": spec.devices_per_node}
     path = cache_dir / f"detected_{spec.host}.json" if cache_dir is not None else None
-    rates = None if refresh or path is None else _cached_rates(path, machine)
+    rates = None if refresh or path is None else _cached_rates(path, machine, TIMED_RATES[spec.device_kind])
     if rates is None:
         rates = _measure_rates(spec)
         if path is not None:
@@ -158,13 +160,13 @@ def detect_local(spec: HardwareSpec, cache_dir: Path | None = None, refresh: boo
     return spec
 
 
-def _cached_rates(path: Path, machine: dict) -> dict | None:
+def _cached_rates(path: Path, machine: dict, timed: tuple[str, ...]) -> dict | None:
     try:
         doc = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
     rates = doc.get("rates", {}) if isinstance(doc, dict) else {}
-    if doc.get("machine") != machine or set(rates) != set(MEASURED_RATES):
+    if doc.get("machine") != machine or set(rates) != set(timed):
         return None  # another machine (or another container on this host): measure again
     return rates
 
@@ -173,8 +175,7 @@ def _measure_rates(spec: HardwareSpec) -> dict:
     import torch
 
     if spec.device_kind == "gpu":
-        return {"peak_tflops": spec.peak_tflops, "memory_bandwidth_gb_s": copy_gb_s(torch.device("cuda:0")),
-                "node_memory_bandwidth_gb_s": spec.node_memory_bandwidth_gb_s}
+        return {"memory_bandwidth_gb_s": copy_gb_s(torch.device("cuda:0"))}
     cpu = torch.device("cpu")
     return {"peak_tflops": core_gemm_tflops(), "memory_bandwidth_gb_s": copy_gb_s(cpu),
             "node_memory_bandwidth_gb_s": copy_gb_s(cpu, threads=spec.cores_per_node)}

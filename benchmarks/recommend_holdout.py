@@ -25,9 +25,13 @@ CHECK_SET = ["vgg16:64", "mobilenet_v2:96", "resnet50:96", "alexnet:160", "mobil
 
 
 def main() -> None:
+    from omegaconf import OmegaConf
+
+    defaults = OmegaConf.load(ROOT / "conf" / "recommend.yaml")  # recommend.py's own settings
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("workloads", nargs="*", default=CHECK_SET, help="MODEL:IMAGE_SIZE")
-    parser.add_argument("--close-call", type=float, default=0.05)
+    parser.add_argument("--close-call", type=float, default=defaults.close_call)
+    parser.add_argument("--prefer-sequential-within", type=float, default=defaults.prefer_sequential_within)
     args = parser.parse_args()
 
     from ddlx.measure.report import load_runs
@@ -49,8 +53,8 @@ def main() -> None:
         return probe_batches(data_config_from_params(params), job.model, threads, 30)
 
     hw = hardware(load_hw_file(ROOT / "conf" / "hw" / "local.yaml"), ROOT / "outputs" / "hw")  # recommend.py's kept rates
-    predictor = Predictor(hw, [r for r in runs if not held_out(r)], hw, probe)
-    errors, costs, right = [], [], 0
+    predictor = Predictor(hw, [r for r in runs if not held_out(r)], hw, probe, args.prefer_sequential_within)
+    errors, costs, right, right_fastest = [], [], 0, 0
     for model, size in sorted(held):
         mine = [r for r in runs if held_out(r) and r.params["model.name"] == model and r.params["data.image_size"] == size
                 and r.status == "FINISHED" and "mean_epoch_time_s" in r.metrics]
@@ -68,6 +72,7 @@ def main() -> None:
                 print(f"  {p.setup.label:24s} predicted {p.epoch_s:7.2f}  measured {m:7.2f}  {100 * (p.epoch_s / m - 1):+6.1f}%")
         fastest = min(measured, key=lambda k: statistics.median(measured[k]))
         right += rec.best.setup.label == fastest
+        right_fastest += rec.fastest.setup.label == fastest  # with prefer_sequential_within=0
         if rec.best.setup.label in measured:  # else its cost is unknown (cpu_study.sh runs no pipe)
             costs.append(statistics.median(measured[rec.best.setup.label]) / statistics.median(measured[fastest]) - 1)
         close = [p.setup.label for p in rec.close_calls(args.close_call)]
@@ -75,6 +80,7 @@ def main() -> None:
     cost = (f", measured {100 * statistics.fmean(costs):.1f}% slower than the fastest on average (at most "
             f"{100 * max(costs):.1f}%, {len(costs)} measured picks)") if costs else ""
     print(f"\npicks {right}/{len(held)}{cost}; median absolute error {100 * statistics.median(errors):.1f}% over {len(errors)} setups")
+    print(f"(prefer_sequential_within={args.prefer_sequential_within:g}; always the predicted fastest: {right_fastest}/{len(held)})")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from ddlx.predict.cli import hardware, load_hw_file
 from ddlx.predict.hardware import HardwareSpec, LinkSpec
 from ddlx.predict.job import Job
 from ddlx.predict.profile import profile_model
-from ddlx.predict.recommender import Predictor, ValidationRow, pick, validate
+from ddlx.predict.recommender import Predictor, ValidationRow, choose, pick, validate
 from ddlx.predict.setups import SequentialTime, Setup, memory_need, model_batch_s, setup_of_run
 
 FAST = pm.Link(latency_s=1e-5, bandwidth_mb_s=1000.0)  # 10 µs, 1 GB/s
@@ -238,6 +238,26 @@ def test_a_pick_says_when_the_repeats_cannot_tell_the_setups_apart():
     assert right.correct and not right.overlapping
 
 
+def test_the_sequential_run_is_recommended_unless_a_parallel_setup_gains_more_than_the_band():
+    times = {"threads": 9.8, "cpu_mp": 10.0, "sequential threads=2": 10.2, "sequential threads=1": 19.0}
+
+    def chosen(band):
+        return choose(list(times), times.get, lambda s: s.startswith("sequential"), band)
+
+    assert chosen(0.0) == chosen(0.02) == "threads", "10.2 is 4.1% over 9.8: the gain is resolved"
+    assert chosen(0.05) == "sequential threads=2", "the fastest sequential one, not the one-core run"
+    assert choose(["ddp", "pipe"], {"ddp": 2.0, "pipe": 1.0}.get, lambda s: False, 0.5) == "pipe"
+
+    def row(setup, group, predicted, measured):
+        return ValidationRow("", "w", setup, group, measured, predicted, "", measured, measured)
+
+    rows = [row("threads", "threads", 9.8, 10.1), row("seq2", "sequential-threads", 10.0, 9.9),
+            row("seq1", "sequential", 19.0, 18.0)]
+    plain, preferring = pick(rows), pick(rows, 0.035)
+    assert (plain.recommended, plain.correct, plain.predicted_fastest) == ("threads", False, "threads")
+    assert (preferring.recommended, preferring.correct, preferring.predicted_fastest) == ("seq2", True, "threads")
+
+
 def test_validation_keeps_workloads_apart_that_differ_only_in_dataset_size():
     hw = _hw()
     runs = _consistent_runs(hw)
@@ -338,6 +358,10 @@ def test_recommend_py_answers_as_json_with_no_runs(tmp_path):
     assert answer["recommended"]["fits"] and answer["recommended"]["predicted_epoch_s"] > 0
     assert all({"predicted_epoch_s", "speedup", "memory_per_device_gb", "fits", "basis"} <= set(p) for p in answer["predictions"])
     best = answer["recommended"]["predicted_epoch_s"]
+    fastest = min(p["predicted_epoch_s"] for p in answer["predictions"] if p["fits"])
+    assert answer["prefer_sequential_within"] == 0.035
+    assert answer["recommended"]["setup"] == answer["predicted_fastest"] or (
+        answer["recommended"]["strategy"] == "sequential" and best <= fastest * 1.035)
     close = {p["setup"] for p in answer["close_calls"]}
     assert close == {p["setup"] for p in answer["predictions"] if p["fits"] and p["setup"] != answer["recommended"]["setup"]
                      and p["predicted_epoch_s"] <= best * (1 + answer["close_call_band"])}
@@ -356,7 +380,8 @@ def test_recommend_py_names_bad_values(tmp_path):
     assert proc.returncode == 2 and "mode=guess; expected one of recommend, validate, probe" in proc.stderr
     assert "Traceback" not in proc.stderr
     for bad, message in [("data.image_size=8", "image_size=8 is too small for alexnet; use data.image_size >= 16"),
-                         ("detected_dir=/proc/ddlx", "detected_dir=/proc/ddlx")]:
+                         ("detected_dir=/proc/ddlx", "detected_dir=/proc/ddlx"),
+                         ("prefer_sequential_within=5", "prefer_sequential_within=5; expected a fraction in [0, 1)")]:
         proc = subprocess.run([*cmd[:2], "hw=local", bad, *cmd[4:]], capture_output=True, text=True, timeout=300,
                               env=subprocess_env(), cwd=tmp_path)
         assert proc.returncode == 2 and f"ddlx: error: {message}" in proc.stderr, proc.stderr[-2000:]

@@ -13,6 +13,7 @@ import statistics
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import yaml
 from omegaconf import OmegaConf
@@ -35,6 +36,7 @@ from .setups import (
 from .tseq import baselines_on, efficiency_from_runs, from_flops, from_probe, from_runs, rescaled
 
 Probe = Callable[[Job], Callable[[int], list[float]]]
+T = TypeVar("T")
 MIN_RUNS_FOR_TWO_TERMS = 3
 PROBE_REFERENCES = 3  # measured workloads probed beside a new one to rescale its probe
 
@@ -129,6 +131,21 @@ class Prediction:
         }
 
 
+def choose(options: Sequence[T], seconds: Callable[[T], float], sequential: Callable[[T], bool],
+           prefer_sequential_within: float) -> T:
+    """The option to recommend: the fastest, unless a sequential one (one process on the whole
+    batch: the baseline's training exactly, BatchNorm over the whole batch, no extra memory) is
+    predicted within ``prefer_sequential_within`` (a fraction) of it. A parallel setup must be
+    predicted to gain more than the predictions resolve before it is worth its costs."""
+    fastest = min(options, key=seconds)
+    plain = [o for o in options if sequential(o)]
+    if plain:
+        best_plain = min(plain, key=seconds)
+        if seconds(best_plain) <= seconds(fastest) * (1 + prefer_sequential_within):
+            return best_plain
+    return fastest
+
+
 @dataclass
 class Recommendation:
     job: Job
@@ -136,10 +153,20 @@ class Recommendation:
     sequential: SequentialTime
     predictions: list[Prediction]  # fastest first; those that do not fit last
     runs_used: int
+    prefer_sequential_within: float = 0.0  # see :func:`choose`
+
+    @property
+    def fastest(self) -> Prediction | None:
+        """The setup predicted fastest among those that fit."""
+        return next((p for p in self.predictions if p.memory.fits), None)
 
     @property
     def best(self) -> Prediction | None:
-        return next((p for p in self.predictions if p.memory.fits), None)
+        """The recommended setup (:func:`choose` among those that fit)."""
+        fitting = [p for p in self.predictions if p.memory.fits]
+        if not fitting:
+            return None
+        return choose(fitting, lambda p: p.epoch_s, lambda p: p.setup.strategy == "sequential", self.prefer_sequential_within)
 
     def close_calls(self, band: float) -> list[Prediction]:
         """The other setups that fit and are predicted within ``band`` (a fraction) of the best:
@@ -158,8 +185,9 @@ class Predictor:
     """Predictions for one target machine from a fixed set of measured runs."""
 
     def __init__(self, hw: HardwareSpec, runs: Sequence[MeasuredRun], local: HardwareSpec | None = None,
-                 probe: Probe | None = None) -> None:
+                 probe: Probe | None = None, prefer_sequential_within: float = 0.0) -> None:
         self.hw, self.local, self.probe = hw, local, probe
+        self.prefer_sequential_within = prefer_sequential_within
         self.runs = [r for r in runs if usable(r)]
         self._probed: dict[Job, SequentialTime] = {}
 
@@ -261,7 +289,7 @@ class Predictor:
             predictions.append(Prediction(setup, epoch, baseline_epoch / epoch, memory_need(setup, job, self.hw, profile),
                                           f"T_seq {seq.basis}{how}"))
         predictions.sort(key=lambda p: (not p.memory.fits, p.epoch_s))
-        return Recommendation(job, self.hw, seq, predictions, len(runs))
+        return Recommendation(job, self.hw, seq, predictions, len(runs), self.prefer_sequential_within)
 
 
 # ---- validation (source 004 Tables 8.1 / 8.2) ------------------------------------------
@@ -295,6 +323,7 @@ class Pick:
     # The two setups' repeated runs overlap (the recommended one's fastest run beat the fastest
     # setup's slowest): on this machine's noise the measurements do not tell them apart.
     overlapping: bool = False
+    predicted_fastest: str = ""  # the recommendation with prefer_sequential_within=0
 
     @property
     def correct(self) -> bool:
@@ -327,14 +356,18 @@ def validate(predictor: Predictor) -> tuple[list[ValidationRow], dict[str, Pick]
     by_workload: dict[str, list[ValidationRow]] = defaultdict(list)
     for row in rows:
         by_workload[row.workload].append(row)
-    return rows, {workload: pick(group) for workload, group in by_workload.items() if len(group) >= 2}
+    return rows, {workload: pick(group, predictor.prefer_sequential_within)
+                  for workload, group in by_workload.items() if len(group) >= 2}
 
 
-def pick(rows: Sequence[ValidationRow]) -> Pick:
-    """One workload's recommendation (the least predicted time) against its measured fastest."""
-    recommended, fastest = min(rows, key=lambda r: r.predicted_s), min(rows, key=lambda r: r.measured_s)
+def pick(rows: Sequence[ValidationRow], prefer_sequential_within: float = 0.0) -> Pick:
+    """One workload's recommendation (:func:`choose` on the predicted times) against its
+    measured fastest."""
+    recommended = choose(rows, lambda r: r.predicted_s, lambda r: r.group.startswith("sequential"), prefer_sequential_within)
+    fastest = min(rows, key=lambda r: r.measured_s)
     return Pick(recommended.setup, fastest.setup, recommended.measured_s / fastest.measured_s - 1,
-                recommended is not fastest and recommended.fastest_run_s <= fastest.slowest_run_s)
+                recommended is not fastest and recommended.fastest_run_s <= fastest.slowest_run_s,
+                min(rows, key=lambda r: r.predicted_s).setup)
 
 
 def data_config_from_params(params: dict[str, str]):

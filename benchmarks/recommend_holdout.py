@@ -3,7 +3,7 @@
 then compared with its measured runs. Stricter than ``recommend.py mode=validate``, which holds
 out one configuration at a time.
 
-    python benchmarks/recommend_holdout.py                       # the check and check2 sets of cpu_study.sh
+    python benchmarks/recommend_holdout.py                       # cpu_study.sh's check, check2 and check3 sets
     python benchmarks/recommend_holdout.py resnet18:96 alexnet:64
 
 Workloads are MODEL:IMAGE_SIZE as measured by benchmarks/cpu_study.sh (runs in the project's
@@ -20,8 +20,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-# The workloads predicted before they were measured: cpu_study.sh's "check" and "check2" sets.
-CHECK_SET = ["vgg16:64", "mobilenet_v2:96", "resnet50:96", "alexnet:160", "mobilenet_v2:128", "resnet18:160"]
+# The workloads predicted before they were measured: cpu_study.sh's "check", "check2" and "check3" sets.
+CHECK_SET = ["vgg16:64", "mobilenet_v2:96", "resnet50:96", "alexnet:160", "mobilenet_v2:128", "resnet18:160",
+             "resnet18:112", "resnet50:80", "mobilenet_v2:160"]
 
 
 def main() -> None:
@@ -37,8 +38,8 @@ def main() -> None:
     from ddlx.measure.report import load_runs
     from ddlx.predict.cli import hardware, load_hw_file
     from ddlx.predict.job import Job
-    from ddlx.predict.recommender import Predictor, data_config_from_params
-    from ddlx.predict.setups import setup_of_run
+    from ddlx.predict.recommender import Predictor, ValidationRow, data_config_of_job, pick
+    from ddlx.predict.setups import calibration_group, setup_of_run
     from ddlx.predict.tseq import probe_batches
 
     held = {tuple(w.split(":")) for w in args.workloads}
@@ -47,14 +48,12 @@ def main() -> None:
     def held_out(run) -> bool:
         return (run.params.get("model.name"), run.params.get("data.image_size")) in held
 
-    def probe(job, threads=1):
-        params = next(r.params for r in runs if held_out(r) and r.params["model.name"] == job.model
-                      and r.params["data.image_size"] == str(job.image_size))
-        return probe_batches(data_config_from_params(params), job.model, threads, 30)
+    def probe(job):  # as recommend.py probes: one core, the data config the job was measured with
+        return probe_batches(data_config_of_job(job, runs), job.model, 1, 30)
 
     hw = hardware(load_hw_file(ROOT / "conf" / "hw" / "local.yaml"), ROOT / "outputs" / "hw")  # recommend.py's kept rates
     predictor = Predictor(hw, [r for r in runs if not held_out(r)], hw, probe, args.prefer_sequential_within)
-    errors, costs, right, right_fastest = [], [], 0, 0
+    errors, picks = [], []
     for model, size in sorted(held):
         mine = [r for r in runs if held_out(r) and r.params["model.name"] == model and r.params["data.image_size"] == size
                 and r.status == "FINISHED" and "mean_epoch_time_s" in r.metrics]
@@ -65,23 +64,27 @@ def main() -> None:
             measured.setdefault(setup_of_run(r.params, r.tags).label, []).append(r.metrics["mean_epoch_time_s"])
         rec = predictor.recommend(Job.from_run(mine[0]))
         print(f"\n{model} {size}px (T_seq {rec.sequential.basis})")
+        rows = []  # the measured setups, as validation sees them
         for p in rec.predictions:
             if p.setup.label in measured:
-                m = statistics.median(measured[p.setup.label])
+                times = measured[p.setup.label]
+                m = statistics.median(times)
                 errors.append(abs(p.epoch_s / m - 1))
-                print(f"  {p.setup.label:24s} predicted {p.epoch_s:7.2f}  measured {m:7.2f}  {100 * (p.epoch_s / m - 1):+6.1f}%")
-        fastest = min(measured, key=lambda k: statistics.median(measured[k]))
-        right += rec.best.setup.label == fastest
-        right_fastest += rec.fastest.setup.label == fastest  # with prefer_sequential_within=0
-        if rec.best.setup.label in measured:  # else its cost is unknown (cpu_study.sh runs no pipe)
-            costs.append(statistics.median(measured[rec.best.setup.label]) / statistics.median(measured[fastest]) - 1)
+                rows.append(ValidationRow("", f"{model} {size}px", p.setup.label, calibration_group(p.setup), m, p.epoch_s,
+                                          p.basis, min(times), max(times)))
+                print(f"  {p.setup.label:24s} predicted {p.epoch_s:7.2f}  measured {m:7.2f}  {100 * (p.epoch_s / m - 1):+6.1f}%"
+                      f"  ({len(times)} runs)")
+        picks.append(pick(rows, args.prefer_sequential_within))
         close = [p.setup.label for p in rec.close_calls(args.close_call)]
-        print(f"  recommended {rec.best.setup.label}; measured fastest {fastest}; close calls {close or 'none'}")
-    cost = (f", measured {100 * statistics.fmean(costs):.1f}% slower than the fastest on average (at most "
-            f"{100 * max(costs):.1f}%, {len(costs)} measured picks)") if costs else ""
-    print(f"\npicks {right}/{len(held)}{cost}; median absolute error {100 * statistics.median(errors):.1f}% over {len(errors)} setups")
-    print(f"(prefer_sequential_within={args.prefer_sequential_within:g}; always the predicted fastest: {right_fastest}/{len(held)})")
-
+        print(f"  recommended {picks[-1].recommended}; measured fastest {picks[-1].fastest} "
+              f"({100 * picks[-1].slowdown:.1f}% faster); close calls {close or 'none'}")
+    right = sum(p.correct for p in picks)
+    plain = sum(p.predicted_fastest == p.fastest for p in picks)
+    slowdowns = [p.slowdown for p in picks]
+    print(f"\npicks {right}/{len(picks)}, measured {100 * statistics.fmean(slowdowns):.1f}% slower than the fastest on "
+          f"average (at most {100 * max(slowdowns):.1f}%); median absolute error {100 * statistics.median(errors):.1f}% "
+          f"over {len(errors)} setups")
+    print(f"(prefer_sequential_within={args.prefer_sequential_within:g}; always the predicted fastest: {plain}/{len(picks)})")
 
 if __name__ == "__main__":
     main()

@@ -14,8 +14,8 @@ from ..models import check_request
 from ..measure.report import load_runs, store_exists
 from ..tracking import check_tracking_uri, experiment_id
 from .hardware import HardwareSpec, detect_local, validate
-from .job import Job, usable
-from .recommender import Prediction, Predictor, Recommendation, data_config_from_params, validate as leave_one_out
+from .job import Job
+from .recommender import Prediction, Predictor, Recommendation, data_config_of_job, validate as leave_one_out
 from .tseq import probe_batches
 
 MODES = ("recommend", "validate", "probe")
@@ -135,10 +135,8 @@ def _probe_data(cfg: DictConfig, job: Job, runs) -> DictConfig:
     config of a measured run of exactly that job (validation probes the runs' own workloads)."""
     if (cfg.model.name, cfg.data.image_size, cfg.data.batch_size) == (job.model, job.image_size, job.batch_size):
         return cfg.data
-    for r in runs:
-        if usable(r) and Job.from_run(r) == job:
-            return data_config_from_params(r.params)
-    return cfg.data
+    measured = data_config_of_job(job, runs)
+    return cfg.data if measured is None else measured
 
 
 def train_command(rec: Recommendation, prediction: Prediction, job_overrides: list[str]) -> str:

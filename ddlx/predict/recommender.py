@@ -369,6 +369,15 @@ def pick(rows: Sequence[ValidationRow], prefer_sequential_within: float = 0.0) -
                 min(rows, key=lambda r: r.predicted_s).setup)
 
 
+def data_config_of_job(job: Job, runs: Sequence[MeasuredRun]):
+    """The ``data`` config of a measured run of exactly ``job`` (to probe it as it was measured),
+    or None."""
+    for run in runs:
+        if usable(run) and Job.from_run(run) == job:
+            return data_config_from_params(run.params)
+    return None
+
+
 def data_config_from_params(params: dict[str, str]):
     """The ``data`` config of a run, rebuilt from its flattened params (for a probe)."""
     data = {}

@@ -8,7 +8,8 @@
 # "ties" (the 6 whose two fastest setups were within 7% of each other, 2 more repeats each),
 # "check2" (2 more predicted first, with the recommender as of 2026-11-22; 4 repeats, as ties),
 # "ties2" (the 4 workloads whose fastest setup was 0.7-1.5% ahead of the next in 4 repeats: 4 more),
-# "check3" (3 more predicted first, with prefer_sequential_within as of 2026-11-22; 4 repeats).
+# "check3" (3 more predicted first, with prefer_sequential_within as of 2026-11-22; 4 repeats),
+# "check4" (2 more predicted first, as check3; 3 repeats).
 #
 # Each round runs, for each workload in turn, all its setups back to back (one-core and
 # two-thread sequential, threads, cpu_mp, ddp_gloo), so the setups a recommendation must rank
@@ -63,7 +64,11 @@ case $set_name in
       "model=resnet50 data.image_size=80"       # sequential threads=2 (threads +0.3%)
       "model=mobilenet_v2 data.image_size=160") # threads (cpu_mp +3.6%, ddp_gloo +4.9%)
       ;;
-  *) echo "unknown workload set '$set_name': expected new, first, check, check2, ties, ties2 or check3" >&2; exit 2 ;;
+  check4) workloads=(  # predicted by recommend.py (commit ff22ecd) before they were measured:
+      "model=resnet18 data.image_size=80"       # sequential threads=2 (threads +5.0%)
+      "model=mobilenet_v2 data.image_size=112") # threads (cpu_mp +4.1%, ddp_gloo +5.2%)
+      ;;
+  *) echo "unknown workload set '$set_name': expected new, first, check, check2, ties, ties2, check3 or check4" >&2; exit 2 ;;
 esac
 
 for ((r = 1; r <= rounds; r++)); do

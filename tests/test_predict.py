@@ -321,6 +321,9 @@ def test_local_rates_are_timed_once_per_machine(tmp_path, monkeypatch):
     assert json.loads(kept.read_text())["machine"]["cores_per_node"] == first.cores_per_node
     monkeypatch.setattr(hw_module, "_measure_rates", rates(2.0))
     assert hardware(_compose_hw("hw=local"), tmp_path, refresh=True).memory_bandwidth_gb_s == 2.0
+    kept.write_text("[2.0]")  # valid JSON, not a kept-rates file: timed again, not a crash
+    monkeypatch.setattr(hw_module, "_measure_rates", rates(3.0))
+    assert hardware(_compose_hw("hw=local"), tmp_path).memory_bandwidth_gb_s == 3.0
 
 
 def test_bad_hw_configs_are_clear_errors():

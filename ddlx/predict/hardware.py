@@ -165,7 +165,9 @@ def _cached_rates(path: Path, machine: dict, timed: tuple[str, ...]) -> dict | N
         doc = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    rates = doc.get("rates", {}) if isinstance(doc, dict) else {}
+    if not isinstance(doc, dict):
+        return None
+    rates = doc.get("rates", {})
     if doc.get("machine") != machine or set(rates) != set(timed):
         return None  # another machine (or another container on this host): measure again
     return rates

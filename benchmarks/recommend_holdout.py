@@ -86,5 +86,6 @@ def main() -> None:
           f"over {len(errors)} setups")
     print(f"(prefer_sequential_within={args.prefer_sequential_within:g}; always the predicted fastest: {plain}/{len(picks)})")
 
+
 if __name__ == "__main__":
     main()

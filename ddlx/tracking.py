@@ -128,7 +128,6 @@ def experiment_id(client, name: str, tracking_uri: str, artifact_location: str |
     return client.create_experiment(name, artifact_location=artifact_location if is_local_store(tracking_uri) else None)
 
 
-
 def start_run(logger: MLFlowLogger, params: Mapping[str, str], config_file: Path, tags: Mapping[str, str]) -> str:
     """Create the run now, from global rank 0, with its params, tags and config artifact, so a
     job that fails at any later point is still one (FAILED) run with its record."""

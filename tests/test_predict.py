@@ -20,8 +20,9 @@ from ddlx.predict.cli import hardware, load_hw_file
 from ddlx.predict.hardware import HardwareSpec, LinkSpec
 from ddlx.predict.job import Job
 from ddlx.predict.profile import profile_model
-from ddlx.predict.recommender import Predictor, ValidationRow, choose, pick, validate
-from ddlx.predict.setups import SequentialTime, Setup, memory_need, model_batch_s, setup_of_run
+from ddlx.predict.recommender import Calibration, Predictor, ValidationRow, choose, pick, validate
+from ddlx.predict.setups import SequentialTime, Setup, memory_need, model_batch_s, model_cost, setup_of_run
+from ddlx.predict.tseq import ProbedBatch
 
 FAST = pm.Link(latency_s=1e-5, bandwidth_mb_s=1000.0)  # 10 µs, 1 GB/s
 SLOW = pm.Link(latency_s=1e-4, bandwidth_mb_s=100.0)
@@ -150,7 +151,9 @@ def _workload_params(model: str, size: int) -> dict:
 
 SETUPS = [Setup("sequential", (("threads", 1),)), Setup("threads", (("threads", 2),)),
           Setup("cpu_mp", (("processes", 2),)), Setup("pipe", (("chunks", 4), ("devices", ("cpu", "cpu"))))]
-FACTORS = {"threads": 1.2, "cpu_mp": 1.1, "pipe": 2.0}  # what the implementation adds to the model
+# What the implementation adds to the model: the batch-splitting strategies one compute factor,
+# each its own overhead factor; pipe one factor on the whole.
+TRUTH = {"threads": Calibration(1.1, 1.5, 3), "cpu_mp": Calibration(1.1, 1.2, 3), "pipe": Calibration(2.0, 2.0, 3)}
 
 
 def _consistent_runs(hw: HardwareSpec) -> list[MeasuredRun]:
@@ -164,7 +167,8 @@ def _consistent_runs(hw: HardwareSpec) -> list[MeasuredRun]:
 
         seq = SequentialTime(per_sample, weight_seconds(profile.params, hw), "truth")
         for setup in SETUPS:
-            batch_s = model_batch_s(setup, job, hw, profile, seq) * FACTORS.get(setup.strategy, 1.0)
+            truth = TRUTH.get(setup.strategy, Calibration(1.0, 1.0, 3))
+            batch_s = truth.apply(model_cost(setup, job, hw, profile, seq))
             runs.append(_run(f"{model}-{setup.label}", setup, params, batch_s * job.steps, host=hw.host))
     return runs
 
@@ -190,7 +194,7 @@ def test_leave_one_out_recovers_consistent_runs_and_picks_the_fastest():
         def batches(n):  # the held-out baseline's own time: what a perfect probe would measure
             probe_calls.append(job.model)
             (base,) = [r for r in runs if r.params["model.name"] == job.model and r.strategy == "sequential"]
-            return [base.mean_epoch_time_s / job.steps] * n
+            return [ProbedBatch(base.mean_epoch_time_s / job.steps, 0.0)] * n
         return batches
 
     rows, picks = validate(Predictor(hw, runs, local=hw, probe=probe))
@@ -211,7 +215,7 @@ def test_a_probe_is_put_on_the_runs_footing_by_a_reference_probed_in_the_same_si
     def probe(job):
         def batches(n):
             (base,) = [r for r in runs if r.params["model.name"] == job.model and r.strategy == "sequential"]
-            return [0.8 * base.mean_epoch_time_s / job.steps] * n
+            return [ProbedBatch(0.8 * base.mean_epoch_time_s / job.steps, 0.0)] * n
         return batches
 
     rows, _ = validate(Predictor(hw, runs, local=hw, probe=probe))
@@ -435,6 +439,56 @@ def test_calibration_is_chosen_by_how_well_it_predicts_held_out_runs():
     noisy = fit_calibration([(c, c.total_s * f) for c in pairs for f in (0.9, 1.1)])
     assert (noisy.compute_factor, noisy.overhead_factor) == (1.0, 1.0)
     assert "model as is" in noisy.describe("local")
+
+
+def test_batch_splitting_strategies_share_one_compute_factor():
+    """threads, cpu_mp and DDP run the same network on the same b/W samples per worker: one
+    compute factor between them, each its own overhead factor; other groups, and a group with
+    too few runs, are fitted apart."""
+    from ddlx.predict.recommender import fit_group_calibrations
+    from ddlx.predict.setups import Cost
+
+    costs = [Cost(1.0, 0.2), Cost(0.5, 0.5), Cost(0.2, 1.0), Cost(0.9, 0.05)]
+    fits = fit_group_calibrations({
+        "threads": [(c, 1.1 * c.compute_s + 1.5 * c.overhead_s) for c in costs],
+        "cpu_mp": [(c, 1.1 * c.compute_s + 1.2 * c.overhead_s) for c in costs],
+        "ddp_gloo": [(costs[0], 3.0)],
+        "pipe": [(c, 2.0 * c.total_s) for c in costs],
+    })
+    assert (fits["threads"].compute_factor, fits["threads"].overhead_factor) == (pytest.approx(1.1), pytest.approx(1.5))
+    assert (fits["cpu_mp"].compute_factor, fits["cpu_mp"].overhead_factor) == (pytest.approx(1.1), pytest.approx(1.2))
+    assert fits["threads"].compute_shared_with == ("cpu_mp",)
+    assert "compute x1.10 (shared with cpu_mp), overheads x1.50" in fits["threads"].describe("local")
+    assert fits["ddp_gloo"].compute_shared_with == () and fits["ddp_gloo"].compute_factor == pytest.approx(3.0 / 1.2)
+    assert fits["pipe"].compute_shared_with == () and fits["pipe"].compute_factor == pytest.approx(2.0)
+    # Compute that differs between the groups beyond noise cannot be shared: each keeps its own
+    # two factors when the shared fit would need a non-positive one.
+    apart = fit_group_calibrations({
+        "threads": [(c, 1.0 * c.compute_s + 0.01 * c.overhead_s) for c in costs],
+        "cpu_mp": [(c, 3.0 * c.compute_s + 0.01 * c.overhead_s) for c in costs],
+    })
+    assert apart["threads"].compute_shared_with == () and apart["threads"].compute_factor == pytest.approx(1.0)
+
+
+def test_a_probe_keeps_the_loading_apart():
+    """A probe splits its batches' loading from their compute, as the runs' data_wait_s does:
+    threads loads every sample in one thread, cpu_mp's processes half each, so a probe that
+    folded the loading into compute would credit threads with splitting it."""
+    from ddlx.predict.tseq import from_probe, rescaled
+
+    hw, profile = _hw(), profile_model("mobilenet_v2", 3, 3, 64)
+    job = Job("mobilenet_v2", "firesmall", 3, 3, 64, 32, 320)
+    seq = from_probe(job, hw, profile, lambda n: [ProbedBatch(1.0, 0.16), ProbedBatch(1.2, 0.16), ProbedBatch(1.1, 0.2)][:n])
+    assert seq.batch_s(32) == pytest.approx(1.1) and seq.load_per_sample_s == pytest.approx(0.16 / 32)
+    assert "0.160 s of it loading" in seq.basis
+    folded = SequentialTime(seq.per_sample_s + seq.load_per_sample_s, seq.weight_s, "no loading apart")
+    threads, cpu_mp = Setup("threads", (("threads", 2),)), Setup("cpu_mp", (("processes", 2),))
+    gap = model_batch_s(threads, job, hw, profile, seq) - model_batch_s(cpu_mp, job, hw, profile, seq)
+    folded_gap = model_batch_s(threads, job, hw, profile, folded) - model_batch_s(cpu_mp, job, hw, profile, folded)
+    assert gap - folded_gap == pytest.approx(0.16 / 2), "threads pays the half of the loading cpu_mp's other process does"
+    later = rescaled(seq, 32, 1.25, "test")
+    assert later.batch_s(32) == pytest.approx(1.25 * 1.1)
+    assert later.load_per_sample_s / later.per_sample_s == pytest.approx(seq.load_per_sample_s / seq.per_sample_s)
 
 
 def test_a_held_out_workload_is_probed_with_its_own_runs_data(tiny_config):

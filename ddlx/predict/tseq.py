@@ -16,6 +16,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from ..measure.report import MeasuredRun
 from .hardware import HardwareSpec, intra_op_threads
@@ -61,21 +62,36 @@ def _load_per_sample_s(run: MeasuredRun) -> float:
     return 0.0 if wait is None else wait / Job.from_run(run).train_samples
 
 
-def from_probe(job: Job, hw: HardwareSpec, profile: ModelProfile, train_batches: Callable[[int], list[float]]) -> SequentialTime:
-    """``train_batches(n)`` trains n batches of the job on one device and returns their seconds
-    (the first, warm-up, dropped by the caller); the median is the batch time."""
-    times = train_batches(4)
-    batch_s = statistics.median(times)
+@dataclass(frozen=True)
+class ProbedBatch:
+    """One probed training batch: its seconds from the end of the previous one, and the part of
+    them spent waiting for the loader (and the copy to the device), as a run's ``data_wait_s``."""
+
+    seconds: float
+    data_wait_s: float
+
+
+def from_probe(job: Job, hw: HardwareSpec, profile: ModelProfile, train_batches: Callable[[int], list[ProbedBatch]]) -> SequentialTime:
+    """``train_batches(n)`` trains n batches of the job on one device (the first, warm-up, dropped
+    by the caller); the medians are the batch time and its loading. The loading is kept apart
+    because the strategies share it out differently (see :mod:`.setups`): without it the threads
+    strategy is credited with splitting the loading it does in one thread."""
+    batches = train_batches(4)
+    batch_s = statistics.median(b.seconds for b in batches)
+    wait_s = statistics.median(b.data_wait_s for b in batches)
     weights = weight_seconds(profile.params, hw)
-    return SequentialTime(max((batch_s - weights) / job.batch_size, 1e-9), weights,
-                          f"local probe ({len(times)} batches, median {batch_s:.3f} s)")
+    load = wait_s / job.batch_size
+    return SequentialTime(max((batch_s - weights) / job.batch_size - load, 1e-9), weights,
+                          f"local probe ({len(batches)} batches, median {batch_s:.3f} s, {wait_s:.3f} s of it loading)", load)
 
 
 def rescaled(probed: SequentialTime, batch: int, ratio: float, why: str) -> SequentialTime:
     """``probed`` with its batch time multiplied by ``ratio`` (the weight term, a modelled
-    constant, stays; the per-sample part absorbs the change)."""
-    per_sample = (ratio * probed.batch_s(batch) - probed.weight_s) / batch
-    return SequentialTime(max(per_sample, 1e-9), probed.weight_s, f"{probed.basis} x {ratio:.2f}: {why}")
+    constant, stays; the per-sample compute and loading absorb the change in proportion)."""
+    per_sample = probed.per_sample_s + probed.load_per_sample_s
+    scale = (ratio * probed.batch_s(batch) - probed.weight_s) / batch / per_sample
+    return SequentialTime(max(probed.per_sample_s * scale, 1e-9), probed.weight_s, f"{probed.basis} x {ratio:.2f}: {why}",
+                          max(probed.load_per_sample_s * scale, 0.0))
 
 
 def efficiency_from_runs(runs: Sequence[MeasuredRun], hw_of_run: Callable[[MeasuredRun], HardwareSpec | None],
@@ -107,12 +123,12 @@ def from_flops(job: Job, hw: HardwareSpec, profile: ModelProfile, efficiencies: 
                           f"{hw.peak_tflops:g} TFLOPS, {how})")
 
 
-def probe_batches(cfg_data, model: str, threads: int = 1, max_seconds: float = 30.0) -> Callable[[int], list[float]]:
+def probe_batches(cfg_data, model: str, threads: int = 1, max_seconds: float = 30.0) -> Callable[[int], list[ProbedBatch]]:
     """A probe on this machine with ddlx's own datamodule (the real decode and augmentation) and
-    model, one core or one GPU: train n + 1 batches, return the last n times (stops early at
+    model, one core or one GPU: train n + 1 batches, return the last n (stops early at
     ``max_seconds``, keeping at least two)."""
 
-    def run(n: int) -> list[float]:
+    def run(n: int) -> list[ProbedBatch]:
         import torch
 
         from ..models import build_model
@@ -129,6 +145,7 @@ def probe_batches(cfg_data, model: str, threads: int = 1, max_seconds: float = 3
             times, start, spent = [], time.perf_counter(), time.perf_counter()
             for i, (x, y) in enumerate(dm.train_dataloader()):
                 x, y = x.to(device), y.to(device)
+                loaded = time.perf_counter()
                 opt.zero_grad(set_to_none=True)
                 loss_fn(net(x), y).backward()
                 opt.step()
@@ -136,7 +153,7 @@ def probe_batches(cfg_data, model: str, threads: int = 1, max_seconds: float = 3
                     torch.cuda.synchronize()
                 now = time.perf_counter()
                 if i > 0:
-                    times.append(now - start)
+                    times.append(ProbedBatch(now - start, loaded - start))
                 start = now
                 if len(times) >= n or (len(times) >= 2 and now - spent > max_seconds):
                     break

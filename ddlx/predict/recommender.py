@@ -101,8 +101,8 @@ def fit_group_calibrations(samples: dict[str, Sequence[tuple[Cost, float]]]) -> 
     (joins, averaging, allreduce) differ. Fitted apart, each group's compute factor soaks up
     what its overhead term misses on the networks where overheads dominate (AlexNet, VGG), and
     then decides the ranking on networks where compute dominates: cpu_mp's x1.04 against
-    threads' x1.00 put threads first on every MobileNetV2 workload, where it measured 0-4%
-    behind (the model alone ranks them right). Per-run leave-one-out error does not choose
+    threads' x1.00 put threads first on MobileNetV2 at 96-160 px, where it measured 0-5% behind
+    cpu_mp (the model alone ranks them right). Per-run leave-one-out error does not choose
     between the two (4.9% mean either way here): it is dominated by the machine's drift
     between sittings, which moves every setup of a workload together."""
     shared = {g: v for g, v in samples.items() if g in SHARED_COMPUTE_GROUPS and len(v) >= MIN_RUNS_FOR_SHARED}

@@ -7,10 +7,14 @@ done), and rank 0 logs them. Single-process strategies reduce to themselves.
 from __future__ import annotations
 
 import time
+import warnings
 from statistics import mean
 
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.utilities.warnings import PossibleUserWarning
+
+EPOCH_METRICS = ("epoch_time_s", "data_wait_s", "compute_s", "step_time_s", "samples_per_s")
 
 
 class EpochTimer(pl.Callback):
@@ -28,6 +32,10 @@ class EpochTimer(pl.Callback):
 
     def __init__(self, warmup_epochs: int = 0) -> None:
         self.warmup_epochs = warmup_epochs
+        # These figures are already reduced across ranks (the slowest rank's, below): Lightning's
+        # advice to sync them again does not apply, and would repeat in every distributed run.
+        warnings.filterwarnings("ignore", message=rf"It is recommended to use `self.log\('({'|'.join(EPOCH_METRICS)})'",
+                                category=PossibleUserWarning)
         self.epoch_times: list[float] = []
         self.epoch_samples: list[int] = []
         self.step_times: list[tuple[float, float]] = []  # (data wait, compute) of this rank, this epoch

@@ -491,6 +491,45 @@ def test_a_probe_keeps_the_loading_apart():
     assert later.load_per_sample_s / later.per_sample_s == pytest.approx(seq.load_per_sample_s / seq.per_sample_s)
 
 
+def test_gpu_predictions_are_bound_by_the_data_loaders():
+    """A GPU's T_seq leaves out the host's loading: with data.num_workers > 0 each training process
+    loads its share in its workers, on at most its share of the node's cores, and no setup is
+    faster than that; with 0 the loading is added to the step. CPU targets time it in T_seq."""
+    from ddlx.predict.setups import loader_bound_s
+
+    gpu = _hw(device_kind="gpu", devices_per_node=4, cores_per_node=8, peak_tflops=100.0, memory_per_device_gb=24,
+              memory_bandwidth_gb_s=1000.0)
+    job = Job("alexnet", "firesmall", 3, 3, 64, 32, 320, num_workers=2)
+    ddp, one = Setup("ddp_nccl", (("processes", 4),)), Setup("sequential", (("trainer", "gpu"),))
+    assert loader_bound_s(ddp, job, gpu, 0.005) == pytest.approx(32 / 4 * 0.005 / 2)
+    assert loader_bound_s(one, job, gpu, 0.005) == pytest.approx(32 * 0.005 / 2)
+    many = Job("alexnet", "firesmall", 3, 3, 64, 32, 320, num_workers=4)
+    assert loader_bound_s(ddp, many, gpu, 0.005) == pytest.approx(32 / 4 * 0.005 / 2), "8 cores for 4 processes: 2 each"
+    assert loader_bound_s(one, many, gpu, 0.005) == pytest.approx(32 * 0.005 / 4)
+
+    timed = []
+
+    def loading(j):
+        timed.append(j)
+        return lambda: 0.005
+
+    rec = Predictor(gpu, [], loading=loading).recommend(job, [one, ddp])
+    assert len(timed) == 1
+    by = {p.setup.strategy: p for p in rec.predictions}
+    assert by["sequential"].epoch_s == pytest.approx(32 * 0.005 / 2 * job.steps)
+    assert by["ddp_nccl"].epoch_s == pytest.approx(32 / 4 * 0.005 / 2 * job.steps)
+    assert by["ddp_nccl"].speedup == pytest.approx(4.0) and "bound by data loading: 2 worker(s)" in by["ddp_nccl"].basis
+    unbound = Predictor(gpu, []).recommend(job, [one])
+    assert unbound.predictions[0].epoch_s < by["sequential"].epoch_s / 10, "AlexNet at 64 px is loader-bound here"
+
+    serial = Predictor(gpu, [], loading=loading).recommend(Job("alexnet", "firesmall", 3, 3, 64, 32, 320), [one])
+    assert serial.sequential.load_per_sample_s == 0.005 and "data.num_workers=0" in serial.sequential.basis
+    assert serial.predictions[0].epoch_s == pytest.approx(unbound.predictions[0].epoch_s + 320 * 0.005)
+
+    cpu_rec = Predictor(_hw(), [], loading=lambda j: pytest.fail("CPU targets time the loading in T_seq")).recommend(job, SETUPS[:1])
+    assert "bound by data loading" not in cpu_rec.predictions[0].basis
+
+
 def test_a_held_out_workload_is_probed_with_its_own_runs_data(tiny_config):
     from ddlx.predict.cli import _probe_data
 

@@ -16,7 +16,7 @@ from ..tracking import check_tracking_uri, experiment_id
 from .hardware import HardwareSpec, detect_local, validate
 from .job import Job
 from .recommender import Prediction, Predictor, Recommendation, data_config_of_job, validate as leave_one_out
-from .tseq import probe_batches
+from .tseq import probe_batches, probe_loading
 
 MODES = ("recommend", "validate", "probe")
 OUTPUTS = ("table", "json")
@@ -71,7 +71,8 @@ def job_from_config(cfg: DictConfig) -> Job:
         count = sum(1 for p in Path(data.root).rglob("*") if p.suffix.lower() in (".jpg", ".jpeg", ".png"))
     train = count - round(count * data.val_fraction)
     check_request(cfg.model.name, data.num_classes, data.channels, data.image_size)
-    return Job(cfg.model.name, data.name, data.num_classes, data.channels, data.image_size, data.batch_size, train)
+    return Job(cfg.model.name, data.name, data.num_classes, data.channels, data.image_size, data.batch_size, train,
+               data.num_workers)
 
 
 def measured_runs(cfg: DictConfig) -> tuple[list, str]:
@@ -113,10 +114,11 @@ def run(cfg: DictConfig, out_dir: Path, hw_dir: Path, job_overrides: list[str] |
         return
     local = local_hardware(target, hw_dir, detected_dir)
     runs, note = measured_runs(cfg)
-    probe = None
+    probe = loading = None
     if cfg.probe:
         probe = (lambda job: probe_batches(_probe_data(cfg, job, runs), job.model, 1, cfg.probe_max_s))
-    predictor = Predictor(target, runs, local, probe, cfg.prefer_sequential_within)
+        loading = (lambda job: probe_loading(_probe_data(cfg, job, runs), cfg.probe_max_s))
+    predictor = Predictor(target, runs, local, probe, cfg.prefer_sequential_within, loading)
     if cfg.mode == "validate":
         report_validation(cfg, predictor, note, out_dir, started)
         return

@@ -16,6 +16,7 @@ class Job:
     image_size: int
     batch_size: int  # global
     train_samples: int  # per epoch
+    num_workers: int = 0  # data loader worker processes per training process (data.num_workers)
 
     @property
     def steps(self) -> float:
@@ -29,6 +30,7 @@ class Job:
             channels=int(p["data.channels"]), image_size=int(p["data.image_size"]),
             batch_size=int(p["data.batch_size"]),
             train_samples=round(m["mean_samples_per_s"] * m["mean_epoch_time_s"]),
+            num_workers=int(p.get("data.num_workers", 0)),
         )
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 import numpy as np
@@ -30,6 +30,7 @@ from .setups import (
     Cost,
     calibration_group,
     candidates,
+    loader_bound_s,
     memory_need,
     model_cost,
     setup_of_run,
@@ -37,6 +38,7 @@ from .setups import (
 from .tseq import ProbedBatch, baselines_on, efficiency_from_runs, from_flops, from_probe, from_runs, rescaled
 
 Probe = Callable[[Job], Callable[[int], list[ProbedBatch]]]
+LoadingProbe = Callable[[Job], Callable[[], float]]
 T = TypeVar("T")
 MIN_RUNS_FOR_TWO_TERMS = 3
 # The strategies whose workers each run the whole network on their share of the batch: one
@@ -229,11 +231,15 @@ class Predictor:
     """Predictions for one target machine from a fixed set of measured runs."""
 
     def __init__(self, hw: HardwareSpec, runs: Sequence[MeasuredRun], local: HardwareSpec | None = None,
-                 probe: Probe | None = None, prefer_sequential_within: float = 0.0) -> None:
-        self.hw, self.local, self.probe = hw, local, probe
+                 probe: Probe | None = None, prefer_sequential_within: float = 0.0,
+                 loading: LoadingProbe | None = None) -> None:
+        """``loading``: times one sample's data loading on one core of this machine (for GPU
+        targets, whose loaders run on the host's cores: see :func:`~.setups.loader_bound_s`)."""
+        self.hw, self.local, self.probe, self.loading = hw, local, probe, loading
         self.prefer_sequential_within = prefer_sequential_within
         self.runs = [r for r in runs if usable(r)]
         self._probed: dict[Job, SequentialTime] = {}
+        self._loading: dict[Job, float] = {}
 
     # -- sequential time ------------------------------------------------------------------
     def sequential(self, job: Job, hw: HardwareSpec, runs: Sequence[MeasuredRun],
@@ -316,8 +322,14 @@ class Predictor:
         runs = [r for r in self.runs if not (exclude and exclude(r))]
         profile = profile_of_job(job)
         seq = self.sequential(job, self.hw, runs, probe_on_runs_footing)
+        load_core = self._load_core_s(job)
+        if load_core is not None and job.num_workers == 0 and seq.load_per_sample_s == 0:
+            seq = replace(seq, load_per_sample_s=load_core, basis=f"{seq.basis}; plus the loading in the training "
+                          f"process (data.num_workers=0), {1e3 * load_core:.1f} ms/sample timed on this machine's core")
         calibrations, source = self.calibration(runs)
-        baseline_epoch = seq.batch_s(job.batch_size) * job.steps
+        baseline = seq.batch_s(job.batch_size)
+        if load_core is not None:
+            baseline = max(baseline, loader_bound_s(Setup("sequential"), job, self.hw, load_core))
         predictions = []
         for setup in setups if setups is not None else candidates(self.hw, job):
             group = calibration_group(setup)
@@ -329,11 +341,26 @@ class Predictor:
             else:
                 batch_s = cost.total_s
                 how = f"; model uncalibrated (no measured {group} run on {self.hw.device_kind} hardware)"
+            bound = loader_bound_s(setup, job, self.hw, load_core) if load_core is not None else 0.0
+            if bound > batch_s:
+                batch_s = bound
+                how += (f"; bound by data loading: {job.num_workers} worker(s) per process at {1e3 * load_core:.1f} "
+                        f"ms/sample (timed on this machine's core) cannot keep up")
             epoch = batch_s * job.steps
-            predictions.append(Prediction(setup, epoch, baseline_epoch / epoch, memory_need(setup, job, self.hw, profile),
+            predictions.append(Prediction(setup, epoch, baseline * job.steps / epoch, memory_need(setup, job, self.hw, profile),
                                           f"T_seq {seq.basis}{how}"))
         predictions.sort(key=lambda p: (not p.memory.fits, p.epoch_s))
         return Recommendation(job, self.hw, seq, predictions, len(runs), self.prefer_sequential_within)
+
+    def _load_core_s(self, job: Job) -> float | None:
+        """One sample's loading on one core, for GPU targets (their loaders run on host cores,
+        which the GPU's T_seq does not include); None for CPU targets, whose T_seq is measured
+        with the loading in it, or when nothing may be timed."""
+        if self.hw.device_kind != "gpu" or self.loading is None:
+            return None
+        if job not in self._loading:
+            self._loading[job] = self.loading(job)()
+        return self._loading[job]
 
 
 # ---- validation (source 004 Tables 8.1 / 8.2) ------------------------------------------

@@ -149,8 +149,7 @@ def candidates(hw: HardwareSpec, job: Job) -> list[Setup]:
 
 
 def _divides(setup: Setup, job: Job) -> bool:
-    workers = setup.get("processes") or setup.get("ranks") or 1
-    return job.batch_size % workers == 0
+    return job.batch_size % training_processes(setup) == 0
 
 
 def setup_of_run(params: dict[str, str], tags: dict[str, str]) -> Setup:
@@ -243,6 +242,25 @@ def model_cost(setup: Setup, job: Job, hw: HardwareSpec, profile: ModelProfile, 
         ring = [_link(hw.link(2 * i, 2 * ((i + 1) % p))) for i in range(p)]
         return _cost((compute + load) / p, hybrid_s(local, p, g, bucket, ring, fixed))
     raise ValueError(f"no performance model for strategy {name!r}")
+
+
+def training_processes(setup: Setup) -> int:
+    """The training processes of ``setup`` (each with its own data loader)."""
+    return setup.get("processes") or setup.get("ranks") or 1
+
+
+def loader_bound_s(setup: Setup, job: Job, hw: HardwareSpec, load_core_s: float) -> float:
+    """The least seconds per global batch the data loaders need when they run beside the training
+    (``data.num_workers`` > 0; 0 otherwise: then the loading is part of the step, in T_seq): each
+    training process loads its b/P samples in its workers, prefetching while the devices train,
+    on at most its share of the node's cores; ``load_core_s`` is one sample's loading on one
+    core. Decoding JPEGs on 2 workers per process easily bounds a fast GPU on small networks."""
+    if job.num_workers <= 0:
+        return 0.0
+    processes = training_processes(setup)
+    per_node = min(processes, hw.devices_per_node) if hw.device_kind == "gpu" else min(processes, hw.cores_per_node)
+    cores = min(job.num_workers, max(1, hw.cores_per_node // per_node))
+    return job.batch_size / processes * load_core_s / cores
 
 
 def _cost(compute_s: float, total_s: float) -> Cost:

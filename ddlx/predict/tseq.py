@@ -160,3 +160,32 @@ def probe_batches(cfg_data, model: str, threads: int = 1, max_seconds: float = 3
         return times
 
     return run
+
+
+def probe_loading(cfg_data, max_seconds: float = 30.0) -> Callable[[], float]:
+    """A probe of ddlx's data pipeline alone (decode, augmentation, collate) in this process, one
+    core (``data.num_workers=0``): seconds per sample, the median over a few batches after the
+    first. What a loader worker process does per sample, on this machine's core."""
+
+    def run() -> float:
+        from omegaconf import OmegaConf
+
+        from ..run import build_datamodule
+
+        dm = build_datamodule(OmegaConf.merge(cfg_data, {"num_workers": 0}))
+        dm.prepare_data()
+        dm.setup("fit")
+        per_sample, start, spent = [], time.perf_counter(), time.perf_counter()
+        with intra_op_threads(1):
+            for i, (x, _) in enumerate(dm.train_dataloader()):
+                now = time.perf_counter()
+                if i > 0:
+                    per_sample.append((now - start) / len(x))
+                start = now
+                if len(per_sample) >= 4 or (len(per_sample) >= 2 and now - spent > max_seconds):
+                    break
+        if not per_sample:
+            raise ValueError("the data has fewer than two training batches to time the loading on")
+        return statistics.median(per_sample)
+
+    return run

@@ -10,7 +10,8 @@
 # "ties2" (the 4 workloads whose fastest setup was 0.7-1.5% ahead of the next in 4 repeats: 4 more),
 # "check3" (3 more predicted first, with prefer_sequential_within as of 2026-11-22; 4 repeats),
 # "check4" (2 more predicted first, as check3; 3 repeats),
-# "check5" (3 more predicted first, with the probe's loading apart and the shared compute factor; 3 repeats).
+# "check5" (3 more predicted first, with the probe's loading apart and the shared compute factor; 3 repeats),
+# "check6" (3 more predicted first, as check5, at sizes above those measured before; 3 repeats).
 #
 # Each round runs, for each workload in turn, all its setups back to back (one-core and
 # two-thread sequential, threads, cpu_mp, ddp_gloo), so the setups a recommendation must rank
@@ -74,7 +75,13 @@ case $set_name in
       "model=mobilenet_v2 data.image_size=144"  # cpu_mp (ddp_gloo +0.7%, threads +1.9%, seq2 +9.0%)
       "model=resnet18 data.image_size=144")     # sequential threads=2 (cpu_mp predicted 3.2-3.5% faster: preferred;
       ;;                                        #   threads +2.8%; on two probes, one at the band's edge)
-  *) echo "unknown workload set '$set_name': expected new, first, check, check2, ties, ties2, check3, check4 or check5" >&2; exit 2 ;;
+  check6) workloads=(  # predicted by recommend.py (commit 4dcd436) before they were measured:
+      "model=resnet50 data.image_size=112"      # sequential threads=2 (threads predicted 2.8-3.2% faster: preferred;
+                                                #   cpu_mp +1%, ddp_gloo +5%)
+      "model=mobilenet_v2 data.image_size=176"  # cpu_mp (ddp_gloo +0.5%, threads +1.5%, seq2 +10%)
+      "model=resnet18 data.image_size=176")     # cpu_mp (threads +0.4%, ddp_gloo +2.3%, seq2 +6.2%)
+      ;;
+  *) echo "unknown workload set '$set_name': expected new, first, check, check2, ties, ties2, check3, check4, check5 or check6" >&2; exit 2 ;;
 esac
 
 for ((r = 1; r <= rounds; r++)); do

@@ -258,7 +258,7 @@ def loader_bound_s(setup: Setup, job: Job, hw: HardwareSpec, load_core_s: float)
     if job.num_workers <= 0:
         return 0.0
     processes = training_processes(setup)
-    per_node = min(processes, hw.devices_per_node) if hw.device_kind == "gpu" else min(processes, hw.cores_per_node)
+    per_node = min(processes, hw.devices_per_node)
     cores = min(job.num_workers, max(1, hw.cores_per_node // per_node))
     return job.batch_size / processes * load_core_s / cores
 

@@ -202,14 +202,19 @@ class Recommendation:
     prefer_sequential_within: float = 0.0  # see :func:`choose`
 
     @property
+    def fitting(self) -> list[Prediction]:
+        """The setups that fit, fastest first."""
+        return [p for p in self.predictions if p.memory.fits]
+
+    @property
     def fastest(self) -> Prediction | None:
         """The setup predicted fastest among those that fit."""
-        return next((p for p in self.predictions if p.memory.fits), None)
+        return next(iter(self.fitting), None)
 
     @property
     def best(self) -> Prediction | None:
         """The recommended setup (:func:`choose` among those that fit)."""
-        fitting = [p for p in self.predictions if p.memory.fits]
+        fitting = self.fitting
         if not fitting:
             return None
         return choose(fitting, lambda p: p.epoch_s, lambda p: p.setup.strategy == "sequential", self.prefer_sequential_within)
@@ -220,7 +225,7 @@ class Recommendation:
         best = self.best
         if best is None:
             return []
-        return [p for p in self.predictions if p is not best and p.memory.fits and p.epoch_s <= best.epoch_s * (1 + band)]
+        return [p for p in self.fitting if p is not best and p.epoch_s <= best.epoch_s * (1 + band)]
 
 
 def profile_of_job(job: Job) -> ModelProfile:
@@ -322,8 +327,9 @@ class Predictor:
         runs = [r for r in self.runs if not (exclude and exclude(r))]
         profile = profile_of_job(job)
         seq = self.sequential(job, self.hw, runs, probe_on_runs_footing)
-        load_core = self._load_core_s(job)
-        if load_core is not None and job.num_workers == 0 and seq.load_per_sample_s == 0:
+        # Timed only where it is used: as a bound beside the training, or as T_seq's missing loading.
+        load_core = self._load_core_s(job) if job.num_workers > 0 or seq.load_per_sample_s == 0 else None
+        if load_core is not None and job.num_workers == 0:
             seq = replace(seq, load_per_sample_s=load_core, basis=f"{seq.basis}; plus the loading in the training "
                           f"process (data.num_workers=0), {1e3 * load_core:.1f} ms/sample timed on this machine's core")
         calibrations, source = self.calibration(runs)

@@ -24,6 +24,7 @@ from .predict.memory import GIB, estimate_training_memory
 from .strategies import build_strategy
 from .strategies.launch import RelaunchingDDPStrategy, end_distributed_job, launch_rank
 from .tracking import (
+    check_experiment,
     check_tracking_uri,
     flatten_config,
     machine_tags,
@@ -139,6 +140,8 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, extra_tags: Mapping[st
 
     # 1. Everything that can be wrong is checked before the first batch.
     check_tracking_uri(cfg.logger.tracking_uri)
+    if launch_rank() == 0:  # only rank 0 talks to MLflow (see 3.)
+        check_experiment(cfg.logger.tracking_uri, cfg.logger.experiment_name)
     try:
         check_measure(cfg)
         plan = build_strategy(cfg.strategy, cfg.trainer.accelerator, layered_model_meta(cfg), cfg.data)

@@ -119,13 +119,40 @@ def artifacts_beside_store(tracking_uri: str) -> str | None:
     return None
 
 
-def experiment_id(client, name: str, tracking_uri: str, artifact_location: str | None) -> str:
+def experiment_id(client, name: str, tracking_uri: str, artifact_location: str | None,
+                  setting: str | None = "logger.experiment_name") -> str:
     """``name``'s experiment id, created if missing with its artifacts at ``artifact_location`` on a
-    local store: MLflow's default is ./mlruns of whichever folder the command ran in."""
+    local store: MLflow's default is ./mlruns of whichever folder the command ran in. ``setting``
+    is the option that chooses the name (None: fixed), for the error on a deleted experiment."""
     exp = client.get_experiment_by_name(name)
     if exp is not None:
+        _refuse_deleted(exp, tracking_uri, setting)
         return exp.experiment_id
     return client.create_experiment(name, artifact_location=artifact_location if is_local_store(tracking_uri) else None)
+
+
+def check_experiment(tracking_uri: str, name: str) -> None:
+    """Fail at start when ``name`` is a deleted experiment of the store: MLflow keeps its name
+    taken, and Lightning's logger would try to create it again after the checks, failing with an
+    IntegrityError from deep inside the store."""
+    if tracking_uri.startswith("sqlite:///") and not Path(tracking_uri[len("sqlite:///"):]).is_file():
+        return  # a new store has no experiments; opening it here would create it
+    from mlflow.tracking import MlflowClient
+
+    exp = MlflowClient(tracking_uri).get_experiment_by_name(name)
+    if exp is not None:
+        _refuse_deleted(exp, tracking_uri, "logger.experiment_name")
+
+
+def _refuse_deleted(exp, tracking_uri: str, setting: str | None) -> None:
+    if exp.lifecycle_stage == "deleted":
+        rename = f", or choose another {setting}" if setting else ""
+        raise ConfigError(
+            f"MLflow experiment {exp.name!r} was deleted from {tracking_uri}, and a deleted experiment keeps its "
+            f"name; restore it (MLFLOW_TRACKING_URI={tracking_uri} mlflow experiments restore --experiment-id "
+            f"{exp.experiment_id}) or purge it for good (mlflow gc --backend-store-uri {tracking_uri} --experiment-ids "
+            f"{exp.experiment_id}){rename}"
+        )
 
 
 def start_run(logger: MLFlowLogger, params: Mapping[str, str], config_file: Path, tags: Mapping[str, str]) -> str:

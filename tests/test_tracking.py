@@ -33,3 +33,25 @@ def test_sqlite_store_that_is_not_a_database(tmp_path):
 def test_unreachable_server():
     with pytest.raises(ConfigError, match=r"http://127.0.0.1:9 is unreachable.*sqlite:///mlflow.db"):
         check_tracking_uri("http://127.0.0.1:9", timeout_s=2)
+
+
+def test_a_deleted_experiment_is_refused_with_the_ways_out(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from ddlx.tracking import check_experiment, experiment_id
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    check_experiment(uri, "anything")  # no store yet: nothing to check, and no store created
+    assert not (tmp_path / "mlflow.db").exists()
+    client = MlflowClient(uri)
+    exp = client.create_experiment("gone")
+    client.create_experiment("here")
+    client.delete_experiment(exp)
+    check_experiment(uri, "here")
+    check_experiment(uri, "new")
+    restore = rf"'gone' was deleted .*mlflow experiments restore --experiment-id {exp}\).*mlflow gc .*--experiment-ids {exp}"
+    with pytest.raises(ConfigError, match=restore + r".*or choose another logger.experiment_name"):
+        check_experiment(uri, "gone")
+    with pytest.raises(ConfigError, match=restore + r"\)$"):  # a fixed name: no other to choose
+        experiment_id(client, "gone", uri, None, setting=None)
+    assert experiment_id(client, "here", uri, None) == client.get_experiment_by_name("here").experiment_id

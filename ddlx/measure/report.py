@@ -317,7 +317,7 @@ def log_to_mlflow(tracking_uri: str, files: list[Path], sources: dict[str, str],
     from ..tracking import artifacts_beside_store, experiment_id
 
     client = MlflowClient(tracking_uri)
-    exp_id = experiment_id(client, experiment, tracking_uri, artifacts_beside_store(tracking_uri))
+    exp_id = experiment_id(client, experiment, tracking_uri, artifacts_beside_store(tracking_uri), setting=None)
     run = client.create_run(exp_id, tags={k: v for k, v in sources.items() if v}, run_name="speedup-report")
     for path in files:
         client.log_artifact(run.info.run_id, str(path))

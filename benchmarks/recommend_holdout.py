@@ -71,8 +71,8 @@ def main() -> None:
                 times = measured[p.setup.label]
                 m = statistics.median(times)
                 errors.append(abs(p.epoch_s / m - 1))
-                rows.append(ValidationRow("", f"{model} {size}px", p.setup.label, calibration_group(p.setup), m, p.epoch_s,
-                                          p.basis, min(times), max(times)))
+                rows.append(ValidationRow("", f"{model} {size}px", p.setup.label, calibration_group(p.setup), p.epoch_s,
+                                          p.basis, tuple(times)))
                 print(f"  {p.setup.label:24s} predicted {p.epoch_s:7.2f}  measured {m:7.2f}  {100 * (p.epoch_s / m - 1):+6.1f}%"
                       f"  ({len(times)} runs)")
         picks.append(pick(rows, args.prefer_sequential_within))
@@ -86,6 +86,9 @@ def main() -> None:
           f"average (at most {100 * max(slowdowns):.1f}%); median absolute error {100 * statistics.median(errors):.1f}% "
           f"over {len(errors)} setups")
     print(f"(prefer_sequential_within={args.prefer_sequential_within:g}; always the predicted fastest: {plain}/{len(picks)})")
+    print(f"resampling each setup's runs: the measured fastest is the fastest again in "
+          f"{100 * statistics.fmean(p.fastest_reproduced for p in picks):.0f}% of resamples, the recommended setup in "
+          f"{100 * statistics.fmean(p.recommended_fastest for p in picks):.0f}%")
 
 
 if __name__ == "__main__":

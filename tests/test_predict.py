@@ -3,6 +3,7 @@ filter, calibration, leave-one-out validation, hardware configs and recommend.py
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 
@@ -231,7 +232,7 @@ def test_a_probe_is_put_on_the_runs_footing_by_a_reference_probed_in_the_same_si
 
 def test_a_pick_says_when_the_repeats_cannot_tell_the_setups_apart():
     def row(setup, predicted, runs):
-        return ValidationRow("", "w", setup, setup, sorted(runs)[len(runs) // 2], predicted, "", min(runs), max(runs))
+        return ValidationRow("", "w", setup, setup, predicted, "", tuple(runs))
 
     noisy = pick([row("a", 1.0, [9.0, 10.0, 12.0]), row("b", 2.0, [9.4, 9.5, 9.6]), row("c", 3.0, [20.0])])
     assert (noisy.recommended, noisy.fastest, noisy.correct) == ("a", "b", False)
@@ -253,7 +254,7 @@ def test_the_sequential_run_is_recommended_unless_a_parallel_setup_gains_more_th
     assert choose(["ddp", "pipe"], {"ddp": 2.0, "pipe": 1.0}.get, lambda s: False, 0.5) == "pipe"
 
     def row(setup, group, predicted, measured):
-        return ValidationRow("", "w", setup, group, measured, predicted, "", measured, measured)
+        return ValidationRow("", "w", setup, group, predicted, "", (measured,))
 
     rows = [row("threads", "threads", 9.8, 10.1), row("seq2", "sequential-threads", 10.0, 9.9),
             row("seq1", "sequential", 19.0, 18.0)]
@@ -570,6 +571,10 @@ def test_recommend_py_validate_reports_errors_and_picks(tmp_path):
     slowdowns = [p["slowdown"] for p in result["recommendations"].values()]
     assert result["mean_slowdown"] == pytest.approx(sum(slowdowns) / 3) and result["max_slowdown"] == max(slowdowns)
     assert all(s == 0 for s, p in zip(slowdowns, result["recommendations"].values()) if p["correct"])
+    assert all(r["measured_s"] == statistics.median(r["run_times_s"]) for r in result["rows"])
+    # One run per configuration: resampling cannot move a ranking, so it agrees with the strict figure.
+    assert result["fastest_reproduced_fraction"] == 1.0
+    assert result["recommended_fastest_fraction"] == pytest.approx(result["correct_fraction"])
     assert (tmp_path / "out" / "validation.json").exists() and (tmp_path / "out" / "predicted_vs_measured.png").exists()
 
 
@@ -595,3 +600,20 @@ def test_the_training_process_data_loading_is_split_by_processes_not_by_threads(
     assert added["sequential threads=2"] == pytest.approx(32 * 0.002), "intra-op threads do not load images"
     assert added["threads threads=2"] == pytest.approx(32 * 0.002), "the main thread loads the whole batch"
     assert added["cpu_mp processes=2"] == pytest.approx(16 * 0.002) and added["ddp_gloo processes=2"] == pytest.approx(16 * 0.002)
+
+
+def test_resampling_the_runs_says_how_reproducible_the_measured_fastest_is():
+    def row(setup, predicted, runs):
+        return ValidationRow("", "w", setup, setup, predicted, "", tuple(runs))
+
+    apart = pick([row("a", 1.0, [10.0, 10.1, 10.2]), row("b", 2.0, [12.0, 12.1, 12.2])])
+    assert (apart.fastest_reproduced, apart.recommended_fastest) == (1.0, 1.0), "every resample: a faster"
+    wrong = pick([row("a", 2.0, [10.0, 10.1, 10.2]), row("b", 1.0, [12.0, 12.1, 12.2])])
+    assert (wrong.fastest_reproduced, wrong.recommended_fastest) == (1.0, 0.0)
+    # Interleaved runs: a's median 10.0 beats b's 10.05, but resamples often reverse it.
+    tie = pick([row("a", 2.0, [9.0, 10.0, 11.0]), row("b", 1.0, [9.5, 10.05, 10.6])])
+    assert tie.fastest == "a" and not tie.correct
+    assert 0.3 < tie.fastest_reproduced < 0.7 and tie.fastest_reproduced + tie.recommended_fastest == pytest.approx(1.0)
+    assert pick([row("a", 2.0, [9.0, 10.0, 11.0]), row("b", 1.0, [9.5, 10.05, 10.6])]) == tie, "seeded: same runs, same figures"
+    single = pick([row("a", 1.0, [10.0]), row("b", 2.0, [10.5]), row("c", 3.0, [11.0])])
+    assert single.fastest_reproduced == 1.0, "one run each: resamples cannot move it (repeats are what show the noise)"

@@ -254,7 +254,7 @@ def report_validation(cfg: DictConfig, predictor: Predictor, note: str, out_dir:
     slowdowns = [p.slowdown for p in picks.values()]
     result = {
         "hw": predictor.hw.name, "runs": note,
-        "rows": [vars(r) | {"error": r.error} for r in rows],
+        "rows": [r.as_dict() for r in rows],
         "per_strategy": summary,
         "recommendations": {w: vars(p) | {"correct": p.correct} for w, p in picks.items()},
         "correct_fraction": correct / len(picks) if picks else None,
@@ -265,6 +265,10 @@ def report_validation(cfg: DictConfig, predictor: Predictor, note: str, out_dir:
         # third figure): the strict fraction alone counts a 1% tie like a 2x miss.
         "mean_slowdown": statistics.fmean(slowdowns) if picks else None,
         "max_slowdown": max(slowdowns) if picks else None,
+        # What these measurements can resolve (Pick.fastest_reproduced): a predictor that always
+        # named the measured fastest would expect this fraction against a re-measurement.
+        "fastest_reproduced_fraction": statistics.fmean(p.fastest_reproduced for p in picks.values()) if picks else None,
+        "recommended_fastest_fraction": statistics.fmean(p.recommended_fastest for p in picks.values()) if picks else None,
         "seconds": round(time.perf_counter() - started, 1),
     }
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -280,10 +284,12 @@ def report_validation(cfg: DictConfig, predictor: Predictor, note: str, out_dir:
     print("\n| strategy | runs | median abs. error | mean abs. error |\n|---|---|---|---|")
     for g, s in sorted(summary.items()):
         print(f"| {g} | {s['runs']} | {100 * s['median_ape']:.1f}% | {100 * s['mape']:.1f}% |")
-    print("\n| workload | recommended | measured fastest | recommended measured slower by | correct |\n|---|---|---|---|---|")
+    print("\n| workload | recommended | measured fastest | recommended measured slower by | correct "
+          "| resamples: fastest again / recommended fastest |\n|---|---|---|---|---|---|")
     for w, p in sorted(picks.items()):
         verdict = "T" if p.correct else "F, runs overlap" if p.overlapping else "F"
-        print(f"| {w} | {p.recommended} | {p.fastest} | {100 * p.slowdown:.1f}% | {verdict} |")
+        print(f"| {w} | {p.recommended} | {p.fastest} | {100 * p.slowdown:.1f}% | {verdict} "
+              f"| {100 * p.fastest_reproduced:.0f}% / {100 * p.recommended_fastest:.0f}% |")
     if picks:
         print(f"\ncorrect recommendations: {correct}/{len(picks)} = {100 * correct / len(picks):.0f}%; "
               f"correct or with runs overlapping the fastest's (repeats do not tell them apart): "
@@ -292,6 +298,10 @@ def report_validation(cfg: DictConfig, predictor: Predictor, note: str, out_dir:
               f"{100 * result['max_slowdown']:.1f}%")
         print(f"with prefer_sequential_within={predictor.prefer_sequential_within:g}; always the predicted fastest "
               f"(prefer_sequential_within=0): {plain}/{len(picks)} = {100 * plain / len(picks):.0f}% correct")
+        print(f"resampling each setup's runs: the measured fastest is the fastest again in "
+              f"{100 * result['fastest_reproduced_fraction']:.0f}% of resamples (mean over workloads: what naming the "
+              f"measured fastest could expect against a re-measurement in the same sittings), the recommended setup in "
+              f"{100 * result['recommended_fastest_fraction']:.0f}%")
     print(f"wrote {out_dir / 'validation.json'} and {plot} ({result['seconds']} s)")
 
 

@@ -378,15 +378,24 @@ class ValidationRow:
     workload: str
     setup: str
     group: str
-    measured_s: float  # median of the configuration's runs
     predicted_s: float
     basis: str
-    fastest_run_s: float  # the configuration's fastest and slowest run
-    slowest_run_s: float
+    run_times_s: tuple[float, ...]  # the configuration's runs, seconds per epoch
+
+    @property
+    def measured_s(self) -> float:
+        return statistics.median(self.run_times_s)
 
     @property
     def error(self) -> float:
         return (self.predicted_s - self.measured_s) / self.measured_s
+
+    def as_dict(self) -> dict:
+        return vars(self) | {"measured_s": self.measured_s, "error": self.error}
+
+
+# Resamples of each workload's repeated runs behind Pick's reproducibility figures.
+RESAMPLES = 2000
 
 
 @dataclass
@@ -401,6 +410,12 @@ class Pick:
     # setup's slowest): on this machine's noise the measurements do not tell them apart.
     overlapping: bool = False
     predicted_fastest: str = ""  # the recommendation with prefer_sequential_within=0
+    # Bootstrap over each setup's runs (the median of a resample of its runs, RESAMPLES times):
+    # how often the measured fastest is again the fastest, what naming it could expect to score
+    # against a re-measurement in the same sittings (drift between sittings only lowers it);
+    # and how often the recommended setup is the fastest.
+    fastest_reproduced: float = 1.0
+    recommended_fastest: float = 0.0
 
     @property
     def correct(self) -> bool:
@@ -427,9 +442,9 @@ def validate(predictor: Predictor) -> tuple[list[ValidationRow], dict[str, Pick]
         # The held-out runs were taken in their own sittings: a probe is put on their footing.
         rec = predictor.recommend(job, [setup], exclude=lambda r, ids=ids: r.run_id in ids, probe_on_runs_footing=True)
         (pred,) = rec.predictions
-        times = [r.metrics["mean_epoch_time_s"] for r in group]
-        rows.append(ValidationRow(",".join(sorted(ids)), workload, label, calibration_group(setup), statistics.median(times),
-                                  pred.epoch_s, pred.basis, min(times), max(times)))
+        times = tuple(r.metrics["mean_epoch_time_s"] for r in group)
+        rows.append(ValidationRow(",".join(sorted(ids)), workload, label, calibration_group(setup), pred.epoch_s,
+                                  pred.basis, times))
     by_workload: dict[str, list[ValidationRow]] = defaultdict(list)
     for row in rows:
         by_workload[row.workload].append(row)
@@ -442,9 +457,21 @@ def pick(rows: Sequence[ValidationRow], prefer_sequential_within: float = 0.0) -
     measured fastest."""
     recommended = choose(rows, lambda r: r.predicted_s, lambda r: r.group.startswith("sequential"), prefer_sequential_within)
     fastest = min(rows, key=lambda r: r.measured_s)
+    wins = resampled_fastest(rows)
     return Pick(recommended.setup, fastest.setup, recommended.measured_s / fastest.measured_s - 1,
-                recommended is not fastest and recommended.fastest_run_s <= fastest.slowest_run_s,
-                min(rows, key=lambda r: r.predicted_s).setup)
+                recommended is not fastest and min(recommended.run_times_s) <= max(fastest.run_times_s),
+                min(rows, key=lambda r: r.predicted_s).setup,
+                float(wins[rows.index(fastest)]), float(wins[rows.index(recommended)]))
+
+
+def resampled_fastest(rows: Sequence[ValidationRow], resamples: int = RESAMPLES, seed: int = 0) -> np.ndarray:
+    """For each row, the fraction of bootstrap resamples in which it measures fastest: each
+    resample draws every setup's runs with replacement and takes their median, as the measured
+    figure is taken. Seeded: the same runs give the same fractions."""
+    rng = np.random.default_rng(seed)
+    medians = np.stack([np.median(rng.choice(np.asarray(r.run_times_s), size=(resamples, len(r.run_times_s))), axis=1)
+                        for r in rows])
+    return np.bincount(np.argmin(medians, axis=0), minlength=len(rows)) / resamples
 
 
 def data_config_of_job(job: Job, runs: Sequence[MeasuredRun]):

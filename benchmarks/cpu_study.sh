@@ -11,7 +11,8 @@
 # "check3" (3 more predicted first, with prefer_sequential_within as of 2026-11-22; 4 repeats),
 # "check4" (2 more predicted first, as check3; 3 repeats),
 # "check5" (3 more predicted first, with the probe's loading apart and the shared compute factor; 3 repeats),
-# "check6" (3 more predicted first, as check5, at sizes above those measured before; 3 repeats).
+# "check6" (3 more predicted first, as check5, at sizes above those measured before; 3 repeats),
+# "check7" (5 more predicted first: 4 where prefer_sequential_within decides, MobileNetV2 at 192 px; 3 repeats).
 #
 # Each round runs, for each workload in turn, all its setups back to back (one-core and
 # two-thread sequential, threads, cpu_mp, ddp_gloo), so the setups a recommendation must rank
@@ -81,7 +82,16 @@ case $set_name in
       "model=mobilenet_v2 data.image_size=176"  # cpu_mp (ddp_gloo +0.5%, threads +1.5%, seq2 +10%)
       "model=resnet18 data.image_size=176")     # cpu_mp (threads +0.4%, ddp_gloo +2.3%, seq2 +6.2%)
       ;;
-  *) echo "unknown workload set '$set_name': expected new, first, check, check2, ties, ties2, check3, check4, check5 or check6" >&2; exit 2 ;;
+  check7) workloads=(  # predicted by recommend.py (commit 51469e6) before they were measured: four near the
+      # crossover between sequential threads=2 and the batch-splitting setups, where prefer_sequential_within
+      # decides (the recommendation with it, then without it), and MobileNetV2 above the sizes where ddp_gloo led
+      "model=resnet18 data.image_size=120"      # seq2 (cpu_mp predicted 1.5% faster: preferred) / cpu_mp (threads +0.2%)
+      "model=resnet18 data.image_size=136"      # seq2 (cpu_mp predicted 3.2% faster: preferred) / cpu_mp (threads +0.3%)
+      "model=resnet50 data.image_size=104"      # seq2 (threads predicted 1.8% faster: preferred) / threads (cpu_mp +1.1%)
+      "model=resnet50 data.image_size=120"      # seq2 (threads predicted 3.1% faster: preferred) / threads (cpu_mp +0.9%)
+      "model=mobilenet_v2 data.image_size=192") # cpu_mp (ddp_gloo +0.4%, threads +1.4%, seq2 +9.3%)
+      ;;
+  *) echo "unknown workload set '$set_name': expected new, first, check, check2, ties, ties2, check3, check4, check5, check6 or check7" >&2; exit 2 ;;
 esac
 
 for ((r = 1; r <= rounds; r++)); do

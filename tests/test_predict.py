@@ -351,7 +351,7 @@ def test_bad_hw_configs_are_clear_errors():
 
 def test_recommend_py_answers_as_json_with_no_runs(tmp_path):
     cmd = [sys.executable, str(PROJECT_DIR / "recommend.py"), "hw=titanrtx_4x", "model=vgg16", "data.image_size=128",
-           "output=json", f"paths.root={tmp_path}", f"hydra.run.dir={tmp_path}/out"]
+           "output=json", "prefer_sequential_within=0.035", f"paths.root={tmp_path}", f"hydra.run.dir={tmp_path}/out"]
     elsewhere = tmp_path / "elsewhere"  # the folder the user happens to run it from
     elsewhere.mkdir()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=subprocess_env(), cwd=elsewhere)

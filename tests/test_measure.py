@@ -66,6 +66,8 @@ def test_monitor_logs_series_against_time_and_a_plot(measured_run):
     assert max(m.value for m in cpu) > 10, "training keeps a core busy"
     assert min(m.value for m in ram) > 100 and min(m.value for m in threads) >= 1
     assert run.data.metrics["peak_ram_mb"] == pytest.approx(max(m.value for m in ram))
+    busy = [m.value for m in sorted(cpu, key=lambda m: m.step)[1:]]  # the first sample primes psutil
+    assert run.data.metrics["mean_cpu_percent"] == pytest.approx(sum(busy) / len(busy)) and run.data.metrics["mean_cpu_percent"] > 10
     assert 0 <= run.data.metrics["monitor_cpu_fraction"] < 0.2
     artifacts = [a.path for a in client.list_artifacts(run.info.run_id)]
     assert "resources.png" in artifacts

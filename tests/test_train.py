@@ -19,7 +19,7 @@ from ddlx.run import check_memory, train
 EPOCH_METRICS = {"train_loss", "train_acc", "val_loss", "val_acc", "epoch_time_s", "samples_per_s",
                  "data_wait_s", "compute_s", "step_time_s"}
 # Logged straight to MLflow at the end of training (not Lightning's per-epoch metrics).
-RUN_METRICS = EPOCH_METRICS | {"mean_epoch_time_s", "mean_samples_per_s", "cpu_percent", "ram_mb", "threads", "peak_ram_mb"}
+RUN_METRICS = EPOCH_METRICS | {"mean_epoch_time_s", "mean_samples_per_s", "cpu_percent", "ram_mb", "threads", "peak_ram_mb", "mean_cpu_percent"}
 DATASETS = ["firesmall", "firebig", "mnist", "cifar10", "imagenet", "highres"]
 
 

@@ -47,6 +47,12 @@ class ResourceSeries:
     def peak_ram_mb(self) -> float:
         return max((s.ram_mb for s in self.samples), default=0.0)
 
+    def mean_cpu_percent(self) -> float:
+        """Mean CPU % over the run (the first sample only primes psutil's counters and reads 0).
+        MLflow shows a series' last value as the run's figure: the final sample, after training."""
+        busy = [s.cpu_percent for s in self.samples[1:]]
+        return sum(busy) / len(busy) if busy else 0.0
+
     def overhead_fraction(self) -> float:
         """Sampler CPU time / run time: the share of one core the sampling took (an upper bound on
         what it can cost a step, reached only if every sample lands on the step's critical path)."""
@@ -190,7 +196,8 @@ def log_series(logger, series: ResourceSeries, extra: dict[str, float]) -> None:
         for name in ResourceMonitor.SERIES
     ]
     end_ms = start_ms + int(series.duration_s * 1000)
-    summary = {"peak_ram_mb": series.peak_ram_mb(), "monitor_cpu_fraction": series.overhead_fraction(), **extra}
+    summary = {"peak_ram_mb": series.peak_ram_mb(), "mean_cpu_percent": series.mean_cpu_percent(),
+               "monitor_cpu_fraction": series.overhead_fraction(), **extra}
     metrics += [Metric(name, float(value), end_ms, 0) for name, value in summary.items()]
     client = logger.experiment
     for i in range(0, len(metrics), 1000):  # MLflow's batch limit

@@ -135,9 +135,12 @@ def check_experiment(tracking_uri: str, name: str) -> None:
     """Fail at start when ``name`` is a deleted experiment of the store: MLflow keeps its name
     taken, and Lightning's logger would try to create it again after the checks, failing with an
     IntegrityError from deep inside the store."""
-    if tracking_uri.startswith("sqlite:///") and not Path(tracking_uri[len("sqlite:///"):]).is_file():
-        return  # a new store has no experiments; opening it here would create it
     from mlflow.tracking import MlflowClient
+
+    from .measure.report import store_exists
+
+    if not store_exists(tracking_uri):
+        return  # a new store has no experiments; opening it here would create it
 
     exp = MlflowClient(tracking_uri).get_experiment_by_name(name)
     if exp is not None:

@@ -40,7 +40,7 @@ def main() -> None:
     from ddlx.measure.report import load_runs
     from ddlx.predict.cli import hardware, load_hw_file
     from ddlx.predict.job import Job
-    from ddlx.predict.recommender import Predictor, ValidationRow, data_config_of_job, pick
+    from ddlx.predict.recommender import Predictor, ValidationRow, data_config_of_job, pick, pick_figures
     from ddlx.predict.setups import calibration_group, setup_of_run
     from ddlx.predict.tseq import probe_batches
 
@@ -80,17 +80,15 @@ def main() -> None:
         close = [p.setup.label for p in rec.close_calls(args.close_call)]
         print(f"  recommended {picks[-1].recommended}; measured fastest {picks[-1].fastest} "
               f"({100 * picks[-1].slowdown:.1f}% faster); close calls {close or 'none'}")
-    right = sum(p.correct for p in picks)
-    plain = sum(p.predicted_fastest == p.fastest for p in picks)
-    slowdowns = [p.slowdown for p in picks]
-    print(f"\npicks {right}/{len(picks)}, measured {100 * statistics.fmean(slowdowns):.1f}% slower than the fastest on "
-          f"average (at most {100 * max(slowdowns):.1f}%); median absolute error {100 * statistics.median(errors):.1f}% "
-          f"over {len(errors)} setups")
-    print(f"(prefer_sequential_within={args.prefer_sequential_within:g}; always the predicted fastest: {plain}/{len(picks)})")
+    figures, n = pick_figures(picks), len(picks)
+    print(f"\npicks {round(n * figures['correct_fraction'])}/{n}, measured {100 * figures['mean_slowdown']:.1f}% slower "
+          f"than the fastest on average (at most {100 * figures['max_slowdown']:.1f}%); median absolute error "
+          f"{100 * statistics.median(errors):.1f}% over {len(errors)} setups")
+    print(f"(prefer_sequential_within={args.prefer_sequential_within:g}; always the predicted fastest: "
+          f"{round(n * figures['predicted_fastest_correct_fraction'])}/{n})")
     print(f"resampling each setup's runs: the measured fastest is the fastest again in "
-          f"{100 * statistics.fmean(p.fastest_reproduced for p in picks):.0f}% of resamples, the recommended setup in "
-          f"{100 * statistics.fmean(p.recommended_fastest for p in picks):.0f}%")
-
+          f"{100 * figures['fastest_reproduced_fraction']:.0f}% of resamples, the recommended setup in "
+          f"{100 * figures['recommended_fastest_fraction']:.0f}%")
 
 if __name__ == "__main__":
     main()

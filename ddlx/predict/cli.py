@@ -15,7 +15,7 @@ from ..measure.report import load_runs, store_exists
 from ..tracking import check_tracking_uri, experiment_id
 from .hardware import HardwareSpec, detect_local, validate
 from .job import Job
-from .recommender import Prediction, Predictor, Recommendation, data_config_of_job, validate as leave_one_out
+from .recommender import Prediction, Predictor, Recommendation, data_config_of_job, pick_figures, validate as leave_one_out
 from .tseq import probe_batches, probe_loading
 
 MODES = ("recommend", "validate", "probe")
@@ -248,27 +248,13 @@ def report_validation(cfg: DictConfig, predictor: Predictor, note: str, out_dir:
     for r in rows:
         groups[r.group].append(abs(r.error))
     summary = {g: {"runs": len(e), "median_ape": statistics.median(e), "mape": statistics.fmean(e)} for g, e in groups.items()}
-    correct = sum(1 for p in picks.values() if p.correct)
-    near = sum(1 for p in picks.values() if p.correct or p.overlapping)
-    plain = sum(1 for p in picks.values() if p.predicted_fastest == p.fastest)  # without the preference
-    slowdowns = [p.slowdown for p in picks.values()]
     result = {
         "hw": predictor.hw.name, "runs": note,
         "rows": [r.as_dict() for r in rows],
         "per_strategy": summary,
         "recommendations": {w: vars(p) | {"correct": p.correct} for w, p in picks.items()},
-        "correct_fraction": correct / len(picks) if picks else None,
-        "correct_or_overlapping_fraction": near / len(picks) if picks else None,
         "prefer_sequential_within": predictor.prefer_sequential_within,
-        "predicted_fastest_correct_fraction": plain / len(picks) if picks else None,
-        # What following the recommendations cost against the measured fastest (Table 8.1's
-        # third figure): the strict fraction alone counts a 1% tie like a 2x miss.
-        "mean_slowdown": statistics.fmean(slowdowns) if picks else None,
-        "max_slowdown": max(slowdowns) if picks else None,
-        # What these measurements can resolve (Pick.fastest_reproduced): a predictor that always
-        # named the measured fastest would expect this fraction against a re-measurement.
-        "fastest_reproduced_fraction": statistics.fmean(p.fastest_reproduced for p in picks.values()) if picks else None,
-        "recommended_fastest_fraction": statistics.fmean(p.recommended_fastest for p in picks.values()) if picks else None,
+        **pick_figures(list(picks.values())),
         "seconds": round(time.perf_counter() - started, 1),
     }
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -291,13 +277,16 @@ def report_validation(cfg: DictConfig, predictor: Predictor, note: str, out_dir:
         print(f"| {w} | {p.recommended} | {p.fastest} | {100 * p.slowdown:.1f}% | {verdict} "
               f"| {100 * p.fastest_reproduced:.0f}% / {100 * p.recommended_fastest:.0f}% |")
     if picks:
-        print(f"\ncorrect recommendations: {correct}/{len(picks)} = {100 * correct / len(picks):.0f}%; "
+        n = len(picks)
+        correct, near, plain = (round(n * result[k]) for k in
+                                ("correct_fraction", "correct_or_overlapping_fraction", "predicted_fastest_correct_fraction"))
+        print(f"\ncorrect recommendations: {correct}/{n} = {100 * correct / n:.0f}%; "
               f"correct or with runs overlapping the fastest's (repeats do not tell them apart): "
-              f"{near}/{len(picks)} = {100 * near / len(picks):.0f}%; the recommended setups measured "
+              f"{near}/{n} = {100 * near / n:.0f}%; the recommended setups measured "
               f"{100 * result['mean_slowdown']:.1f}% slower than the fastest on average, at most "
               f"{100 * result['max_slowdown']:.1f}%")
         print(f"with prefer_sequential_within={predictor.prefer_sequential_within:g}; always the predicted fastest "
-              f"(prefer_sequential_within=0): {plain}/{len(picks)} = {100 * plain / len(picks):.0f}% correct")
+              f"(prefer_sequential_within=0): {plain}/{n} = {100 * plain / n:.0f}% correct")
         print(f"resampling each setup's runs: the measured fastest is the fastest again in "
               f"{100 * result['fastest_reproduced_fraction']:.0f}% of resamples (mean over workloads: what naming the "
               f"measured fastest could expect against a re-measurement in the same sittings), the recommended setup in "

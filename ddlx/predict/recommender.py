@@ -464,6 +464,26 @@ def pick(rows: Sequence[ValidationRow], prefer_sequential_within: float = 0.0) -
                 float(wins[rows.index(fastest)]), float(wins[rows.index(recommended)]))
 
 
+def pick_figures(picks: Sequence[Pick]) -> dict[str, float | None]:
+    """Source 004 Table 8.1's figures over the workloads' picks (None for each with no picks):
+    fractions correct (strict, or with runs overlapping the fastest's, or always taking the
+    predicted fastest), what following the picks cost against the measured fastest (the strict
+    fraction alone counts a 1% tie like a 2x miss), and the resampling figures of :class:`Pick`
+    (``fastest_reproduced_fraction``: what naming the measured fastest could expect against a
+    re-measurement)."""
+    figures = {
+        "correct_fraction": lambda p: p.correct,
+        "correct_or_overlapping_fraction": lambda p: p.correct or p.overlapping,
+        "predicted_fastest_correct_fraction": lambda p: p.predicted_fastest == p.fastest,
+        "mean_slowdown": lambda p: p.slowdown,
+        "fastest_reproduced_fraction": lambda p: p.fastest_reproduced,
+        "recommended_fastest_fraction": lambda p: p.recommended_fastest,
+    }
+    out = {name: statistics.fmean(float(f(p)) for p in picks) if picks else None for name, f in figures.items()}
+    out["max_slowdown"] = max(p.slowdown for p in picks) if picks else None
+    return out
+
+
 def resampled_fastest(rows: Sequence[ValidationRow], resamples: int = RESAMPLES, seed: int = 0) -> np.ndarray:
     """For each row, the fraction of bootstrap resamples in which it measures fastest: each
     resample draws every setup's runs with replacement and takes their median, as the measured

@@ -45,28 +45,61 @@ MIN_RUNS_FOR_TWO_TERMS = 3
 # compute factor for all (see fit_group_calibrations), from groups with this many runs.
 SHARED_COMPUTE_GROUPS = ("threads", "cpu_mp", "ddp_gloo", "ddp_nccl", "mpi")
 MIN_RUNS_FOR_SHARED = 2
+# A network's own correction needs its runs of the group on this many other workloads (image
+# sizes, batches): with one, a sitting's drift would pass for the network's character.
+MIN_WORKLOADS_PER_NETWORK = 2
+
+
+@dataclass(frozen=True)
+class WorkloadRatio:
+    """One measured workload's runs of a group against the group's calibrated model: the median
+    of measured / calibrated time over its runs."""
+
+    job: Job
+    ratio: float
+
+
+@dataclass(frozen=True)
+class NetworkFactor:
+    """What a group's calibrated model still misses on one network, at every size alike: the
+    median of its measured workloads' ratios."""
+
+    network: str
+    factor: float
+    workloads: int
 
 
 @dataclass(frozen=True)
 class Calibration:
-    """measured batch time ~ compute_factor x modelled compute + overhead_factor x modelled overhead."""
+    """measured batch time ~ compute_factor x modelled compute + overhead_factor x modelled
+    overhead, times the network's own factor where its runs give one."""
 
     compute_factor: float
     overhead_factor: float
     runs: int
     compute_shared_with: tuple[str, ...] = ()  # groups fitted with the same compute factor
+    workloads: tuple[WorkloadRatio, ...] = ()  # the runs' workloads, for the networks' factors
 
-    def apply(self, cost: Cost) -> float:
-        return self.compute_factor * cost.compute_s + self.overhead_factor * cost.overhead_s
+    def network_factor(self, job: Job | None) -> NetworkFactor | None:
+        mine = [w for w in self.workloads if job is not None and w.job.model == job.model]
+        if len(mine) < MIN_WORKLOADS_PER_NETWORK:
+            return None
+        return NetworkFactor(job.model, statistics.median(w.ratio for w in mine), len(mine))
 
-    def describe(self, source: str) -> str:
+    def apply(self, cost: Cost, job: Job | None = None) -> float:
+        own = self.network_factor(job)
+        return (own.factor if own else 1.0) * (self.compute_factor * cost.compute_s + self.overhead_factor * cost.overhead_s)
+
+    def describe(self, source: str, job: Job | None = None) -> str:
+        own = self.network_factor(job)
+        suffix = f", then x{own.factor:.3f} for {own.network} (its {own.workloads} measured workloads)" if own else ""
         if self.compute_factor == self.overhead_factor == 1.0:
-            return f"model as is: calibrating on {self.runs} {source} run(s) did not predict them better"
+            return f"model as is: calibrating on {self.runs} {source} run(s) did not predict them better{suffix}"
         if abs(self.compute_factor - self.overhead_factor) <= 1e-6 * self.compute_factor:
-            return f"model x{self.compute_factor:.2f} calibrated on {self.runs} {source} run(s)"
+            return f"model x{self.compute_factor:.2f} calibrated on {self.runs} {source} run(s){suffix}"
         shared = f" (shared with {', '.join(self.compute_shared_with)})" if self.compute_shared_with else ""
         return (f"model calibrated on {self.runs} {source} run(s): compute x{self.compute_factor:.2f}{shared}, "
-                f"overheads x{self.overhead_factor:.2f}")
+                f"overheads x{self.overhead_factor:.2f}{suffix}")
 
 
 def fit_calibration(samples: Sequence[tuple[Cost, float]]) -> Calibration:
@@ -110,6 +143,16 @@ def fit_group_calibrations(samples: dict[str, Sequence[tuple[Cost, float]]]) -> 
     shared = {g: v for g, v in samples.items() if g in SHARED_COMPUTE_GROUPS and len(v) >= MIN_RUNS_FOR_SHARED}
     joint = _shared_compute_fit(shared) if len(shared) >= 2 else None
     return {g: joint[g] if joint and g in joint else fit_calibration(v) for g, v in samples.items()}
+
+
+def workload_ratios(calibration: Calibration, samples: Sequence[tuple[Cost, float]],
+                    jobs: Sequence[Job]) -> tuple[WorkloadRatio, ...]:
+    """Each workload's :class:`WorkloadRatio` in one group, from the group's runs (``samples``)
+    and the workload each was measured on (``jobs``). A workload's repeats count once."""
+    per_workload: dict[Job, list[float]] = defaultdict(list)
+    for (cost, measured), job in zip(samples, jobs):
+        per_workload[job].append(measured / calibration.apply(cost))
+    return tuple(WorkloadRatio(job, statistics.median(r)) for job, r in per_workload.items())
 
 
 def _shared_compute_fit(samples: dict[str, Sequence[tuple[Cost, float]]]) -> dict[str, Calibration] | None:
@@ -297,6 +340,7 @@ class Predictor:
         """Calibration per strategy group, and where its runs came from."""
         source, source_hw = self._calibration_source(runs)
         samples: dict[str, list[tuple[Cost, float]]] = defaultdict(list)
+        jobs: dict[str, list[Job]] = defaultdict(list)  # each sample's workload
         seqs: dict[Job, SequentialTime | None] = {}  # one T_seq per workload, not per run
         for run in source:
             setup = setup_of_run(run.params, run.tags)
@@ -311,7 +355,10 @@ class Predictor:
                 continue
             cost = model_cost(setup, job, source_hw, profile_of_job(job), seq)
             samples[group].append((cost, measured_per_batch_s(run)))
-        return fit_group_calibrations(samples), (source_hw.name if source else "")
+            jobs[group].append(job)
+        fits = fit_group_calibrations(samples)
+        fits = {g: replace(c, workloads=workload_ratios(c, samples[g], jobs[g])) for g, c in fits.items()}
+        return fits, (source_hw.name if source else "")
 
     def _calibration_source(self, runs: Sequence[MeasuredRun]) -> tuple[list[MeasuredRun], HardwareSpec]:
         on_target = [r for r in runs if on_hardware(r, self.hw)]
@@ -343,7 +390,8 @@ class Predictor:
             if group == "sequential":
                 batch_s, how = cost.total_s, ""
             elif group in calibrations:
-                batch_s, how = calibrations[group].apply(cost), "; " + calibrations[group].describe(source)
+                calibration = calibrations[group]
+                batch_s, how = calibration.apply(cost, job), "; " + calibration.describe(source, job)
             else:
                 batch_s = cost.total_s
                 how = f"; model uncalibrated (no measured {group} run on {self.hw.device_kind} hardware)"

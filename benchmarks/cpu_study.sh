@@ -12,7 +12,8 @@
 # "check4" (2 more predicted first, as check3; 3 repeats),
 # "check5" (3 more predicted first, with the probe's loading apart and the shared compute factor; 3 repeats),
 # "check6" (3 more predicted first, as check5, at sizes above those measured before; 3 repeats),
-# "check7" (5 more predicted first: 4 where prefer_sequential_within decides, MobileNetV2 at 192 px; 3 repeats).
+# "check7" (5 more predicted first: 4 where prefer_sequential_within decides, MobileNetV2 at 192 px; 3 repeats),
+# "check8" (5 more predicted first, with each network's own factor; 3 repeats).
 #
 # Each round runs, for each workload in turn, all its setups back to back (one-core and
 # two-thread sequential, threads, cpu_mp, ddp_gloo), so the setups a recommendation must rank
@@ -91,7 +92,14 @@ case $set_name in
       "model=resnet50 data.image_size=120"      # seq2 (threads predicted 3.1% faster: preferred) / threads (cpu_mp +0.9%)
       "model=mobilenet_v2 data.image_size=192") # cpu_mp (ddp_gloo +0.4%, threads +1.4%, seq2 +9.3%)
       ;;
-  *) echo "unknown workload set '$set_name': expected new, first, check, check2, ties, ties2, check3, check4, check5, check6 or check7" >&2; exit 2 ;;
+  check8) workloads=(  # predicted by recommend.py (commit 9871332: each network's own factor) before they were measured
+      "model=resnet18 data.image_size=104"      # seq2 (threads within 0.1%, cpu_mp +3.5%, ddp_gloo +12%)
+      "model=resnet18 data.image_size=152"      # threads (cpu_mp +3.8%, seq2 +4.1%, ddp_gloo +9.3%)
+      "model=resnet50 data.image_size=128"      # threads (seq2 +2.3%, ddp_gloo +4.6%, cpu_mp +5.3%)
+      "model=mobilenet_v2 data.image_size=120"  # ddp_gloo (cpu_mp +2.3%, threads +5.0%, seq2 +20%)
+      "model=vgg11 data.image_size=96")         # seq2 (threads +21%; VGG11 measured at one size: pooled factors only)
+      ;;
+  *) echo "unknown workload set '$set_name': expected new, first, check, check2, ties, ties2, check3 to check8" >&2; exit 2 ;;
 esac
 
 for ((r = 1; r <= rounds; r++)); do

@@ -14,6 +14,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from pytorch_lightning.callbacks import ModelCheckpoint
 
+from .allocator import apply_allocator, check_allocator
 from .data import ImageFolderDataModule
 from .errors import ConfigError
 from .measure.resources import ResourceMonitor
@@ -144,6 +145,7 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, extra_tags: Mapping[st
         check_experiment(cfg.logger.tracking_uri, cfg.logger.experiment_name)
     try:
         check_measure(cfg)
+        check_allocator(cfg.cpu_allocator)
         plan = build_strategy(cfg.strategy, cfg.trainer.accelerator, layered_model_meta(cfg), cfg.data)
         datamodule = build_datamodule(cfg.data, plan.data_parallel)
         if cfg.memory_check:
@@ -157,6 +159,8 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, extra_tags: Mapping[st
             )
             record_rejected_run(logger, flatten_config(resolved), err)
         raise
+
+    apply_allocator(cfg.cpu_allocator)  # before the model and the ranks (they inherit it)
 
     # 2. The resolved config: an MLflow artifact, and the job description the other ranks start from.
     config_file = output_dir / "config_resolved.yaml"

@@ -75,6 +75,21 @@ def test_a_different_batch_is_a_different_workload(store):
     assert len(b16) == 1 and b16[0].speedup == pytest.approx(1.0), "not compared with the batch-32 runs"
 
 
+def test_another_allocator_is_another_workload_with_its_own_baseline(store):
+    """Runs with cpu_allocator=keep_freed are not compared with glibc's default (runs without the
+    param used it): a workload of their own, named so, whose missing baseline is asked for with it."""
+    client = MlflowClient(store)
+    exp = client.get_experiment_by_name("ddlx").experiment_id
+    _log(client, exp, "cpu_mp", 7.0, tags={"processes": "2"}, params={"cpu_allocator": "keep_freed"})
+    built = report.build_report(report.load_runs(store, ["ddlx"]))
+    (kept,) = [r for r in built.rows if r.workload.cpu_allocator == "keep_freed"]
+    assert kept.speedup is None and built.label(kept.workload) == "alexnet/firesmall 64px b32 cpu_allocator=keep_freed"
+    assert any("cpu_allocator=keep_freed" in m and "strategy=sequential strategy.threads=1" in m for m in built.missing_baselines)
+    default = {r.setup: r for r in built.rows if r.workload.model == "alexnet" and r.workload.batch_size == "32"
+               and r.workload.cpu_allocator == "system"}
+    assert default["cpu_mp processes=2"].runs == 3, "the default's runs stay as they were"
+
+
 def test_workloads_sharing_a_short_label_are_named_apart(store):
     client = MlflowClient(store)
     exp = client.get_experiment_by_name("ddlx").experiment_id

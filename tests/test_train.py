@@ -23,8 +23,8 @@ RUN_METRICS = EPOCH_METRICS | {"mean_epoch_time_s", "mean_samples_per_s", "cpu_p
 DATASETS = ["firesmall", "firebig", "mnist", "cifar10", "imagenet", "highres"]
 
 
-def run_train_py(tmp_path, *overrides, timeout=300):
-    cmd = [sys.executable, str(PROJECT_DIR / "train.py"), f"paths.root={tmp_path}", *TINY, *overrides]
+def run_train_py(tmp_path, *overrides, timeout=300, multirun=False):
+    cmd = [sys.executable, str(PROJECT_DIR / "train.py"), *(["-m"] if multirun else []), f"paths.root={tmp_path}", *TINY, *overrides]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=subprocess_env(), cwd=tmp_path)
 
 
@@ -152,3 +152,16 @@ def test_learns_the_synthetic_classes(tiny_config):
     )
     metrics = train(cfg, output_dir=cfg.paths.root)
     assert metrics["val_acc"] >= 0.8, metrics
+
+
+def test_cpu_allocator_is_recorded_and_a_sweep_cannot_go_back_to_glibcs_default(tmp_path):
+    """keep_freed trains (its rank worker inheriting it) and is a param of the run; the next job of
+    the same sweep asks for "system", which glibc cannot restore in that process: a FAILED run
+    that says so, not a run measured with the wrong allocator."""
+    proc = run_train_py(tmp_path, "model=alexnet", "strategy=cpu_mp", "strategy.processes=2",
+                        "cpu_allocator=keep_freed,system", multirun=True)
+    assert proc.returncode != 0, "the sweep reports that a job failed"
+    got = {r.data.params["cpu_allocator"]: r for r in runs(f"sqlite:///{tmp_path / 'mlflow.db'}")}
+    assert got["keep_freed"].info.status == "FINISHED" and "mean_epoch_time_s" in got["keep_freed"].data.metrics
+    assert got["system"].info.status == "FAILED"
+    assert "glibc cannot return to its default" in got["system"].data.tags["error"]

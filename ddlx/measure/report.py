@@ -43,11 +43,13 @@ class Workload:
     root: str
     limit_train_batches: str
     use_case: str = ""
+    cpu_allocator: str = "system"  # runs from before the setting existed used glibc's default
 
     @property
     def label(self) -> str:
         name = self.use_case or f"{self.model}/{self.data}"
-        return f"{name} {self.image_size}px b{self.batch_size}"
+        allocator = f" cpu_allocator={self.cpu_allocator}" if self.cpu_allocator != "system" else ""
+        return f"{name} {self.image_size}px b{self.batch_size}{allocator}"
 
     def baseline_command(self, device: str) -> str:
         over = [f"model={self.model}", f"data={self.data}", f"data.image_size={self.image_size}",
@@ -55,6 +57,8 @@ class Workload:
                 f"data.num_workers={self.num_workers}", f"trainer.limit_train_batches={self.limit_train_batches}"]
         if self.root not in ("None", ""):
             over.append(f"data.root={self.root}")
+        if self.cpu_allocator != "system":
+            over.append(f"cpu_allocator={self.cpu_allocator}")
         over += ["strategy=sequential", "strategy.threads=1"] if device == "cpu" else ["strategy=sequential", "trainer=gpu"]
         return "python train.py " + " ".join(over)
 
@@ -131,7 +135,7 @@ def setup_label(tags: dict[str, str], params: dict[str, str] | None = None) -> s
 
 def workload_of(params: dict[str, str], tags: dict[str, str]) -> Workload:
     return Workload(tags.get("host", "?"), *(str(params.get(k, "")) for k in WORKLOAD_PARAMS),
-                    use_case=tags.get("use_case", ""))
+                    use_case=tags.get("use_case", ""), cpu_allocator=params.get("cpu_allocator", "system"))
 
 
 def to_measured_run(run) -> MeasuredRun:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from ..allocator import apply_allocator, check_allocator
 from ..errors import ConfigError
 from ..models import check_request
 from ..measure.report import load_runs, store_exists
@@ -72,7 +73,7 @@ def job_from_config(cfg: DictConfig) -> Job:
     train = count - round(count * data.val_fraction)
     check_request(cfg.model.name, data.num_classes, data.channels, data.image_size)
     return Job(cfg.model.name, data.name, data.num_classes, data.channels, data.image_size, data.batch_size, train,
-               data.num_workers)
+               data.num_workers, cfg.cpu_allocator)
 
 
 def measured_runs(cfg: DictConfig) -> tuple[list, str]:
@@ -101,6 +102,7 @@ def run(cfg: DictConfig, out_dir: Path, hw_dir: Path, job_overrides: list[str] |
         if not 0 <= cfg[key] < 1:
             raise ConfigError(f"{key}={cfg[key]}; expected a fraction in [0, 1), e.g. {key}={example}")
     started = time.perf_counter()
+    check_allocator(cfg.cpu_allocator)
     job = job_from_config(cfg) if cfg.mode == "recommend" else None  # bad values named before any timing
     detected_dir = Path(cfg.detected_dir) if cfg.detected_dir else None
     target = hardware(cfg.hw, detected_dir, refresh=cfg.mode == "probe")
@@ -113,6 +115,7 @@ def run(cfg: DictConfig, out_dir: Path, hw_dir: Path, job_overrides: list[str] |
               f"memory {doc['memory_bandwidth_gb_s']} GB/s per core; use it with hw={doc['name']}")
         return
     local = local_hardware(target, hw_dir, detected_dir)
+    apply_allocator(cfg.cpu_allocator)  # the probes train as the job would
     runs, note = measured_runs(cfg)
     probe = loading = None
     if cfg.probe:
@@ -239,7 +242,7 @@ def log_recommendation(cfg: DictConfig, rec: Recommendation, note: str, out_dir:
 
 
 def report_validation(cfg: DictConfig, predictor: Predictor, note: str, out_dir: Path, started: float) -> None:
-    rows, picks = leave_one_out(predictor)
+    rows, picks = leave_one_out(predictor, cfg.cpu_allocator)
     if not rows:
         raise ConfigError(f"mode=validate: no measured runs on hw={predictor.hw.name} ({note}); run a sweep first "
                           f"(python train.py -m strategy=sequential,threads,cpu_mp,ddp_gloo,pipe model=alexnet,resnet18 "

@@ -17,6 +17,7 @@ class Job:
     batch_size: int  # global
     train_samples: int  # per epoch
     num_workers: int = 0  # data loader worker processes per training process (data.num_workers)
+    cpu_allocator: str = "system"  # see ddlx/allocator.py: runs of another allocator do not inform it
 
     @property
     def steps(self) -> float:
@@ -30,7 +31,7 @@ class Job:
             channels=int(p["data.channels"]), image_size=int(p["data.image_size"]),
             batch_size=int(p["data.batch_size"]),
             train_samples=round(m["mean_samples_per_s"] * m["mean_epoch_time_s"]),
-            num_workers=int(p.get("data.num_workers", 0)),
+            num_workers=int(p.get("data.num_workers", 0)), cpu_allocator=run.workload.cpu_allocator,
         )
 
 

@@ -1,0 +1,73 @@
+"""cpu_allocator: glibc's default against keeping freed memory, set in the process and its children."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from conftest import subprocess_env
+from ddlx.allocator import check_allocator
+from ddlx.errors import ConfigError
+
+# How many more blocks glibc has mapped on their own while a 64 MiB block is held.
+MAPPED_DURING_64MIB = textwrap.dedent("""
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in
+                    ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    libc = ctypes.CDLL(None)
+    libc.mallinfo2.restype = MallInfo2
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+
+    def mapped_during_64mib():
+        held = libc.mallinfo2().hblks
+        block = libc.malloc(64 << 20)
+        mapped = libc.mallinfo2().hblks - held
+        libc.free(block)
+        return mapped
+""")
+
+
+def test_an_unknown_allocator_is_refused_with_the_choices():
+    with pytest.raises(ConfigError, match=r"cpu_allocator='jemalloc' is not one of system, keep_freed: use cpu_allocator=system"):
+        check_allocator("jemalloc")
+
+
+def test_keep_freed_serves_large_blocks_from_the_heap_here_and_in_the_processes_it_starts():
+    """Under glibc's default a 64 MiB block gets its own mapping (and is unmapped on free);
+    keep_freed serves it from the heap, in this process (mallopt) and in the processes it starts
+    (the environment), and a later "system" job in the same process is refused."""
+    code = MAPPED_DURING_64MIB + textwrap.dedent("""
+        import os, subprocess, sys
+        from ddlx.allocator import apply_allocator, check_allocator
+        from ddlx.errors import ConfigError
+
+        before = mapped_during_64mib()
+        apply_allocator("keep_freed")
+        after = mapped_during_64mib()
+        child = subprocess.run([sys.executable, "-c", sys.argv[1] + "print(mapped_during_64mib())"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+        print(before, after, child)
+        try:
+            check_allocator("system")
+        except ConfigError as err:
+            print("refused:", err)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code, MAPPED_DURING_64MIB], capture_output=True, text=True,
+                          timeout=120, env=subprocess_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counts, refused = proc.stdout.strip().splitlines()
+    assert counts.split() == ["1", "0", "0"], f"mapped blocks before / after / in a child: {counts}"
+    assert "cpu_allocator=system after a cpu_allocator=keep_freed job in the same process" in refused
+
+
+def test_system_is_refused_when_the_environment_already_changes_glibcs_allocator(monkeypatch):
+    monkeypatch.setenv("MALLOC_MMAP_MAX_", "0")
+    with pytest.raises(ConfigError, match=r"cpu_allocator=system, but MALLOC_MMAP_MAX_ is set in the environment"):
+        check_allocator("system")
+    check_allocator("keep_freed")  # what it asks for

@@ -3,7 +3,7 @@
 then compared with its measured runs. Stricter than ``recommend.py mode=validate``, which holds
 out one configuration at a time.
 
-    python benchmarks/recommend_holdout.py                       # cpu_study.sh's check and check2-check7 sets
+    python benchmarks/recommend_holdout.py                       # cpu_study.sh's check and check2-check8 sets
     python benchmarks/recommend_holdout.py resnet18:96 alexnet:64
 
 Workloads are MODEL:IMAGE_SIZE as measured by benchmarks/cpu_study.sh (runs in the project's
@@ -20,11 +20,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-# The workloads predicted before they were measured: cpu_study.sh's "check" and "check2" to "check7" sets.
+# The workloads predicted before they were measured: cpu_study.sh's "check" and "check2" to "check8" sets.
 CHECK_SET = ["vgg16:64", "mobilenet_v2:96", "resnet50:96", "alexnet:160", "mobilenet_v2:128", "resnet18:160",
              "resnet18:112", "resnet50:80", "mobilenet_v2:160", "resnet18:80", "mobilenet_v2:112",
              "mobilenet_v2:80", "mobilenet_v2:144", "resnet18:144", "resnet50:112", "mobilenet_v2:176", "resnet18:176",
-             "resnet18:120", "resnet18:136", "resnet50:104", "resnet50:120", "mobilenet_v2:192"]
+             "resnet18:120", "resnet18:136", "resnet50:104", "resnet50:120", "mobilenet_v2:192",
+             "resnet18:104", "resnet18:152", "resnet50:128", "mobilenet_v2:120", "vgg11:96"]
 
 
 def main() -> None:

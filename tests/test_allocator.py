@@ -1,6 +1,7 @@
 """cpu_allocator: glibc's default against keeping freed memory, set in the process and its children."""
 from __future__ import annotations
 
+import ctypes
 import subprocess
 import sys
 import textwrap
@@ -38,6 +39,14 @@ def test_an_unknown_allocator_is_refused_with_the_choices():
         check_allocator("jemalloc")
 
 
+def _has_mallinfo2() -> bool:
+    try:
+        return hasattr(ctypes.CDLL(None), "mallinfo2")
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_mallinfo2(), reason="needs glibc 2.33+ (mallinfo2) to count the mapped blocks")
 def test_keep_freed_serves_large_blocks_from_the_heap_here_and_in_the_processes_it_starts():
     """Under glibc's default a 64 MiB block gets its own mapping (and is unmapped on free);
     keep_freed serves it from the heap, in this process (mallopt) and in the processes it starts

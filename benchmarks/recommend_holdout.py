@@ -91,5 +91,6 @@ def main() -> None:
           f"{100 * figures['fastest_reproduced_fraction']:.0f}% of resamples, the recommended setup in "
           f"{100 * figures['recommended_fastest_fraction']:.0f}%")
 
+
 if __name__ == "__main__":
     main()

@@ -19,7 +19,8 @@ import os
 
 from .errors import ConfigError
 
-CHOICES = ("system", "keep_freed")
+DEFAULT = "system"  # also what runs from before the setting used
+CHOICES = (DEFAULT, "keep_freed")
 # mallopt's parameters (malloc.h) and the values "keep_freed" sets.
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
 TRIM_THRESHOLD = 2**31 - 1  # mallopt takes an int: 2 GiB of free heap before any is returned
@@ -48,7 +49,7 @@ def check_allocator(choice: str) -> None:
     if choice == "keep_freed" and _glibc() is None:
         raise ConfigError("cpu_allocator=keep_freed sets glibc's mallopt, and this C library is not glibc: "
                           "use cpu_allocator=system")
-    if choice == "system":
+    if choice == DEFAULT:
         if _set_here == "keep_freed":
             raise ConfigError("cpu_allocator=system after a cpu_allocator=keep_freed job in the same process: glibc "
                               "cannot return to its default, so this job would be measured with the other allocator; "

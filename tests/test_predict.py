@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import statistics
 import subprocess
-from dataclasses import replace
 import sys
+from dataclasses import replace
 
 import pytest
 import torchvision

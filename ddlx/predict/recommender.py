@@ -19,6 +19,7 @@ import numpy as np
 import yaml
 from omegaconf import OmegaConf
 
+from ..allocator import DEFAULT as DEFAULT_ALLOCATOR
 from ..measure.report import MeasuredRun, distinct_labels
 from .hardware import HardwareSpec
 from .job import Job, measured_per_batch_s, on_hardware, usable
@@ -471,7 +472,7 @@ class Pick:
         return self.recommended == self.fastest
 
 
-def validate(predictor: Predictor, cpu_allocator: str = "system") -> tuple[list[ValidationRow], dict[str, Pick]]:
+def validate(predictor: Predictor, cpu_allocator: str = DEFAULT_ALLOCATOR) -> tuple[list[ValidationRow], dict[str, Pick]]:
     """Leave-one-out over measured configurations (workload x setup) on the target hardware, with
     ``cpu_allocator`` (the one held-out baselines are probed with: this process's): each
     predicted from the runs of every other configuration, against the median of its own runs

@@ -8,7 +8,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from .errors import ConfigError
+from .errors import ConfigError, StoreError
 
 
 class SweepJobRefused(Exception):
@@ -41,11 +41,16 @@ def hydra_job_tags(project_root: str) -> tuple[str, dict[str, str]]:
 
 def report_config_errors(fn: Callable[[], Any], in_sweep: bool = False) -> Any:
     """Run ``fn``; a :class:`ConfigError` becomes one clear message, no traceback: exit status 2
-    for a single run; in a sweep, a failed job (recorded as a FAILED MLflow run) and the sweep goes on."""
+    for a single run; in a sweep, a failed job (recorded as a FAILED MLflow run) and the sweep goes
+    on, unless the store itself refuses (:class:`StoreError`): then no job could be recorded, and
+    the sweep stops with exit status 2 rather than try each of them."""
     try:
         return fn()
     except ConfigError as err:
         print(f"ddlx: error: {err}", file=sys.stderr)
-        if in_sweep:
+        if in_sweep and not isinstance(err, StoreError):
             raise SweepJobRefused(str(err)) from None
+        if in_sweep:
+            print("ddlx: the sweep stops here: its other jobs log to the same store and would be refused alike",
+                  file=sys.stderr)
         raise SystemExit(2) from None

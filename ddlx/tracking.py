@@ -12,7 +12,7 @@ from contextlib import closing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import ConfigError
+from .errors import ConfigError, StoreError
 
 if TYPE_CHECKING:  # Lightning is imported where a logger is made, not by every tracking check
     from pytorch_lightning.loggers import MLFlowLogger
@@ -56,7 +56,7 @@ def check_tracking_uri(uri: str, timeout_s: float = 5.0) -> None:
                 if response.status != 200:
                     raise OSError(f"HTTP {response.status}")
         except (OSError, urllib.error.URLError) as err:
-            raise ConfigError(
+            raise StoreError(
                 f"MLflow tracking server logger.tracking_uri={uri} is unreachable ({err}); start it "
                 f"(mlflow server --host ... --port ...) or log locally with logger.tracking_uri=sqlite:///mlflow.db"
             ) from err
@@ -64,7 +64,7 @@ def check_tracking_uri(uri: str, timeout_s: float = 5.0) -> None:
         path = Path(uri[len("sqlite:///"):])
         folder = path.parent if path.parent != Path("") else Path(".")
         if not folder.is_dir() or not os.access(folder, os.W_OK):
-            raise ConfigError(
+            raise StoreError(
                 f"logger.tracking_uri={uri}: folder {folder} does not exist or is not writable; "
                 f"create it or choose another path"
             )
@@ -73,7 +73,7 @@ def check_tracking_uri(uri: str, timeout_s: float = 5.0) -> None:
                 with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
                     db.execute("pragma schema_version")  # reads the header: fails on a non-database
             except sqlite3.DatabaseError as err:
-                raise ConfigError(f"logger.tracking_uri={uri}: {path} is not an SQLite database ({err})") from err
+                raise StoreError(f"logger.tracking_uri={uri}: {path} is not an SQLite database ({err})") from err
 
 
 def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -150,7 +150,7 @@ def check_experiment(tracking_uri: str, name: str) -> None:
 def _refuse_deleted(exp, tracking_uri: str, setting: str | None) -> None:
     if exp.lifecycle_stage == "deleted":
         rename = f", or choose another {setting}" if setting else ""
-        raise ConfigError(
+        raise StoreError(
             f"MLflow experiment {exp.name!r} was deleted from {tracking_uri}, and a deleted experiment keeps its "
             f"name; restore it (MLFLOW_TRACKING_URI={tracking_uri} mlflow experiments restore --experiment-id "
             f"{exp.experiment_id}) or purge it for good (mlflow gc --backend-store-uri {tracking_uri} --experiment-ids "

@@ -77,6 +77,15 @@ def test_unreachable_tracking_server_fails_at_start(tiny_config, tmp_path):
     assert not (tmp_path / "fresh").exists(), "failed before preparing data"
 
 
+def test_a_sweep_stops_at_the_first_job_the_store_refuses(tmp_path):
+    """No job of this sweep could be recorded (the store's folder does not exist): the first one
+    says why and the sweep ends there, exit status 2, instead of refusing each job in turn."""
+    proc = run_train_py(tmp_path, f"logger.tracking_uri=sqlite:///{tmp_path}/nope/mlflow.db", "seed=1,2,3", multirun=True)
+    _assert_clear_error(proc, r"ddlx: error: logger.tracking_uri=.*nope/mlflow.db: folder .*nope does not exist")
+    assert proc.stderr.count("ddlx: error:") == 1 and "the sweep stops here" in proc.stderr
+    assert "#1 :" not in proc.stdout + proc.stderr, "the next job was not launched"
+
+
 def test_unknown_option_lists_the_available_ones():
     from hydra.errors import MissingConfigException
 

@@ -2,8 +2,10 @@
 p2pBandwidthLatencyTest; this measures what ddlx's strategies actually use).
 
 - between processes: a gloo allreduce between two local processes over a range of sizes; the
-  two-worker ring costs 2 L + S / BW (Eq. 5.1 with W = 2), so a least-squares line through
-  (S, t) gives the latency L (half the intercept; it includes the fixed per-call cost) and BW;
+  two-worker ring costs 2 L + S / BW (Eq. 5.1 with W = 2): the smallest message (4 bytes) gives
+  the latency L (half its time; it includes the fixed per-call cost), the slope of a
+  least-squares line through (S, t) gives BW. (The line's intercept is not used for L: set by
+  the 32 MB messages' noise, it came out negative on a busy machine.)
 - the copy bandwidths of one core and of all cores come from the detected spec (hw=local);
 - on CUDA: device-to-device copies between every GPU pair (latency from 4-byte copies,
   bandwidth from 64 MB ones).
@@ -68,8 +70,8 @@ def process_link(repeats: int = 10) -> tuple[float, float, list[tuple[int, float
     queue = ctx.SimpleQueue()
     mp.start_processes(_allreduce_worker, args=(_free_port(), repeats, queue), nprocs=2, join=True, start_method="spawn")
     results = queue.get()
-    intercept, slope = fit_line([s for s, _ in results], [t for _, t in results])
-    latency_s = max(intercept / 2, 0.0)
+    _, slope = fit_line([s for s, _ in results], [t for _, t in results])
+    latency_s = min(results)[1] / 2  # the smallest message: two latencies, no bandwidth to speak of
     bandwidth = 1 / slope if slope > 0 else float("inf")  # bytes/s
     return latency_s * 1e6, bandwidth / 1e9, results
 

@@ -24,6 +24,9 @@ CHOICES = (DEFAULT, "keep_freed")
 # mallopt's parameters (malloc.h) and the values "keep_freed" sets.
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
 TRIM_THRESHOLD = 2**31 - 1  # mallopt takes an int: 2 GiB of free heap before any is returned
+# glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit: the adaptive threshold never rises above it, so
+# under "system" every block this large is mapped afresh on each allocation, whatever came before.
+MMAP_CEILING_BYTES = 32 * 2**20
 KEEP_FREED_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD)}
 
 _set_here: str | None = None  # what this process set, if anything

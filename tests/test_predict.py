@@ -90,6 +90,36 @@ def test_partitions_and_boundaries_follow_the_balance():
         profile.partitions([1, 1])
 
 
+def test_a_steps_tensors_scale_with_the_batch_and_those_of_32_mib_are_mapped_afresh():
+    """ResNet18 at 128 px: its first conv's 64 x 64 x 64 maps reach 32 MiB at 32 samples, not at
+    16 (the conv and batch-norm outputs forward, three gradients of that size backward). AlexNet's
+    first classifier weight (9216 x 4096) gets a 151 MB gradient every step whatever the batch."""
+    from ddlx.predict.profile import mapped_bytes, step_allocations
+
+    ceiling = 32 * 2**20
+    assert mapped_bytes("resnet18", 3, 3, 128, 16, ceiling) == 0
+    assert mapped_bytes("resnet18", 3, 3, 128, 32, ceiling) == 5 * 64 * 64 * 64 * 32 * 4
+    assert (9216 * 4096 * 4, 0) in step_allocations("alexnet", 3, 3, 64)
+    assert mapped_bytes("alexnet", 3, 3, 64, 1, ceiling) == mapped_bytes("alexnet", 3, 3, 64, 64, ceiling) >= 9216 * 4096 * 4
+
+
+def test_the_allocator_advice_names_what_glibc_maps_afresh_for_the_recommended_setup():
+    from ddlx.predict.profile import mapped_bytes
+    from ddlx.predict.recommender import allocator_advice
+    from ddlx.predict.setups import worker_batch
+
+    job = Job("mobilenet_v2", "firesmall", 3, 3, 192, 32, 320)
+    rec = Predictor(_hw(), []).recommend(job)
+    mapped = mapped_bytes("mobilenet_v2", 3, 3, 192, worker_batch(rec.best.setup, job), 32 * 2**20)
+    assert mapped > 0 and f"maps {mapped / 1e6:.0f} MB" in allocator_advice(rec)
+    assert allocator_advice(Predictor(_hw(), []).recommend(replace(job, cpu_allocator="keep_freed"))) is None
+    assert allocator_advice(Predictor(_hw(), []).recommend(replace(job, image_size=64))) is None, "nothing of 32 MiB"
+    gpu = _hw(device_kind="gpu", memory_per_device_gb=80, peak_tflops=10.0)
+    assert allocator_advice(Predictor(gpu, []).recommend(job)) is None
+    assert [worker_batch(s, job) for s in (Setup("sequential", (("threads", 2),)), Setup("threads", (("threads", 2),)),
+                                           Setup("cpu_mp", (("processes", 2),)), Setup("pipe", (("chunks", 4),)))] == [32, 16, 16, 8]
+
+
 # ---- hardware, memory, calibration ------------------------------------------------------------
 
 def _hw(**over) -> HardwareSpec:
@@ -426,6 +456,7 @@ def test_recommend_py_answers_as_json_with_no_runs(tmp_path):
     assert rec["command"] == f"python train.py model=vgg16 data=firesmall data.image_size=128 {rec['overrides']}", \
         "the command trains the job asked about, at its image size"
     assert answer["hw"] == "titanrtx_4x" and answer["runs"].startswith("no MLflow store")
+    assert answer["allocator_advice"] is None, "GPUs: CUDA's caching allocator keeps freed blocks"
     setups = {p["strategy"] for p in answer["predictions"]}
     assert {"sequential", "ddp_nccl", "split", "pipe", "hybrid"} <= setups
     assert answer["recommended"]["fits"] and answer["recommended"]["predicted_epoch_s"] > 0

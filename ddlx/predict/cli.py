@@ -16,7 +16,8 @@ from ..measure.report import load_runs, store_exists
 from ..tracking import check_tracking_uri, experiment_id
 from .hardware import HardwareSpec, detect_local, validate
 from .job import Job
-from .recommender import Prediction, Predictor, Recommendation, data_config_of_job, pick_figures, validate as leave_one_out
+from .recommender import (Prediction, Predictor, Recommendation, allocator_advice, data_config_of_job, pick_figures,
+                          validate as leave_one_out)
 from .tseq import probe_batches, probe_loading
 
 MODES = ("recommend", "validate", "probe")
@@ -170,8 +171,16 @@ def recommendation_dict(rec: Recommendation, note: str, elapsed: float, close_ca
         "prefer_sequential_within": rec.prefer_sequential_within,
         "close_call_band": close_call,
         "close_calls": [with_command(p) for p in rec.close_calls(close_call)],
+        "allocator_advice": _allocator_advice(rec, job_overrides),
         "seconds": round(elapsed, 2),
     }
+
+
+def _allocator_advice(rec: Recommendation, job_overrides: list[str]) -> dict | None:
+    why = allocator_advice(rec)
+    if why is None:
+        return None
+    return {"why": why, "command": train_command(rec, rec.best, [*job_overrides, "cpu_allocator=keep_freed"])}
 
 
 def recommendation_table(rec: Recommendation, note: str, elapsed: float, close_call: float, job_overrides: list[str]) -> str:
@@ -208,6 +217,10 @@ def recommendation_table(rec: Recommendation, note: str, elapsed: float, close_c
             for p in close:
                 lines.append(f"  {p.setup.label} ({100 * (p.epoch_s / best.epoch_s - 1):+.1f}%): "
                              f"{train_command(rec, p, job_overrides)}")
+        advice = _allocator_advice(rec, job_overrides)
+        if advice:
+            lines.append(f"allocator: {advice['why']}:")
+            lines.append(f"  {advice['command']}")
     lines.append(f"({elapsed:.1f} s)")
     return "\n".join(lines)
 

@@ -4,6 +4,8 @@ Per top-level layer of the :class:`~ddlx.models.LayeredModel`: parameters, forwa
 (torch's FlopCounterMode; a multiply-add counts 2) and the bytes of activations kept for the
 backward pass, all per sample; plus the bytes of the layer's output, which is what crosses a
 device boundary when the model is cut after it. The performance and memory models read only this.
+Apart: the size of every tensor a training step allocates (:func:`step_allocations`), which
+decides what glibc's allocator maps afresh each step (:func:`mapped_bytes`).
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from functools import lru_cache
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..models import build_model
@@ -116,6 +119,54 @@ def profile_model(arch: str, num_classes: int, in_channels: int, image_size: int
         cut_points=tuple(sorted(model.cut_points.items(), key=lambda kv: kv[1])),
         split_index=model.split_index,
     )
+
+
+def mapped_bytes(arch: str, num_classes: int, in_channels: int, image_size: int, batch: int, ceiling: int) -> int:
+    """Bytes of one training step's tensors at ``batch`` samples that are ``ceiling`` bytes or
+    larger: what glibc's default allocator maps afresh, and page-faults in, every step."""
+    sizes = (fixed + batch * per_sample for fixed, per_sample in step_allocations(arch, num_classes, in_channels, image_size))
+    return sum(size for size in sizes if size >= ceiling)
+
+
+class _FreshTensors(TorchDispatchMode):
+    """The bytes of every tensor an op allocates (views and in-place results are not new)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not any(ret.alias_info is not None for ret in func._schema.returns):
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    self.sizes.append(t.numel() * t.element_size())
+        return out
+
+
+@lru_cache(maxsize=64)
+def step_allocations(arch: str, num_classes: int, in_channels: int, image_size: int) -> tuple[tuple[int, int], ...]:
+    """Every tensor one training step allocates (forward, loss, backward), traced on the meta
+    device at batches 2 and 4 (batch 1 would trip batch norm on 1x1 maps): each as bytes at any
+    batch plus bytes per sample (activations scale with the batch, weight gradients do not).
+    Apart from :func:`profile_model`, which the predictions need for every workload: this trace
+    takes up to a second on deep networks and only the allocator advice reads it."""
+    with torch.device("meta"):
+        model = build_model(arch, num_classes, in_channels, image_size)
+
+    def sizes(batch: int) -> list[int]:
+        x = torch.empty(batch, in_channels, image_size, image_size, device="meta")
+        y = torch.zeros(batch, dtype=torch.long, device="meta")
+        with _FreshTensors() as fresh:
+            nn.functional.cross_entropy(model(x), y).backward()
+        for p in model.parameters():
+            p.grad = None
+        return fresh.sizes
+
+    two, four = sizes(2), sizes(4)
+    if len(two) != len(four):  # the step's ops depend on the batch: nothing to scale from
+        return ()
+    return tuple((2 * a - b, (b - a) // 2) for a, b in zip(two, four))
 
 
 def _leaves(layer: nn.Module) -> list[nn.Module]:

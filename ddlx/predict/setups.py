@@ -249,6 +249,16 @@ def training_processes(setup: Setup) -> int:
     return setup.get("processes") or setup.get("ranks") or 1
 
 
+def worker_batch(setup: Setup, job: Job) -> int:
+    """The samples one worker allocates activations for in a step: the global batch, split over
+    data-parallel processes or threads, or a pipeline's micro-batch."""
+    if setup.strategy == "threads":
+        return job.batch_size // setup.get("threads")
+    if setup.strategy == "pipe":
+        return max(1, job.batch_size // setup.get("chunks"))
+    return job.batch_size // training_processes(setup)
+
+
 def loader_bound_s(setup: Setup, job: Job, hw: HardwareSpec, load_core_s: float) -> float:
     """The least seconds per global batch the data loaders need when they run beside the training
     (``data.num_workers`` > 0; 0 otherwise: then the loading is part of the step, in T_seq): each

@@ -48,9 +48,9 @@ def report_config_errors(fn: Callable[[], Any], in_sweep: bool = False) -> Any:
         return fn()
     except ConfigError as err:
         print(f"ddlx: error: {err}", file=sys.stderr)
-        if in_sweep and not isinstance(err, StoreError):
-            raise SweepJobRefused(str(err)) from None
         if in_sweep:
+            if not isinstance(err, StoreError):
+                raise SweepJobRefused(str(err)) from None
             print("ddlx: the sweep stops here: its other jobs log to the same store and would be refused alike",
                   file=sys.stderr)
         raise SystemExit(2) from None

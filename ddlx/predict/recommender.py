@@ -279,15 +279,15 @@ def allocator_advice(rec: Recommendation) -> str | None:
     step (those of 32 MiB or more, which its adaptive threshold never covers), say so and what
     ``cpu_allocator=keep_freed`` would change; None otherwise (GPUs, keep_freed, small tensors).
     Advice, not a prediction: the time it saves was measured on one workload, not modelled."""
-    best = rec.best
-    if best is None or rec.hw.device_kind != "cpu" or rec.job.cpu_allocator != DEFAULT_ALLOCATOR:
+    best, job = rec.best, rec.job
+    if best is None or rec.hw.device_kind != "cpu" or job.cpu_allocator != DEFAULT_ALLOCATOR:
         return None
-    job = rec.job
     mapped = mapped_bytes(job.model, job.num_classes, job.channels, job.image_size, worker_batch(best.setup, job), MMAP_CEILING_BYTES)
     if not mapped:
         return None
     return (f"with cpu_allocator={DEFAULT_ALLOCATOR} (glibc's default), each worker of {best.setup.label} maps "
-            f"{mapped / 1e6:.0f} MB of its tensors afresh every step (those of 32 MiB or more) and page-faults them in "
+            f"{mapped / 1e6:.0f} MB of its tensors afresh every step (those of {MMAP_CEILING_BYTES // 2**20} MiB or more) "
+            f"and page-faults them in "
             f"again; cpu_allocator=keep_freed reuses freed memory instead: 1.07-1.37x faster for threads, ddp_gloo and "
             f"cpu_mp on MobileNetV2 at 192 px, 5-17% more peak RAM (benchmarks/allocator.sh). Predictions for it come "
             f"only from runs with it, so measure it")

@@ -10,6 +10,13 @@ it made cpu_mp 1.37x and ddp_gloo 1.24x faster, threads 1.05x (``benchmarks/allo
 
 glibc cannot go back to its adaptive default within a process, so a process that set
 "keep_freed" refuses a later "system" job (a Hydra sweep runs its jobs in one process).
+
+A malloc replacement started with the process through ``LD_PRELOAD`` (jemalloc, tcmalloc,
+mimalloc: what PyTorch's CPU performance tuning guide suggests) serves every allocation instead
+of glibc, in the ranks too (they inherit the environment). Its name is then the
+``cpu_allocator`` value, so its runs are a population of their own; "system" or "keep_freed"
+with one loaded, or its name without it, is refused: the run would be recorded under an
+allocator it did not use.
 """
 from __future__ import annotations
 
@@ -20,7 +27,12 @@ import os
 from .errors import ConfigError
 
 DEFAULT = "system"  # also what runs from before the setting used
-CHOICES = (DEFAULT, "keep_freed")
+# The malloc replacements a run may name: the file-name stem of the shared library, and the
+# library to preload and the Debian package that has it, for the error that asks for it.
+REPLACEMENTS = {"jemalloc": ("libjemalloc", "libjemalloc.so.2", "libjemalloc2"),
+                "tcmalloc": ("libtcmalloc", "libtcmalloc_minimal.so.4", "libtcmalloc-minimal4"),
+                "mimalloc": ("libmimalloc", "libmimalloc.so.2", "libmimalloc2.0")}
+CHOICES = (DEFAULT, "keep_freed", *REPLACEMENTS)
 # mallopt's parameters (malloc.h) and the values "keep_freed" sets.
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
 TRIM_THRESHOLD = 2**31 - 1  # mallopt takes an int: 2 GiB of free heap before any is returned
@@ -43,12 +55,60 @@ def _glibc():
     return libc
 
 
+class _DlInfo(ctypes.Structure):
+    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+
+
+def malloc_library() -> str | None:
+    """The path of the shared library whose ``malloc`` this process calls (the C library's, or
+    a replacement's interposed through ``LD_PRELOAD``), or None where the loader cannot say."""
+    try:
+        process = ctypes.CDLL(None)
+        dladdr = process.dladdr
+    except (OSError, AttributeError, TypeError):
+        return None
+    dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(_DlInfo)]
+    info = _DlInfo()
+    if not dladdr(ctypes.cast(process.malloc, ctypes.c_void_p), ctypes.byref(info)) or not info.dli_fname:
+        return None
+    return os.fsdecode(info.dli_fname)
+
+
+def replacement_of(library: str | None) -> str | None:
+    """The :data:`REPLACEMENTS` name of a malloc library's path; None for the C library's own (or
+    an unknown one, whose path the caller names)."""
+    name = os.path.basename(library or "")
+    return next((choice for choice, (stem, _, _) in REPLACEMENTS.items() if name.startswith(stem)), None)
+
+
+def _is_libc(library: str | None) -> bool:
+    """Whether malloc is the C library's own (glibc, musl, macOS's), or the loader cannot say."""
+    return library is None or os.path.basename(library).startswith(("libc.so", "libc-", "ld-musl", "libsystem_malloc"))
+
+
 def check_allocator(choice: str) -> None:
-    """Refuse a ``cpu_allocator`` this process cannot honour, before any work."""
+    """Refuse a ``cpu_allocator`` this process cannot honour, or would record wrongly, before any work."""
     if choice not in CHOICES:
         raise ConfigError(f"cpu_allocator={choice!r} is not one of {', '.join(CHOICES)}: use cpu_allocator=system "
                           f"(glibc's default) or cpu_allocator=keep_freed (reuse freed memory; faster data-parallel "
-                          f"CPU training on large activations)")
+                          f"CPU training on large activations), or start train.py with a malloc replacement in "
+                          f"LD_PRELOAD and name it")
+    library = malloc_library()
+    serving = replacement_of(library)
+    preload = os.environ.get("LD_PRELOAD", "")
+    if choice in REPLACEMENTS and serving != choice:
+        _, soname, package = REPLACEMENTS[choice]
+        raise ConfigError(f"cpu_allocator={choice}, but malloc in this process comes from {library or 'the C library'}: "
+                          f"start it with {choice}'s library preloaded, e.g. LD_PRELOAD={soname} python train.py ... "
+                          f"cpu_allocator={choice} (Debian: apt-get install {package}), so that it and the ranks it "
+                          f"starts allocate with {choice}; or use cpu_allocator=system")
+    if choice in (DEFAULT, "keep_freed") and not _is_libc(library):
+        fix = (f"use cpu_allocator={serving}, or unset LD_PRELOAD" if serving else
+               f"ddlx records only {', '.join(REPLACEMENTS)} by name: unset LD_PRELOAD, or preload one of those")
+        raise ConfigError(f"cpu_allocator={choice}, but malloc in this process comes from {library}"
+                          f"{f' (LD_PRELOAD={preload})' if preload else ''}, not the C library: the run would be "
+                          f"recorded under an allocator it does not use; {fix}")
     if choice == "keep_freed" and _glibc() is None:
         raise ConfigError("cpu_allocator=keep_freed sets glibc's mallopt, and this C library is not glibc: "
                           "use cpu_allocator=system")
@@ -62,6 +122,11 @@ def check_allocator(choice: str) -> None:
             raise ConfigError(f"cpu_allocator=system, but {', '.join(preset)} is set in the environment, which changes "
                               f"glibc's allocator for this run: unset it, or use cpu_allocator=keep_freed, which sets "
                               f"these for you and records it with the run")
+
+
+def keep_freed_possible() -> bool:
+    """Whether this process could run ``cpu_allocator=keep_freed``: glibc serves its malloc."""
+    return _glibc() is not None and _is_libc(malloc_library())
 
 
 def apply_allocator(choice: str) -> None:

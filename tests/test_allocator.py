@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import subprocess
 import sys
 import textwrap
@@ -9,7 +10,7 @@ import textwrap
 import pytest
 
 from conftest import subprocess_env
-from ddlx.allocator import check_allocator
+from ddlx.allocator import check_allocator, malloc_library, replacement_of
 from ddlx.errors import ConfigError
 
 # How many more blocks glibc has mapped on their own while a 64 MiB block is held.
@@ -35,8 +36,44 @@ MAPPED_DURING_64MIB = textwrap.dedent("""
 
 
 def test_an_unknown_allocator_is_refused_with_the_choices():
-    with pytest.raises(ConfigError, match=r"cpu_allocator='jemalloc' is not one of system, keep_freed: use cpu_allocator=system"):
+    with pytest.raises(ConfigError, match=r"cpu_allocator='hoard' is not one of system, keep_freed, jemalloc, tcmalloc, "
+                                          r"mimalloc: use cpu_allocator=system"):
+        check_allocator("hoard")
+
+
+def test_a_named_malloc_replacement_must_be_the_one_preloaded():
+    assert replacement_of(malloc_library()) is None, "this test process runs with the C library's malloc"
+    with pytest.raises(ConfigError, match=r"cpu_allocator=jemalloc, but malloc in this process comes from .*: start it with "
+                                          r"jemalloc's library preloaded, e.g. LD_PRELOAD=libjemalloc.so.2 python train.py"):
         check_allocator("jemalloc")
+    assert [replacement_of(p) for p in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/lib/libmimalloc.so.2",
+                                        "/lib/x86_64-linux-gnu/libc.so.6", None)] == ["tcmalloc", "mimalloc", None, None]
+
+
+@pytest.mark.skipif(ctypes.util.find_library("jemalloc") is None,
+                    reason="needs jemalloc to preload (Debian: apt-get install libjemalloc2, as the README's setup does)")
+def test_under_a_preloaded_jemalloc_only_its_name_is_accepted():
+    code = textwrap.dedent("""
+        from ddlx.allocator import check_allocator, keep_freed_possible, malloc_library
+        from ddlx.errors import ConfigError
+
+        print(malloc_library(), keep_freed_possible())
+        for choice in ("system", "keep_freed", "jemalloc"):
+            try:
+                check_allocator(choice)
+                print(choice, "accepted")
+            except ConfigError as err:
+                print(choice, "refused:", err)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=subprocess_env() | {"LD_PRELOAD": "libjemalloc.so.2"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    library, system, keep_freed, jemalloc = proc.stdout.strip().splitlines()
+    assert "libjemalloc.so" in library and library.endswith("False"), "malloc is jemalloc's: keep_freed cannot run"
+    for line, choice in ((system, "system"), (keep_freed, "keep_freed")):
+        assert f"{choice} refused: cpu_allocator={choice}, but malloc in this process comes from" in line
+        assert "(LD_PRELOAD=libjemalloc.so.2), not the C library" in line and "use cpu_allocator=jemalloc" in line
+    assert jemalloc == "jemalloc accepted"
 
 
 def _has_mallinfo2() -> bool:

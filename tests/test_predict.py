@@ -3,6 +3,7 @@ filter, calibration, leave-one-out validation, hardware configs and recommend.py
 from __future__ import annotations
 
 import json
+import socket
 import statistics
 import subprocess
 import sys
@@ -103,7 +104,7 @@ def test_a_steps_tensors_scale_with_the_batch_and_those_of_32_mib_are_mapped_afr
     assert mapped_bytes("alexnet", 3, 3, 64, 1, ceiling) == mapped_bytes("alexnet", 3, 3, 64, 64, ceiling) >= 9216 * 4096 * 4
 
 
-def test_the_allocator_advice_names_what_glibc_maps_afresh_for_the_recommended_setup():
+def test_the_allocator_advice_names_what_glibc_maps_afresh_for_the_recommended_setup(monkeypatch):
     from ddlx.predict.profile import mapped_bytes
     from ddlx.predict.recommender import allocator_advice
     from ddlx.predict.setups import worker_batch
@@ -116,6 +117,11 @@ def test_the_allocator_advice_names_what_glibc_maps_afresh_for_the_recommended_s
     assert allocator_advice(Predictor(_hw(), []).recommend(replace(job, image_size=64))) is None, "nothing of 32 MiB"
     gpu = _hw(device_kind="gpu", memory_per_device_gb=80, peak_tflops=10.0)
     assert allocator_advice(Predictor(gpu, []).recommend(job)) is None
+    # This machine as the target, where glibc does not serve malloc (musl, a preloaded jemalloc):
+    # train.py here would refuse keep_freed, so it is not advised; a described machine still gets it.
+    monkeypatch.setattr("ddlx.predict.recommender.keep_freed_possible", lambda: False)
+    assert allocator_advice(Predictor(_hw(host=socket.gethostname()), []).recommend(job)) is None
+    assert allocator_advice(Predictor(_hw(), []).recommend(job)) is not None
     assert [worker_batch(s, job) for s in (Setup("sequential", (("threads", 2),)), Setup("threads", (("threads", 2),)),
                                            Setup("cpu_mp", (("processes", 2),)), Setup("pipe", (("chunks", 4),)))] == [32, 16, 16, 8]
 

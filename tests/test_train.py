@@ -1,6 +1,7 @@
 """End to end: train.py writes one MLflow run with the contract's metrics; bad input fails early."""
 from __future__ import annotations
 
+import ctypes.util
 import re
 import subprocess
 import sys
@@ -23,9 +24,10 @@ RUN_METRICS = EPOCH_METRICS | {"mean_epoch_time_s", "mean_samples_per_s", "cpu_p
 DATASETS = ["firesmall", "firebig", "mnist", "cifar10", "imagenet", "highres"]
 
 
-def run_train_py(tmp_path, *overrides, timeout=300, multirun=False):
+def run_train_py(tmp_path, *overrides, timeout=300, multirun=False, env=None):
+    """``env``: variables to add to the environment train.py starts in."""
     cmd = [sys.executable, str(PROJECT_DIR / "train.py"), *(["-m"] if multirun else []), f"paths.root={tmp_path}", *TINY, *overrides]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=subprocess_env(), cwd=tmp_path)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=subprocess_env() | (env or {}), cwd=tmp_path)
 
 
 def test_train_py_logs_one_mlflow_run(tmp_path):
@@ -174,3 +176,20 @@ def test_cpu_allocator_is_recorded_and_a_sweep_cannot_go_back_to_glibcs_default(
     assert got["keep_freed"].info.status == "FINISHED" and "mean_epoch_time_s" in got["keep_freed"].data.metrics
     assert got["system"].info.status == "FAILED"
     assert "glibc cannot return to its default" in got["system"].data.tags["error"]
+
+
+@pytest.mark.skipif(ctypes.util.find_library("jemalloc") is None,
+                    reason="needs jemalloc to preload (Debian: apt-get install libjemalloc2, as the README's setup does)")
+def test_a_run_under_a_preloaded_jemalloc_is_recorded_as_jemalloc(tmp_path):
+    """With jemalloc in LD_PRELOAD the default cpu_allocator=system would mislabel the run: refused
+    before any work; cpu_allocator=jemalloc trains, its rank workers (which check it again)
+    inheriting the preload, and is a param of the run."""
+    preload = {"LD_PRELOAD": "libjemalloc.so.2"}
+    refused = run_train_py(tmp_path, "model=alexnet", env=preload)
+    _assert_clear_error(refused, r"cpu_allocator=system, but malloc in this process comes from \S*libjemalloc\.so\.2 "
+                                 r"\(LD_PRELOAD=libjemalloc\.so\.2\), not the C library: .* use cpu_allocator=jemalloc")
+    proc = run_train_py(tmp_path, "model=alexnet", "strategy=cpu_mp", "strategy.processes=2", "cpu_allocator=jemalloc",
+                        env=preload)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run,) = runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert run.info.status == "FINISHED" and run.data.params["cpu_allocator"] == "jemalloc"

@@ -9,6 +9,7 @@ this machine when it is the same device kind; otherwise the model stands uncalib
 """
 from __future__ import annotations
 
+import socket
 import statistics
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -20,7 +21,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from ..allocator import DEFAULT as DEFAULT_ALLOCATOR
-from ..allocator import MMAP_CEILING_BYTES
+from ..allocator import MMAP_CEILING_BYTES, keep_freed_possible
 from ..measure.report import MeasuredRun, distinct_labels
 from .hardware import HardwareSpec
 from .job import Job, measured_per_batch_s, on_hardware, usable
@@ -277,10 +278,13 @@ class Recommendation:
 def allocator_advice(rec: Recommendation) -> str | None:
     """When glibc's default allocator maps some of the recommended setup's tensors afresh every
     step (those of 32 MiB or more, which its adaptive threshold never covers), say so and what
-    ``cpu_allocator=keep_freed`` would change; None otherwise (GPUs, keep_freed, small tensors).
+    ``cpu_allocator=keep_freed`` would change; None otherwise (GPUs, keep_freed or a preloaded
+    malloc, small tensors, or this machine as the target when keep_freed cannot run here).
     Advice, not a prediction: the time it saves was measured on one workload, not modelled."""
     best, job = rec.best, rec.job
     if best is None or rec.hw.device_kind != "cpu" or job.cpu_allocator != DEFAULT_ALLOCATOR:
+        return None
+    if rec.hw.host == socket.gethostname() and not keep_freed_possible():  # train.py here would refuse the command
         return None
     mapped = mapped_bytes(job.model, job.num_classes, job.channels, job.image_size, worker_batch(best.setup, job), MMAP_CEILING_BYTES)
     if not mapped:

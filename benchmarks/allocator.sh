@@ -3,11 +3,12 @@
 # (glibc's default, which maps every block above its mmap threshold, at most 32 MB, afresh and
 # unmaps it on free, so every step page-faults its large activations in again: MobileNetV2 at
 # 192 px, batch 16 per process, has several above 32 MB) against "keep_freed" (no block gets its
-# own mapping, nothing is handed back).
+# own mapping, nothing is handed back), and against each malloc replacement this machine has
+# (jemalloc, tcmalloc: preloaded with LD_PRELOAD, recorded under their names).
 #
 #   bash benchmarks/allocator.sh [ROUNDS] [OVERRIDES...]    # defaults: 2 rounds, model=mobilenet_v2 data.image_size=192
 #
-# Each round runs threads, cpu_mp and ddp_gloo with both allocators back to back (minutes apart:
+# Each round runs threads, cpu_mp and ddp_gloo with every allocator back to back (minutes apart:
 # this machine drifts between sittings), into the experiment "allocator", then prints
 # benchmarks/allocator_table.py's comparison. Each allocator is a sweep of its own: glibc cannot
 # go back to its default within a process.
@@ -22,10 +23,20 @@ common=(data=firesmall data.num_images=400 "data.synthetic_size=[128,192]" data.
         trainer.max_epochs=3 measure.warmup_epochs=1 trainer.enable_checkpointing=false
         trainer.enable_progress_bar=false logger.experiment_name=allocator)
 
+declare -A preload=([system]="" [keep_freed]="")
+allocators=(system keep_freed)
+for replacement in jemalloc:libjemalloc.so.2 tcmalloc:libtcmalloc_minimal.so.4; do
+  if ldconfig -p | grep -q "${replacement#*:}"; then
+    allocators+=("${replacement%%:*}")
+    preload[${replacement%%:*}]=${replacement#*:}
+  fi
+done
+
 for ((r = 1; r <= rounds; r++)); do
-  echo "round $r/$rounds: ${workload[*]}" >&2
-  for allocator in system keep_freed; do
-    python train.py -m strategy=threads,cpu_mp,ddp_gloo cpu_allocator=$allocator "${workload[@]}" "${common[@]}"
+  echo "round $r/$rounds: ${workload[*]} (${allocators[*]})" >&2
+  for allocator in "${allocators[@]}"; do
+    LD_PRELOAD=${preload[$allocator]} python train.py -m strategy=threads,cpu_mp,ddp_gloo cpu_allocator=$allocator \
+      "${workload[@]}" "${common[@]}"
   done
 done
 

@@ -1,6 +1,10 @@
-"""The table of ``benchmarks/allocator.sh``: each setup's median epoch time and peak RAM with
-``cpu_allocator=system`` (glibc's default) and ``cpu_allocator=keep_freed`` (every run in the
-experiment "allocator" of the project's mlflow.db)."""
+"""Each setup's median epoch time and peak RAM with ``cpu_allocator=system`` (glibc's default)
+against every other allocator measured on the same workload, from one experiment of the
+project's mlflow.db:
+
+    python benchmarks/allocator_table.py              # "allocator", as benchmarks/allocator.sh writes it
+    python benchmarks/allocator_table.py ddlx         # e.g. cpu_study.sh's sets measured with keep_freed too
+"""
 from __future__ import annotations
 
 import sys
@@ -12,27 +16,30 @@ from statistics import median
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ddlx.allocator import CHOICES  # noqa: E402
+from ddlx.allocator import DEFAULT  # noqa: E402
 from ddlx.measure.report import load_runs  # noqa: E402
 
 
-def main() -> None:
+def main(argv: list[str]) -> None:
+    experiment = argv[0] if argv else "allocator"
     runs = defaultdict(lambda: defaultdict(list))  # (workload, setup) -> allocator -> runs
-    for run in load_runs(f"sqlite:///{ROOT / 'mlflow.db'}", ["allocator"]):
+    for run in load_runs(f"sqlite:///{ROOT / 'mlflow.db'}", [experiment]):
         if run.status == "FINISHED" and run.mean_epoch_time_s:
-            workload = replace(run.workload, cpu_allocator="system").label
+            workload = replace(run.workload, cpu_allocator=DEFAULT).label
             runs[workload, run.setup][run.workload.cpu_allocator].append(run)
-    system, kept = CHOICES
-    print(f"| workload | setup | {system} s/epoch | {kept} s/epoch | {system} / {kept} | peak RAM MB {system} / {kept} | runs |")
-    print("|---|---|---|---|---|---|---|")
-    for (workload, setup), by in sorted(runs.items()):
-        if len(by) < len(CHOICES):
-            continue
-        t = {a: median(r.mean_epoch_time_s for r in by[a]) for a in CHOICES}
-        ram = {a: median(r.metrics.get("peak_ram_mb", float("nan")) for r in by[a]) for a in CHOICES}
-        print(f"| {workload} | {setup} | {t[system]:.2f} | {t[kept]:.2f} | {t[system] / t[kept]:.2f}x "
-              f"| {ram[system]:.0f} / {ram[kept]:.0f} | {len(by[system])} + {len(by[kept])} |")
+    for other in sorted({a for by in runs.values() for a in by} - {DEFAULT}):
+        print(f"| workload | setup | {DEFAULT} s/epoch | {other} s/epoch | {DEFAULT} / {other} "
+              f"| peak RAM MB {DEFAULT} / {other} | runs |")
+        print("|---|---|---|---|---|---|---|")
+        for (workload, setup), by in sorted(runs.items()):
+            if not (by[DEFAULT] and by[other]):
+                continue
+            t = {a: median(r.mean_epoch_time_s for r in by[a]) for a in (DEFAULT, other)}
+            ram = {a: median(r.metrics.get("peak_ram_mb", float("nan")) for r in by[a]) for a in (DEFAULT, other)}
+            print(f"| {workload} | {setup} | {t[DEFAULT]:.2f} | {t[other]:.2f} | {t[DEFAULT] / t[other]:.2f}x "
+                  f"| {ram[DEFAULT]:.0f} / {ram[other]:.0f} | {len(by[DEFAULT])} + {len(by[other])} |")
+        print()
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -2,7 +2,7 @@
 # The CPU study behind `python recommend.py mode=validate`: every CPU setup that can win on a
 # 2-core node, on several workloads, as Hydra sweeps into the `ddlx` experiment.
 #
-#   bash benchmarks/cpu_study.sh [ROUNDS] [WORKLOAD-SET]     # defaults: 1 round, "new"
+#   bash benchmarks/cpu_study.sh [ROUNDS] [WORKLOAD-SET] [CPU-ALLOCATOR]   # defaults: 1 round, "new", system
 #
 # Sets: "first" (the first study's 5 workloads), "new" (6 more), "check" (4 predicted first),
 # "ties" (the 6 whose two fastest setups were within 7% of each other, 2 more repeats each),
@@ -13,7 +13,13 @@
 # "check5" (3 more predicted first, with the probe's loading apart and the shared compute factor; 3 repeats),
 # "check6" (3 more predicted first, as check5, at sizes above those measured before; 3 repeats),
 # "check7" (5 more predicted first: 4 where prefer_sequential_within decides, MobileNetV2 at 192 px; 3 repeats),
-# "check8" (5 more predicted first, with each network's own factor; 3 repeats).
+# "check8" (5 more predicted first, with each network's own factor; 3 repeats),
+# "misses" (six of the workloads the recommender ranked wrong under glibc's default allocator, in
+# the sizes where its mmap ceiling is crossed: measured again with cpu_allocator=keep_freed),
+# "around_misses" (the same two networks at the sizes around those, two of them misses too).
+#
+# CPU-ALLOCATOR is train.py's cpu_allocator for every run (see ddlx/allocator.py): the runs of
+# each allocator are a population of their own for the report and recommend.py.
 #
 # Each round runs, for each workload in turn, all its setups back to back (one-core and
 # two-thread sequential, threads, cpu_mp, ddp_gloo), so the setups a recommendation must rank
@@ -25,9 +31,10 @@ cd "$(dirname "$0")/.."
 
 rounds=${1:-1}
 set_name=${2:-new}
+allocator=${3:-system}
 common=(data=firesmall data.num_images=400 "data.synthetic_size=[128,192]" data.num_workers=0
         trainer.max_epochs=3 measure.warmup_epochs=1 trainer.enable_checkpointing=false
-        trainer.enable_progress_bar=false)
+        trainer.enable_progress_bar=false "cpu_allocator=$allocator")
 
 case $set_name in
   new) workloads=(
@@ -99,7 +106,21 @@ case $set_name in
       "model=mobilenet_v2 data.image_size=120"  # ddp_gloo (cpu_mp +2.3%, threads +5.0%, seq2 +20%)
       "model=vgg11 data.image_size=96")         # seq2 (threads +21%; VGG11 measured at one size: pooled factors only)
       ;;
-  *) echo "unknown workload set '$set_name': expected new, first, check, check2, ties, ties2, check3 to check8" >&2; exit 2 ;;
+  misses) workloads=(  # ranked wrong by `recommend.py mode=validate` with cpu_allocator=system (2026-11-22)
+      "model=mobilenet_v2 data.image_size=112"
+      "model=mobilenet_v2 data.image_size=128"
+      "model=mobilenet_v2 data.image_size=144"
+      "model=resnet18 data.image_size=104"
+      "model=resnet18 data.image_size=120"
+      "model=resnet18 data.image_size=144") ;;
+  around_misses) workloads=(
+      "model=mobilenet_v2 data.image_size=80"
+      "model=mobilenet_v2 data.image_size=96"
+      "model=mobilenet_v2 data.image_size=160"
+      "model=resnet18 data.image_size=96"
+      "model=resnet18 data.image_size=112"
+      "model=resnet18 data.image_size=128") ;;
+  *) echo "unknown workload set '$set_name': expected new, first, check, check2, ties, ties2, check3 to check8, misses, around_misses" >&2; exit 2 ;;
 esac
 
 for ((r = 1; r <= rounds; r++)); do

@@ -16,7 +16,9 @@
 # "check8" (5 more predicted first, with each network's own factor; 3 repeats),
 # "misses" (six of the workloads the recommender ranked wrong under glibc's default allocator, in
 # the sizes where its mmap ceiling is crossed: measured again with cpu_allocator=keep_freed),
-# "around_misses" (the same two networks at the sizes around those, two of them misses too).
+# "around_misses" (the same two networks at the sizes around those, two of them misses too),
+# "other_networks" (AlexNet, ResNet50, VGG11 and MobileNetV2 where ddp_gloo led: with the above,
+# a keep_freed population like the system one).
 #
 # CPU-ALLOCATOR is train.py's cpu_allocator for every run (see ddlx/allocator.py): the runs of
 # each allocator are a population of their own for the report and recommend.py.
@@ -120,7 +122,13 @@ case $set_name in
       "model=resnet18 data.image_size=96"
       "model=resnet18 data.image_size=112"
       "model=resnet18 data.image_size=128") ;;
-  *) echo "unknown workload set '$set_name': expected new, first, check, check2, ties, ties2, check3 to check8, misses, around_misses" >&2; exit 2 ;;
+  other_networks) workloads=(
+      "model=alexnet data.image_size=128"
+      "model=resnet50 data.image_size=64"
+      "model=resnet50 data.image_size=112"
+      "model=vgg11 data.image_size=64"
+      "model=mobilenet_v2 data.image_size=192") ;;
+  *) echo "unknown workload set '$set_name': expected new, first, check, check2, ties, ties2, check3 to check8, misses, around_misses, other_networks" >&2; exit 2 ;;
 esac
 
 for ((r = 1; r <= rounds; r++)); do

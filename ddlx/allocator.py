@@ -32,6 +32,10 @@ DEFAULT = "system"  # also what runs from before the setting used
 REPLACEMENTS = {"jemalloc": ("libjemalloc", "libjemalloc.so.2", "libjemalloc2"),
                 "tcmalloc": ("libtcmalloc", "libtcmalloc_minimal.so.4", "libtcmalloc-minimal4"),
                 "mimalloc": ("libmimalloc", "libmimalloc.so.2", "libmimalloc2.0")}
+# The environment each replacement reads its tuning from (variables starting so). Not recorded
+# with a run, and it changes the timings (jemalloc with dirty_decay_ms:-1 ran 1.7x faster than
+# with its defaults here), so a run with it set is refused rather than mixed with the default's.
+TUNING_ENV = {"jemalloc": "MALLOC_CONF", "tcmalloc": "TCMALLOC_", "mimalloc": "MIMALLOC_"}
 CHOICES = (DEFAULT, "keep_freed", *REPLACEMENTS)
 # mallopt's parameters (malloc.h) and the values "keep_freed" sets.
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
@@ -94,6 +98,12 @@ def check_allocator(choice: str) -> None:
                           f"(glibc's default) or cpu_allocator=keep_freed (reuse freed memory; faster data-parallel "
                           f"CPU training on large activations), or start train.py with a malloc replacement in "
                           f"LD_PRELOAD and name it")
+    if choice in TUNING_ENV:
+        tuned = sorted(k for k in os.environ if k.startswith(TUNING_ENV[choice]))
+        if tuned:
+            raise ConfigError(f"cpu_allocator={choice}, but {', '.join(tuned)} is set in the environment: it tunes "
+                              f"{choice}, changes the timings and is not recorded with the run, whose times would be "
+                              f"compared with {choice}'s defaults; unset it")
     library = malloc_library()
     serving = replacement_of(library)
     preload = os.environ.get("LD_PRELOAD", "")

@@ -50,6 +50,15 @@ def test_a_named_malloc_replacement_must_be_the_one_preloaded():
                                         "/lib/x86_64-linux-gnu/libc.so.6", None)] == ["tcmalloc", "mimalloc", None, None]
 
 
+def test_a_replacements_tuning_in_the_environment_is_refused(monkeypatch):
+    """MALLOC_CONF tunes jemalloc and is not recorded: its runs would pass for the defaults'."""
+    monkeypatch.setenv("MALLOC_CONF", "dirty_decay_ms:-1")
+    with pytest.raises(ConfigError, match=r"cpu_allocator=jemalloc, but MALLOC_CONF is set in the environment: it tunes "
+                                          r"jemalloc, .* unset it"):
+        check_allocator("jemalloc")
+    check_allocator("system")  # glibc does not read it
+
+
 @pytest.mark.skipif(ctypes.util.find_library("jemalloc") is None,
                     reason="needs jemalloc to preload (Debian: apt-get install libjemalloc2, as the README's setup does)")
 def test_under_a_preloaded_jemalloc_only_its_name_is_accepted():

@@ -4,7 +4,7 @@
 # unmaps it on free, so every step page-faults its large activations in again: MobileNetV2 at
 # 192 px, batch 16 per process, has several above 32 MB) against "keep_freed" (no block gets its
 # own mapping, nothing is handed back), and against each malloc replacement this machine has
-# (jemalloc, tcmalloc: preloaded with LD_PRELOAD, recorded under their names).
+# (those of ddlx/allocator.py: preloaded with LD_PRELOAD, recorded under their names).
 #
 #   bash benchmarks/allocator.sh [ROUNDS] [OVERRIDES...]    # defaults: 2 rounds, model=mobilenet_v2 data.image_size=192
 #
@@ -25,7 +25,10 @@ common=(data=firesmall data.num_images=400 "data.synthetic_size=[128,192]" data.
 
 declare -A preload=([system]="" [keep_freed]="")
 allocators=(system keep_freed)
-for replacement in jemalloc:libjemalloc.so.2 tcmalloc:libtcmalloc_minimal.so.4; do
+# NAME:LIBRARY of each replacement ddlx/allocator.py knows, kept if this machine has the library.
+mapfile -t replacements < <(python -c 'from ddlx.allocator import REPLACEMENTS
+for name, (_, soname, _) in REPLACEMENTS.items(): print(f"{name}:{soname}")')
+for replacement in "${replacements[@]}"; do
   if ldconfig -p | grep -q "${replacement#*:}"; then
     allocators+=("${replacement%%:*}")
     preload[${replacement%%:*}]=${replacement#*:}

@@ -27,6 +27,7 @@ import os
 from .errors import ConfigError
 
 DEFAULT = "system"  # also what runs from before the setting used
+KEEP_FREED = "keep_freed"
 # The malloc replacements a run may name: the file-name stem of the shared library, and the
 # library to preload and the Debian package that has it, for the error that asks for it.
 REPLACEMENTS = {"jemalloc": ("libjemalloc", "libjemalloc.so.2", "libjemalloc2"),
@@ -36,7 +37,7 @@ REPLACEMENTS = {"jemalloc": ("libjemalloc", "libjemalloc.so.2", "libjemalloc2"),
 # with a run, and it changes the timings (jemalloc with dirty_decay_ms:-1 ran 1.7x faster than
 # with its defaults here), so a run with it set is refused rather than mixed with the default's.
 TUNING_ENV = {"jemalloc": "MALLOC_CONF", "tcmalloc": "TCMALLOC_", "mimalloc": "MIMALLOC_"}
-CHOICES = (DEFAULT, "keep_freed", *REPLACEMENTS)
+CHOICES = (DEFAULT, KEEP_FREED, *REPLACEMENTS)
 # mallopt's parameters (malloc.h) and the values "keep_freed" sets.
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
 TRIM_THRESHOLD = 2**31 - 1  # mallopt takes an int: 2 GiB of free heap before any is returned
@@ -113,17 +114,17 @@ def check_allocator(choice: str) -> None:
                           f"start it with {choice}'s library preloaded, e.g. LD_PRELOAD={soname} python train.py ... "
                           f"cpu_allocator={choice} (Debian: apt-get install {package}), so that it and the ranks it "
                           f"starts allocate with {choice}; or use cpu_allocator=system")
-    if choice in (DEFAULT, "keep_freed") and not _is_libc(library):
+    if choice in (DEFAULT, KEEP_FREED) and not _is_libc(library):
         fix = (f"use cpu_allocator={serving}, or unset LD_PRELOAD" if serving else
                f"ddlx records only {', '.join(REPLACEMENTS)} by name: unset LD_PRELOAD, or preload one of those")
         raise ConfigError(f"cpu_allocator={choice}, but malloc in this process comes from {library}"
                           f"{f' (LD_PRELOAD={preload})' if preload else ''}, not the C library: the run would be "
                           f"recorded under an allocator it does not use; {fix}")
-    if choice == "keep_freed" and _glibc() is None:
+    if choice == KEEP_FREED and _glibc() is None:
         raise ConfigError("cpu_allocator=keep_freed sets glibc's mallopt, and this C library is not glibc: "
                           "use cpu_allocator=system")
     if choice == DEFAULT:
-        if _set_here == "keep_freed":
+        if _set_here == KEEP_FREED:
             raise ConfigError("cpu_allocator=system after a cpu_allocator=keep_freed job in the same process: glibc "
                               "cannot return to its default, so this job would be measured with the other allocator; "
                               "run the cpu_allocator=system jobs in a train.py call (or sweep) of their own")
@@ -143,7 +144,7 @@ def apply_allocator(choice: str) -> None:
     """Set ``choice`` in this process and, through the environment, in the processes it starts."""
     global _set_here
     check_allocator(choice)
-    if choice == "keep_freed":
+    if choice == KEEP_FREED:
         libc = _glibc()
         if not (libc.mallopt(M_MMAP_MAX, 0) and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)):
             raise ConfigError("cpu_allocator=keep_freed: glibc's mallopt refused the settings; use cpu_allocator=system")

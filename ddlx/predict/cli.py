@@ -9,7 +9,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from ..allocator import apply_allocator, check_allocator
+from ..allocator import KEEP_FREED, apply_allocator, check_allocator
 from ..errors import ConfigError
 from ..models import check_request
 from ..measure.report import load_runs, store_exists
@@ -180,7 +180,8 @@ def _allocator_advice(rec: Recommendation, job_overrides: list[str]) -> dict | N
     why = allocator_advice(rec)
     if why is None:
         return None
-    return {"why": why, "command": train_command(rec, rec.best, [*job_overrides, "cpu_allocator=keep_freed"])}
+    overrides = [o for o in job_overrides if not o.startswith("cpu_allocator=")]  # the user's, replaced
+    return {"why": why, "command": train_command(rec, rec.best, [*overrides, f"cpu_allocator={KEEP_FREED}"])}
 
 
 def recommendation_table(rec: Recommendation, note: str, elapsed: float, close_call: float, job_overrides: list[str]) -> str:

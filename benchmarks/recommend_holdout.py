@@ -5,6 +5,7 @@ out one configuration at a time.
 
     python benchmarks/recommend_holdout.py                       # cpu_study.sh's check and check2-check8 sets
     python benchmarks/recommend_holdout.py resnet18:96 alexnet:64
+    python benchmarks/recommend_holdout.py --cpu-allocator system  # glibc's default's runs (default: as recommend.py)
 
 Workloads are MODEL:IMAGE_SIZE as measured by benchmarks/cpu_study.sh (runs in the project's
 mlflow.db, experiment ddlx). Prints predicted vs measured (median of repeats) per setup, the
@@ -36,8 +37,11 @@ def main() -> None:
     parser.add_argument("workloads", nargs="*", default=CHECK_SET, help="MODEL:IMAGE_SIZE")
     parser.add_argument("--close-call", type=float, default=defaults.close_call)
     parser.add_argument("--prefer-sequential-within", type=float, default=defaults.prefer_sequential_within)
+    parser.add_argument("--cpu-allocator", default=defaults.cpu_allocator,
+                        help="the population: only runs with this allocator; the probes use it (default: as recommend.py's)")
     args = parser.parse_args()
 
+    from ddlx.allocator import apply_allocator, resolve_allocator
     from ddlx.measure.report import load_runs
     from ddlx.predict.cli import hardware, load_hw_file
     from ddlx.predict.job import Job
@@ -46,7 +50,9 @@ def main() -> None:
     from ddlx.predict.tseq import probe_batches
 
     held = {tuple(w.split(":")) for w in args.workloads}
-    runs = load_runs(f"sqlite:///{ROOT / 'mlflow.db'}", ["ddlx"])
+    allocator = resolve_allocator(args.cpu_allocator)
+    apply_allocator(allocator)  # the probes train as the held-out runs did
+    runs = [r for r in load_runs(f"sqlite:///{ROOT / 'mlflow.db'}", ["ddlx"]) if r.workload.cpu_allocator == allocator]
 
     def held_out(run) -> bool:
         return (run.params.get("model.name"), run.params.get("data.image_size")) in held
@@ -61,7 +67,8 @@ def main() -> None:
         mine = [r for r in runs if held_out(r) and r.params["model.name"] == model and r.params["data.image_size"] == size
                 and r.status == "FINISHED" and "mean_epoch_time_s" in r.metrics]
         if not mine:
-            raise SystemExit(f"no finished runs of {model} at {size} px: measure them with benchmarks/cpu_study.sh")
+            raise SystemExit(f"no finished runs of {model} at {size} px with cpu_allocator={allocator}: measure them "
+                             f"with benchmarks/cpu_study.sh")
         measured: dict[str, list[float]] = {}
         for r in mine:
             measured.setdefault(setup_of_run(r.params, r.tags).label, []).append(r.metrics["mean_epoch_time_s"])
@@ -85,7 +92,7 @@ def main() -> None:
     print(f"\npicks {round(n * figures['correct_fraction'])}/{n}, measured {100 * figures['mean_slowdown']:.1f}% slower "
           f"than the fastest on average (at most {100 * figures['max_slowdown']:.1f}%); median absolute error "
           f"{100 * statistics.median(errors):.1f}% over {len(errors)} setups")
-    print(f"(prefer_sequential_within={args.prefer_sequential_within:g}; always the predicted fastest: "
+    print(f"(cpu_allocator={allocator}, prefer_sequential_within={args.prefer_sequential_within:g}; always the predicted fastest: "
           f"{round(n * figures['predicted_fastest_correct_fraction'])}/{n})")
     print(f"resampling each setup's runs: the measured fastest is the fastest again in "
           f"{100 * figures['fastest_reproduced_fraction']:.0f}% of resamples, the recommended setup in "

@@ -16,7 +16,7 @@ from statistics import median
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ddlx.allocator import DEFAULT  # noqa: E402
+from ddlx.allocator import SYSTEM  # noqa: E402
 from ddlx.measure.report import load_runs  # noqa: E402
 
 
@@ -25,19 +25,19 @@ def main(argv: list[str]) -> None:
     runs = defaultdict(lambda: defaultdict(list))  # (workload, setup) -> allocator -> runs
     for run in load_runs(f"sqlite:///{ROOT / 'mlflow.db'}", [experiment]):
         if run.status == "FINISHED" and run.mean_epoch_time_s:
-            workload = replace(run.workload, cpu_allocator=DEFAULT).label
+            workload = replace(run.workload, cpu_allocator=SYSTEM).label
             runs[workload, run.setup][run.workload.cpu_allocator].append(run)
-    for other in sorted({a for by in runs.values() for a in by} - {DEFAULT}):
-        print(f"| workload | setup | {DEFAULT} s/epoch | {other} s/epoch | {DEFAULT} / {other} "
-              f"| peak RAM MB {DEFAULT} / {other} | runs |")
+    for other in sorted({a for by in runs.values() for a in by} - {SYSTEM}):
+        print(f"| workload | setup | {SYSTEM} s/epoch | {other} s/epoch | {SYSTEM} / {other} "
+              f"| peak RAM MB {SYSTEM} / {other} | runs |")
         print("|---|---|---|---|---|---|---|")
         for (workload, setup), by in sorted(runs.items()):
-            if not (by[DEFAULT] and by[other]):
+            if not (by[SYSTEM] and by[other]):
                 continue
-            t = {a: median(r.mean_epoch_time_s for r in by[a]) for a in (DEFAULT, other)}
-            ram = {a: median(r.metrics.get("peak_ram_mb", float("nan")) for r in by[a]) for a in (DEFAULT, other)}
-            print(f"| {workload} | {setup} | {t[DEFAULT]:.2f} | {t[other]:.2f} | {t[DEFAULT] / t[other]:.2f}x "
-                  f"| {ram[DEFAULT]:.0f} / {ram[other]:.0f} | {len(by[DEFAULT])} + {len(by[other])} |")
+            t = {a: median(r.mean_epoch_time_s for r in by[a]) for a in (SYSTEM, other)}
+            ram = {a: median(r.metrics.get("peak_ram_mb", float("nan")) for r in by[a]) for a in (SYSTEM, other)}
+            print(f"| {workload} | {setup} | {t[SYSTEM]:.2f} | {t[other]:.2f} | {t[SYSTEM] / t[other]:.2f}x "
+                  f"| {ram[SYSTEM]:.0f} / {ram[other]:.0f} | {len(by[SYSTEM])} + {len(by[other])} |")
         print()
 
 

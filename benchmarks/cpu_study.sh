@@ -2,7 +2,7 @@
 # The CPU study behind `python recommend.py mode=validate`: every CPU setup that can win on a
 # 2-core node, on several workloads, as Hydra sweeps into the `ddlx` experiment.
 #
-#   bash benchmarks/cpu_study.sh [ROUNDS] [WORKLOAD-SET] [CPU-ALLOCATOR]   # defaults: 1 round, "new", system
+#   bash benchmarks/cpu_study.sh [ROUNDS] [WORKLOAD-SET] [CPU-ALLOCATOR]   # defaults: 1 round, "new", auto
 #
 # Sets: "first" (the first study's 5 workloads), "new" (6 more), "check" (4 predicted first),
 # "ties" (the 6 whose two fastest setups were within 7% of each other, 2 more repeats each),
@@ -22,8 +22,9 @@
 # "rest" (the 21 workloads of the system study not in the three sets above, so that keep_freed covers
 # all of it; the closest calls first, so that a cut-short second round repeats them).
 #
-# CPU-ALLOCATOR is train.py's cpu_allocator for every run (see ddlx/allocator.py): the runs of
-# each allocator are a population of their own for the report and recommend.py.
+# CPU-ALLOCATOR is train.py's cpu_allocator for every run (see ddlx/allocator.py; auto, train.py's
+# default, is keep_freed on glibc): the runs of each allocator are a population of their own for the
+# report and recommend.py. The sets up to check8 were measured with system, the rest with keep_freed.
 #
 # Each round runs, for each workload in turn, all its setups back to back (one-core and
 # two-thread sequential, threads, cpu_mp, ddp_gloo), so the setups a recommendation must rank
@@ -35,7 +36,7 @@ cd "$(dirname "$0")/.."
 
 rounds=${1:-1}
 set_name=${2:-new}
-allocator=${3:-system}
+allocator=${3:-auto}
 common=(data=firesmall data.num_images=400 "data.synthetic_size=[128,192]" data.num_workers=0
         trainer.max_epochs=3 measure.warmup_epochs=1 trainer.enable_checkpointing=false
         trainer.enable_progress_bar=false "cpu_allocator=$allocator")

@@ -17,6 +17,10 @@ of glibc, in the ranks too (they inherit the environment). Its name is then the
 ``cpu_allocator`` value, so its runs are a population of their own; "system" or "keep_freed"
 with one loaded, or its name without it, is refused: the run would be recorded under an
 allocator it did not use.
+
+"auto", the default, is what this process can best run and record: the preloaded replacement if
+one serves malloc, else "keep_freed" on glibc (faster data-parallel CPU training, and the
+population recommend.py ranks right), else "system". A run records what it resolved to.
 """
 from __future__ import annotations
 
@@ -26,8 +30,9 @@ import os
 
 from .errors import ConfigError
 
-DEFAULT = "system"  # also what runs from before the setting used
+SYSTEM = "system"  # glibc as it comes; also what runs from before the setting used
 KEEP_FREED = "keep_freed"
+AUTO = "auto"  # resolved by resolve_allocator before anything else sees it
 # The malloc replacements a run may name: the file-name stem of the shared library, and the
 # library to preload and the Debian package that has it, for the error that asks for it.
 REPLACEMENTS = {"jemalloc": ("libjemalloc", "libjemalloc.so.2", "libjemalloc2"),
@@ -37,7 +42,7 @@ REPLACEMENTS = {"jemalloc": ("libjemalloc", "libjemalloc.so.2", "libjemalloc2"),
 # with a run, and it changes the timings (jemalloc with dirty_decay_ms:-1 ran 1.7x faster than
 # with its defaults here), so a run with it set is refused rather than mixed with the default's.
 TUNING_ENV = {"jemalloc": "MALLOC_CONF", "tcmalloc": "TCMALLOC_", "mimalloc": "MIMALLOC_"}
-CHOICES = (DEFAULT, KEEP_FREED, *REPLACEMENTS)
+CHOICES = (SYSTEM, KEEP_FREED, *REPLACEMENTS)  # what a run records
 # mallopt's parameters (malloc.h) and the values "keep_freed" sets.
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
 TRIM_THRESHOLD = 2**31 - 1  # mallopt takes an int: 2 GiB of free heap before any is returned
@@ -92,10 +97,30 @@ def _is_libc(library: str | None) -> bool:
     return library is None or os.path.basename(library).startswith(("libc.so", "libc-", "ld-musl", "libsystem_malloc"))
 
 
+def resolve_allocator(choice: str) -> str:
+    """``choice``, with "auto" replaced by what this process runs: the preloaded replacement serving
+    malloc, else keep_freed on glibc, else system. Anything else is returned as given."""
+    if choice != AUTO:
+        return choice
+    library = malloc_library()
+    serving = replacement_of(library)
+    if serving:
+        return serving
+    if not _is_libc(library):
+        preload = os.environ.get("LD_PRELOAD", "")
+        raise ConfigError(f"cpu_allocator=auto, but malloc in this process comes from {library}"
+                          f"{f' (LD_PRELOAD={preload})' if preload else ''}, which ddlx cannot name: its runs would "
+                          f"be recorded under an allocator they did not use; unset LD_PRELOAD, or preload one of "
+                          f"{', '.join(REPLACEMENTS)}")
+    return KEEP_FREED if _glibc() is not None else SYSTEM
+
+
 def check_allocator(choice: str) -> None:
-    """Refuse a ``cpu_allocator`` this process cannot honour, or would record wrongly, before any work."""
+    """Refuse a ``cpu_allocator`` this process cannot honour, or would record wrongly, before any
+    work. ``choice`` is resolved (see :func:`resolve_allocator`)."""
     if choice not in CHOICES:
-        raise ConfigError(f"cpu_allocator={choice!r} is not one of {', '.join(CHOICES)}: use cpu_allocator=system "
+        raise ConfigError(f"cpu_allocator={choice!r} is not one of {AUTO}, {', '.join(CHOICES)}: use cpu_allocator=auto "
+                          f"(the default), cpu_allocator=system "
                           f"(glibc's default) or cpu_allocator=keep_freed (reuse freed memory; faster data-parallel "
                           f"CPU training on large activations), or start train.py with a malloc replacement in "
                           f"LD_PRELOAD and name it")
@@ -114,7 +139,7 @@ def check_allocator(choice: str) -> None:
                           f"start it with {choice}'s library preloaded, e.g. LD_PRELOAD={soname} python train.py ... "
                           f"cpu_allocator={choice} (Debian: apt-get install {package}), so that it and the ranks it "
                           f"starts allocate with {choice}; or use cpu_allocator=system")
-    if choice in (DEFAULT, KEEP_FREED) and not _is_libc(library):
+    if choice in (SYSTEM, KEEP_FREED) and not _is_libc(library):
         fix = (f"use cpu_allocator={serving}, or unset LD_PRELOAD" if serving else
                f"ddlx records only {', '.join(REPLACEMENTS)} by name: unset LD_PRELOAD, or preload one of those")
         raise ConfigError(f"cpu_allocator={choice}, but malloc in this process comes from {library}"
@@ -123,9 +148,10 @@ def check_allocator(choice: str) -> None:
     if choice == KEEP_FREED and _glibc() is None:
         raise ConfigError("cpu_allocator=keep_freed sets glibc's mallopt, and this C library is not glibc: "
                           "use cpu_allocator=system")
-    if choice == DEFAULT:
+    if choice == SYSTEM:
         if _set_here == KEEP_FREED:
-            raise ConfigError("cpu_allocator=system after a cpu_allocator=keep_freed job in the same process: glibc "
+            raise ConfigError("cpu_allocator=system after a cpu_allocator=keep_freed job (or auto, which is keep_freed "
+                              "on glibc) in the same process: glibc "
                               "cannot return to its default, so this job would be measured with the other allocator; "
                               "run the cpu_allocator=system jobs in a train.py call (or sweep) of their own")
         preset = sorted(k for k in KEEP_FREED_ENV if k in os.environ)

@@ -14,7 +14,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from pytorch_lightning.callbacks import ModelCheckpoint
 
-from .allocator import apply_allocator, check_allocator
+from .allocator import apply_allocator, check_allocator, resolve_allocator
 from .data import ImageFolderDataModule
 from .errors import ConfigError
 from .measure.resources import ResourceMonitor
@@ -144,6 +144,8 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, extra_tags: Mapping[st
     if launch_rank() == 0:  # only rank 0 talks to MLflow (see 3.)
         check_experiment(cfg.logger.tracking_uri, cfg.logger.experiment_name)
     try:
+        # "auto" becomes what this process runs, in the recorded config and the ranks' job description.
+        cfg.cpu_allocator = resolved["cpu_allocator"] = resolve_allocator(cfg.cpu_allocator)
         check_measure(cfg)
         check_allocator(cfg.cpu_allocator)
         plan = build_strategy(cfg.strategy, cfg.trainer.accelerator, layered_model_meta(cfg), cfg.data)

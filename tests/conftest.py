@@ -42,8 +42,11 @@ def tracking_uri(tmp_path) -> str:
 
 
 def compose_config(overrides: list[str]) -> DictConfig:
+    """The train config, for jobs run in the pytest process: on glibc's own allocator, not the default
+    auto (keep_freed), which no later job in the process could leave and whose environment every later
+    subprocess test would inherit. train.py in a subprocess (run_train_py) keeps the default."""
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name="train", overrides=overrides)
+        return compose(config_name="train", overrides=["cpu_allocator=system", *overrides])
 
 
 @pytest.fixture

@@ -10,7 +10,8 @@ import textwrap
 import pytest
 
 from conftest import subprocess_env
-from ddlx.allocator import check_allocator, malloc_library, replacement_of
+from ddlx import allocator
+from ddlx.allocator import check_allocator, malloc_library, replacement_of, resolve_allocator
 from ddlx.errors import ConfigError
 
 # How many more blocks glibc has mapped on their own while a 64 MiB block is held.
@@ -36,9 +37,27 @@ MAPPED_DURING_64MIB = textwrap.dedent("""
 
 
 def test_an_unknown_allocator_is_refused_with_the_choices():
-    with pytest.raises(ConfigError, match=r"cpu_allocator='hoard' is not one of system, keep_freed, jemalloc, tcmalloc, "
-                                          r"mimalloc: use cpu_allocator=system"):
-        check_allocator("hoard")
+    with pytest.raises(ConfigError, match=r"cpu_allocator='hoard' is not one of auto, system, keep_freed, jemalloc, "
+                                          r"tcmalloc, mimalloc: use cpu_allocator=auto \(the default\)"):
+        check_allocator(resolve_allocator("hoard"))
+
+
+def test_auto_resolves_to_keep_freed_on_glibc_and_to_system_elsewhere(monkeypatch):
+    """auto is what the process can run and record; a named choice is kept as given."""
+    assert allocator._glibc() is not None, "this test process runs on glibc"
+    assert resolve_allocator("auto") == "keep_freed"
+    assert [resolve_allocator(c) for c in ("system", "keep_freed", "jemalloc")] == ["system", "keep_freed", "jemalloc"]
+    monkeypatch.setattr(allocator, "_glibc", lambda: None)  # musl, macOS: mallopt cannot be set
+    assert resolve_allocator("auto") == "system"
+
+
+def test_auto_under_a_malloc_ddlx_cannot_name_is_refused(monkeypatch):
+    monkeypatch.setattr(allocator, "malloc_library", lambda: "/opt/hoard/libhoard.so")
+    monkeypatch.setenv("LD_PRELOAD", "/opt/hoard/libhoard.so")
+    with pytest.raises(ConfigError, match=r"cpu_allocator=auto, but malloc in this process comes from /opt/hoard/libhoard.so "
+                                          r"\(LD_PRELOAD=/opt/hoard/libhoard.so\), which ddlx cannot name: .* unset "
+                                          r"LD_PRELOAD, or preload one of jemalloc, tcmalloc, mimalloc"):
+        resolve_allocator("auto")
 
 
 def test_a_named_malloc_replacement_must_be_the_one_preloaded():
@@ -63,10 +82,10 @@ def test_a_replacements_tuning_in_the_environment_is_refused(monkeypatch):
                     reason="needs jemalloc to preload (Debian: apt-get install libjemalloc2, as the README's setup does)")
 def test_under_a_preloaded_jemalloc_only_its_name_is_accepted():
     code = textwrap.dedent("""
-        from ddlx.allocator import check_allocator, keep_freed_possible, malloc_library
+        from ddlx.allocator import check_allocator, keep_freed_possible, malloc_library, resolve_allocator
         from ddlx.errors import ConfigError
 
-        print(malloc_library(), keep_freed_possible())
+        print(malloc_library(), keep_freed_possible(), resolve_allocator("auto"))
         for choice in ("system", "keep_freed", "jemalloc"):
             try:
                 check_allocator(choice)
@@ -78,7 +97,8 @@ def test_under_a_preloaded_jemalloc_only_its_name_is_accepted():
                           env=subprocess_env() | {"LD_PRELOAD": "libjemalloc.so.2"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     library, system, keep_freed, jemalloc = proc.stdout.strip().splitlines()
-    assert "libjemalloc.so" in library and library.endswith("False"), "malloc is jemalloc's: keep_freed cannot run"
+    assert "libjemalloc.so" in library and library.endswith("False jemalloc"), \
+        "malloc is jemalloc's: keep_freed cannot run, and auto is jemalloc"
     for line, choice in ((system, "system"), (keep_freed, "keep_freed")):
         assert f"{choice} refused: cpu_allocator={choice}, but malloc in this process comes from" in line
         assert "(LD_PRELOAD=libjemalloc.so.2), not the C library" in line and "use cpu_allocator=jemalloc" in line
@@ -118,7 +138,7 @@ def test_keep_freed_serves_large_blocks_from_the_heap_here_and_in_the_processes_
     assert proc.returncode == 0, proc.stderr[-3000:]
     counts, refused = proc.stdout.strip().splitlines()
     assert counts.split() == ["1", "0", "0"], f"mapped blocks before / after / in a child: {counts}"
-    assert "cpu_allocator=system after a cpu_allocator=keep_freed job in the same process" in refused
+    assert "cpu_allocator=system after a cpu_allocator=keep_freed job (or auto, which is keep_freed on glibc) in the same process" in refused
 
 
 def test_system_is_refused_when_the_environment_already_changes_glibcs_allocator(monkeypatch):

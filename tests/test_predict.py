@@ -646,7 +646,8 @@ def test_a_held_out_workload_is_probed_with_its_own_runs_data(tiny_config):
 
 
 def test_recommend_py_validate_reports_errors_and_picks(tmp_path):
-    """mode=validate end to end on a store of runs taken on this host (no probe: FLOPs fallback)."""
+    """mode=validate end to end on a store of runs taken on this host (no probe: FLOPs fallback), with
+    the allocator train.py's default resolves to here, as the default of recommend.py does."""
     import socket
 
     from mlflow.tracking import MlflowClient
@@ -657,7 +658,7 @@ def test_recommend_py_validate_reports_errors_and_picks(tmp_path):
     exp = client.create_experiment("ddlx")
     for run in _consistent_runs(hw):
         created = client.create_run(exp, tags=run.tags)
-        for key, value in run.params.items():
+        for key, value in {**run.params, "cpu_allocator": "keep_freed"}.items():
             client.log_param(created.info.run_id, key, value)
         for key, value in run.metrics.items():
             client.log_metric(created.info.run_id, key, value)
@@ -668,7 +669,7 @@ def test_recommend_py_validate_reports_errors_and_picks(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
     assert len(result["rows"]) == 12 and set(result["per_strategy"]) == {"sequential", "threads", "cpu_mp", "pipe"}
-    assert set(result["recommendations"]) == {"alexnet/firesmall 64px b32", "resnet18/firesmall 64px b32", "vgg11/firesmall 64px b32"}
+    assert set(result["recommendations"]) == {f"{m}/firesmall 64px b32 cpu_allocator=keep_freed" for m in ("alexnet", "resnet18", "vgg11")}
     assert 0 <= result["correct_fraction"] <= 1
     slowdowns = [p["slowdown"] for p in result["recommendations"].values()]
     assert result["mean_slowdown"] == pytest.approx(sum(slowdowns) / 3) and result["max_slowdown"] == max(slowdowns)

@@ -42,6 +42,7 @@ def test_train_py_logs_one_mlflow_run(tmp_path):
     assert (tags["model"], tags["data"], tags["strategy"], tags["use_case"]) == ("vgg16", "firesmall", "sequential", "complexsmall")
     params = run.data.params
     assert params["data.batch_size"] == "8" and params["model.name"] == "vgg16" and params["strategy.threads"] == "1"
+    assert params["cpu_allocator"] == "keep_freed", "the default, auto, is recorded as what it resolved to on glibc"
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(uri)
@@ -166,11 +167,11 @@ def test_learns_the_synthetic_classes(tiny_config):
 
 
 def test_cpu_allocator_is_recorded_and_a_sweep_cannot_go_back_to_glibcs_default(tmp_path):
-    """keep_freed trains (its rank worker inheriting it) and is a param of the run; the next job of
-    the same sweep asks for "system", which glibc cannot restore in that process: a FAILED run
-    that says so, not a run measured with the wrong allocator."""
+    """The default, auto, is keep_freed on glibc: it trains (its rank worker inheriting it) and is
+    recorded as keep_freed; the next job of the same sweep asks for "system", which glibc cannot
+    restore in that process: a FAILED run that says so, not a run measured with the wrong allocator."""
     proc = run_train_py(tmp_path, "model=alexnet", "strategy=cpu_mp", "strategy.processes=2",
-                        "cpu_allocator=keep_freed,system", multirun=True)
+                        "cpu_allocator=auto,system", multirun=True)
     assert proc.returncode != 0, "the sweep reports that a job failed"
     got = {r.data.params["cpu_allocator"]: r for r in runs(f"sqlite:///{tmp_path / 'mlflow.db'}")}
     assert got["keep_freed"].info.status == "FINISHED" and "mean_epoch_time_s" in got["keep_freed"].data.metrics
@@ -181,15 +182,14 @@ def test_cpu_allocator_is_recorded_and_a_sweep_cannot_go_back_to_glibcs_default(
 @pytest.mark.skipif(ctypes.util.find_library("jemalloc") is None,
                     reason="needs jemalloc to preload (Debian: apt-get install libjemalloc2, as the README's setup does)")
 def test_a_run_under_a_preloaded_jemalloc_is_recorded_as_jemalloc(tmp_path):
-    """With jemalloc in LD_PRELOAD the default cpu_allocator=system would mislabel the run: refused
-    before any work; cpu_allocator=jemalloc trains, its rank workers (which check it again)
-    inheriting the preload, and is a param of the run."""
+    """With jemalloc in LD_PRELOAD, cpu_allocator=system would mislabel the run: refused before any
+    work; the default (auto) trains as jemalloc, its rank workers (which check it again) inheriting
+    the preload, and records it."""
     preload = {"LD_PRELOAD": "libjemalloc.so.2"}
-    refused = run_train_py(tmp_path, "model=alexnet", env=preload)
+    refused = run_train_py(tmp_path, "model=alexnet", "cpu_allocator=system", env=preload)
     _assert_clear_error(refused, r"cpu_allocator=system, but malloc in this process comes from \S*libjemalloc\.so\.2 "
                                  r"\(LD_PRELOAD=libjemalloc\.so\.2\), not the C library: .* use cpu_allocator=jemalloc")
-    proc = run_train_py(tmp_path, "model=alexnet", "strategy=cpu_mp", "strategy.processes=2", "cpu_allocator=jemalloc",
-                        env=preload)
+    proc = run_train_py(tmp_path, "model=alexnet", "strategy=cpu_mp", "strategy.processes=2", env=preload)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run,) = runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
     assert run.info.status == "FINISHED" and run.data.params["cpu_allocator"] == "jemalloc"

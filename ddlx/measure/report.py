@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import median
 
-from ..allocator import DEFAULT as DEFAULT_ALLOCATOR
+from ..allocator import SYSTEM
 
 # The workload: runs that differ in any of these are not comparable.
 WORKLOAD_PARAMS = (
@@ -45,12 +45,12 @@ class Workload:
     root: str
     limit_train_batches: str
     use_case: str = ""
-    cpu_allocator: str = DEFAULT_ALLOCATOR
+    cpu_allocator: str = SYSTEM
 
     @property
     def label(self) -> str:
         name = self.use_case or f"{self.model}/{self.data}"
-        allocator = f" cpu_allocator={self.cpu_allocator}" if self.cpu_allocator != DEFAULT_ALLOCATOR else ""
+        allocator = f" cpu_allocator={self.cpu_allocator}" if self.cpu_allocator != SYSTEM else ""
         return f"{name} {self.image_size}px b{self.batch_size}{allocator}"
 
     def baseline_command(self, device: str) -> str:
@@ -59,7 +59,7 @@ class Workload:
                 f"data.num_workers={self.num_workers}", f"trainer.limit_train_batches={self.limit_train_batches}"]
         if self.root not in ("None", ""):
             over.append(f"data.root={self.root}")
-        if self.cpu_allocator != DEFAULT_ALLOCATOR:
+        if self.cpu_allocator != SYSTEM:
             over.append(f"cpu_allocator={self.cpu_allocator}")
         over += ["strategy=sequential", "strategy.threads=1"] if device == "cpu" else ["strategy=sequential", "trainer=gpu"]
         return "python train.py " + " ".join(over)
@@ -137,7 +137,7 @@ def setup_label(tags: dict[str, str], params: dict[str, str] | None = None) -> s
 
 def workload_of(params: dict[str, str], tags: dict[str, str]) -> Workload:
     return Workload(tags.get("host", "?"), *(str(params.get(k, "")) for k in WORKLOAD_PARAMS),
-                    use_case=tags.get("use_case", ""), cpu_allocator=params.get("cpu_allocator", DEFAULT_ALLOCATOR))
+                    use_case=tags.get("use_case", ""), cpu_allocator=params.get("cpu_allocator", SYSTEM))
 
 
 def to_measured_run(run) -> MeasuredRun:

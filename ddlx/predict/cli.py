@@ -9,7 +9,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from ..allocator import KEEP_FREED, apply_allocator, check_allocator
+from ..allocator import KEEP_FREED, apply_allocator, check_allocator, resolve_allocator
 from ..errors import ConfigError
 from ..models import check_request
 from ..measure.report import load_runs, store_exists
@@ -103,6 +103,7 @@ def run(cfg: DictConfig, out_dir: Path, hw_dir: Path, job_overrides: list[str] |
         if not 0 <= cfg[key] < 1:
             raise ConfigError(f"{key}={cfg[key]}; expected a fraction in [0, 1), e.g. {key}={example}")
     started = time.perf_counter()
+    cfg.cpu_allocator = resolve_allocator(cfg.cpu_allocator)  # as train.py resolves it on this machine
     check_allocator(cfg.cpu_allocator)
     job = job_from_config(cfg) if cfg.mode == "recommend" else None  # bad values named before any timing
     detected_dir = Path(cfg.detected_dir) if cfg.detected_dir else None

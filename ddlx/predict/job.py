@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..allocator import DEFAULT as DEFAULT_ALLOCATOR
+from ..allocator import SYSTEM
 from ..measure.report import MeasuredRun
 from .hardware import HardwareSpec
 
@@ -18,7 +18,7 @@ class Job:
     batch_size: int  # global
     train_samples: int  # per epoch
     num_workers: int = 0  # data loader worker processes per training process (data.num_workers)
-    cpu_allocator: str = DEFAULT_ALLOCATOR  # see ddlx/allocator.py: runs of another allocator do not inform it
+    cpu_allocator: str = SYSTEM  # see ddlx/allocator.py: runs of another allocator do not inform it
 
     @property
     def steps(self) -> float:

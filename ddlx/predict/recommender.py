@@ -20,7 +20,7 @@ import numpy as np
 import yaml
 from omegaconf import OmegaConf
 
-from ..allocator import DEFAULT as DEFAULT_ALLOCATOR
+from ..allocator import SYSTEM
 from ..allocator import MMAP_CEILING_BYTES, keep_freed_possible
 from ..measure.report import MeasuredRun, distinct_labels
 from .hardware import HardwareSpec
@@ -282,14 +282,14 @@ def allocator_advice(rec: Recommendation) -> str | None:
     malloc, small tensors, or this machine as the target when keep_freed cannot run here).
     Advice, not a prediction: the time it saves was measured on one workload, not modelled."""
     best, job = rec.best, rec.job
-    if best is None or rec.hw.device_kind != "cpu" or job.cpu_allocator != DEFAULT_ALLOCATOR:
+    if best is None or rec.hw.device_kind != "cpu" or job.cpu_allocator != SYSTEM:
         return None
     if rec.hw.host == socket.gethostname() and not keep_freed_possible():  # train.py here would refuse the command
         return None
     mapped = mapped_bytes(job.model, job.num_classes, job.channels, job.image_size, worker_batch(best.setup, job), MMAP_CEILING_BYTES)
     if not mapped:
         return None
-    return (f"with cpu_allocator={DEFAULT_ALLOCATOR} (glibc's default), each worker of {best.setup.label} maps "
+    return (f"with cpu_allocator={SYSTEM} (glibc's default), each worker of {best.setup.label} maps "
             f"{mapped / 1e6:.0f} MB of its tensors afresh every step (those of {MMAP_CEILING_BYTES // 2**20} MiB or more) "
             f"and page-faults them in "
             f"again; cpu_allocator=keep_freed reuses freed memory instead: 1.07-1.37x faster for threads, ddp_gloo and "
@@ -497,7 +497,7 @@ class Pick:
         return self.recommended == self.fastest
 
 
-def validate(predictor: Predictor, cpu_allocator: str = DEFAULT_ALLOCATOR) -> tuple[list[ValidationRow], dict[str, Pick]]:
+def validate(predictor: Predictor, cpu_allocator: str = SYSTEM) -> tuple[list[ValidationRow], dict[str, Pick]]:
     """Leave-one-out over measured configurations (workload x setup) on the target hardware, with
     ``cpu_allocator`` (the one held-out baselines are probed with: this process's): each
     predicted from the runs of every other configuration, against the median of its own runs

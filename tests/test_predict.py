@@ -81,6 +81,24 @@ def test_profile_counts_torchvisions_parameters_and_3x_forward_flops():
     assert profile.train_flops_per_sample == pytest.approx(3 * sum(layer.forward_flops for layer in profile.layers))
 
 
+def test_a_profile_is_kept_on_disk_read_back_equal_and_counted_again_when_unreadable(tmp_path, monkeypatch):
+    from ddlx.predict import profile
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    profile.profile_model.cache_clear()
+    counted = profile.profile_model("resnet18", 3, 3, 64)
+    (kept,) = (tmp_path / "ddlx" / "profiles").glob("resnet18-3-3-64-*.json")
+    calls = []
+    monkeypatch.setattr(profile, "_count_profile", lambda *args: calls.append(args) or counted)
+    profile.profile_model.cache_clear()
+    assert profile.profile_model("resnet18", 3, 3, 64) == counted and calls == [], "read from disk, not counted"
+    kept.write_text("{cut off")
+    profile.profile_model.cache_clear()
+    assert profile.profile_model("resnet18", 3, 3, 64) == counted and calls == [("resnet18", 3, 3, 64)]
+    assert json.loads(kept.read_text())["arch"] == "resnet18", "written again whole"
+    profile.profile_model.cache_clear()
+
+
 def test_partitions_and_boundaries_follow_the_balance():
     profile = profile_model("alexnet", 3, 3, 64)
     balance = profile.even_balance(3)

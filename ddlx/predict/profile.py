@@ -9,8 +9,12 @@ decides what glibc's allocator maps afresh each step (:func:`mapped_bytes`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass
 from functools import lru_cache
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -89,8 +93,45 @@ class ModelProfile:
         return balance
 
 
+@lru_cache(maxsize=1)
+def _code_key() -> str:
+    """What a profile depends on besides its arguments: torch (its FLOP counting), the model
+    builders and this counting code. A cached profile from other code is not read."""
+    digest = hashlib.sha256(torch.__version__.encode())
+    models = Path(__file__).resolve().parents[1] / "models"
+    for source in [*sorted(models.glob("*.py")), Path(__file__).resolve()]:
+        digest.update(source.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _cache_path(arch: str, num_classes: int, in_channels: int, image_size: int) -> Path:
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return root / "ddlx" / "profiles" / f"{arch}-{num_classes}-{in_channels}-{image_size}-{_code_key()}.json"
+
+
 @lru_cache(maxsize=64)
 def profile_model(arch: str, num_classes: int, in_channels: int, image_size: int) -> ModelProfile:
+    """The model's profile, kept on disk (``$XDG_CACHE_HOME/ddlx/profiles``): recommend.py profiles
+    every measured workload's model, about 0.1 s each, on every call."""
+    path = _cache_path(arch, num_classes, in_channels, image_size)
+    try:
+        kept = json.loads(path.read_text())
+        return ModelProfile(**{**kept, "layers": tuple(LayerProfile(**layer) for layer in kept["layers"]),
+                               "cut_points": tuple(tuple(point) for point in kept["cut_points"])})
+    except (OSError, ValueError, TypeError, KeyError):
+        pass  # not kept yet, or unreadable: count it again
+    profile = _count_profile(arch, num_classes, in_channels, image_size)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")  # concurrent writers: each renames its own whole file
+        partial.write_text(json.dumps(asdict(profile)))
+        os.replace(partial, path)
+    except OSError:
+        pass  # a read-only home: counted on every call, as before
+    return profile
+
+
+def _count_profile(arch: str, num_classes: int, in_channels: int, image_size: int) -> ModelProfile:
     with torch.device("meta"):
         model = build_model(arch, num_classes, in_channels, image_size)
     x = torch.empty(1, in_channels, image_size, image_size, device="meta")

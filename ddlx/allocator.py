@@ -97,6 +97,16 @@ def _is_libc(library: str | None) -> bool:
     return library is None or os.path.basename(library).startswith(("libc.so", "libc-", "ld-musl", "libsystem_malloc"))
 
 
+def _served_from(library: str | None) -> str:
+    """Where malloc comes from, for an error: the library, and the LD_PRELOAD that put it there."""
+    preload = os.environ.get("LD_PRELOAD", "")
+    return f"{library}{f' (LD_PRELOAD={preload})' if preload else ''}"
+
+
+# The fix when a malloc ddlx cannot name serves the process.
+UNNAMED_FIX = f"unset LD_PRELOAD, or preload one of {', '.join(REPLACEMENTS)}"
+
+
 def resolve_allocator(choice: str) -> str:
     """``choice``, with "auto" replaced by what this process runs: the preloaded replacement serving
     malloc, else keep_freed on glibc, else system. Anything else is returned as given."""
@@ -107,11 +117,8 @@ def resolve_allocator(choice: str) -> str:
     if serving:
         return serving
     if not _is_libc(library):
-        preload = os.environ.get("LD_PRELOAD", "")
-        raise ConfigError(f"cpu_allocator=auto, but malloc in this process comes from {library}"
-                          f"{f' (LD_PRELOAD={preload})' if preload else ''}, which ddlx cannot name: its runs would "
-                          f"be recorded under an allocator they did not use; unset LD_PRELOAD, or preload one of "
-                          f"{', '.join(REPLACEMENTS)}")
+        raise ConfigError(f"cpu_allocator=auto, but malloc in this process comes from {_served_from(library)}, which "
+                          f"ddlx cannot name: its runs would be recorded under an allocator they did not use; {UNNAMED_FIX}")
     return KEEP_FREED if _glibc() is not None else SYSTEM
 
 
@@ -132,7 +139,6 @@ def check_allocator(choice: str) -> None:
                               f"compared with {choice}'s defaults; unset it")
     library = malloc_library()
     serving = replacement_of(library)
-    preload = os.environ.get("LD_PRELOAD", "")
     if choice in REPLACEMENTS and serving != choice:
         _, soname, package = REPLACEMENTS[choice]
         raise ConfigError(f"cpu_allocator={choice}, but malloc in this process comes from {library or 'the C library'}: "
@@ -141,10 +147,9 @@ def check_allocator(choice: str) -> None:
                           f"starts allocate with {choice}; or use cpu_allocator=system")
     if choice in (SYSTEM, KEEP_FREED) and not _is_libc(library):
         fix = (f"use cpu_allocator={serving}, or unset LD_PRELOAD" if serving else
-               f"ddlx records only {', '.join(REPLACEMENTS)} by name: unset LD_PRELOAD, or preload one of those")
-        raise ConfigError(f"cpu_allocator={choice}, but malloc in this process comes from {library}"
-                          f"{f' (LD_PRELOAD={preload})' if preload else ''}, not the C library: the run would be "
-                          f"recorded under an allocator it does not use; {fix}")
+               f"ddlx records only {', '.join(REPLACEMENTS)} by name: {UNNAMED_FIX}")
+        raise ConfigError(f"cpu_allocator={choice}, but malloc in this process comes from {_served_from(library)}, not "
+                          f"the C library: the run would be recorded under an allocator it does not use; {fix}")
     if choice == KEEP_FREED and _glibc() is None:
         raise ConfigError("cpu_allocator=keep_freed sets glibc's mallopt, and this C library is not glibc: "
                           "use cpu_allocator=system")

@@ -666,8 +666,6 @@ def test_a_held_out_workload_is_probed_with_its_own_runs_data(tiny_config):
 def test_recommend_py_validate_reports_errors_and_picks(tmp_path):
     """mode=validate end to end on a store of runs taken on this host (no probe: FLOPs fallback), with
     the allocator train.py's default resolves to here, as the default of recommend.py does."""
-    import socket
-
     from mlflow.tracking import MlflowClient
 
     hw = _hw(host=socket.gethostname())

@@ -20,8 +20,7 @@ import numpy as np
 import yaml
 from omegaconf import OmegaConf
 
-from ..allocator import SYSTEM
-from ..allocator import MMAP_CEILING_BYTES, keep_freed_possible
+from ..allocator import MMAP_CEILING_BYTES, SYSTEM, keep_freed_possible
 from ..measure.report import MeasuredRun, distinct_labels
 from .hardware import HardwareSpec
 from .job import Job, measured_per_batch_s, on_hardware, usable

@@ -11,11 +11,11 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
-from ddlx.cli import register_resolvers, report_config_errors
+from ddlx.cli import register_config, report_config_errors
 from ddlx.predict.hardware import HardwareSpec
 
 ROOT = Path(__file__).resolve().parent
-register_resolvers(ROOT)
+register_config(ROOT)
 ConfigStore.instance().store(group="hw", name="schema", node=HardwareSpec)
 
 

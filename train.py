@@ -3,15 +3,19 @@
     python train.py                                   # AlexNet on firesmall, one CPU core
     python train.py strategy=pipe model=vgg16 data=firesmall
     python train.py -m strategy=sequential,cpu_mp model=alexnet,vgg16   # a sweep: one run per job
+    python train.py ckpt_path=outputs/DATE/TIME-ID/checkpoints/last.ckpt  # resume a run
 """
+import sys
 from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
-from ddlx.cli import hydra_job_tags, register_resolvers, report_config_errors
+from ddlx.cli import hydra_job_tags, register_config, run_training_job, task_overrides
+from ddlx.config_check import check_command_line
 
-register_resolvers(Path(__file__).resolve().parent)
+PROJECT_DIR = Path(__file__).resolve().parent
+register_config(PROJECT_DIR)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
@@ -19,8 +23,9 @@ def main(cfg: DictConfig) -> None:
     from ddlx.run import train  # imported here so --help and config errors answer fast
 
     output_dir, tags = hydra_job_tags(cfg.paths.root)
-    report_config_errors(lambda: train(cfg, output_dir, tags), in_sweep="sweep_id" in tags)
+    run_training_job(lambda: train(cfg, output_dir, tags), in_sweep="sweep_id" in tags, overrides=task_overrides())
 
 
 if __name__ == "__main__":
+    check_command_line(sys.argv[1:], PROJECT_DIR / "conf", "train")  # every job, before Hydra starts one
     main()

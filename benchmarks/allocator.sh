@@ -20,7 +20,7 @@ shift || true
 workload=("$@")
 if [ ${#workload[@]} -eq 0 ]; then workload=(model=mobilenet_v2 data.image_size=192); fi
 common=(data=firesmall data.num_images=400 "data.synthetic_size=[128,192]" data.num_workers=0
-        trainer.max_epochs=3 measure.warmup_epochs=1 trainer.enable_checkpointing=false
+        trainer.max_epochs=3 measure.warmup_epochs=1 checkpoint.save=none
         trainer.enable_progress_bar=false logger.experiment_name=allocator)
 
 declare -A preload=([system]="" [keep_freed]="")

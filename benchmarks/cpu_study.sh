@@ -38,7 +38,7 @@ rounds=${1:-1}
 set_name=${2:-new}
 allocator=${3:-auto}
 common=(data=firesmall data.num_images=400 "data.synthetic_size=[128,192]" data.num_workers=0
-        trainer.max_epochs=3 measure.warmup_epochs=1 trainer.enable_checkpointing=false
+        trainer.max_epochs=3 measure.warmup_epochs=1 checkpoint.save=none
         trainer.enable_progress_bar=false "cpu_allocator=$allocator")
 
 case $set_name in

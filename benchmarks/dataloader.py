@@ -43,9 +43,9 @@ def parse_args() -> argparse.Namespace:
 def data_config(args: argparse.Namespace, workers: int):
     from hydra import compose, initialize_config_dir
 
-    from ddlx.cli import register_resolvers
+    from ddlx.cli import register_config
 
-    register_resolvers(ROOT)
+    register_config(ROOT)
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose(config_name="train", overrides=[
             f"data={args.data}", f"data.image_size={args.image_size}", f"data.batch_size={args.batch_size}",

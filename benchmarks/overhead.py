@@ -53,13 +53,13 @@ def compose(model: str, args: argparse.Namespace, root: Path, monitor: bool):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from ddlx.cli import register_resolvers
+    from ddlx.cli import register_config
 
-    register_resolvers(ROOT)
+    register_config(ROOT)
     overrides = [
         f"model={model}", "model.dropout=0", f"data.image_size={args.image_size}", f"data.batch_size={args.batch_size}",
         "strategy=sequential", f"strategy.threads={args.threads}", "trainer.max_epochs=1", "trainer.limit_val_batches=0",
-        "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "trainer.enable_checkpointing=false",
+        "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "checkpoint.save=none",
         f"measure.monitor={str(monitor).lower()}", f"paths.root={root}", f"logger.tracking_uri=sqlite:///{root / 'mlflow.db'}",
         "logger.experiment_name=benchmark-overhead",
     ]
@@ -98,7 +98,7 @@ class DdlxRunner:
         trainer = build_trainer(self.cfg, self.plan, self.logger, self.root / "run", callbacks)
         trainer.fit(self.module, train_dataloaders=loader)
         timer = callbacks[0]
-        return timer.epoch_times[-1], len(timer.step_times)
+        return timer.epoch_times[-1], timer.epoch_steps[-1]
 
 
 def measure_model(name: str, args: argparse.Namespace, root: Path) -> dict[str, list[float]]:

@@ -41,7 +41,7 @@ def run_setup(name: str, overrides: list[str], args: argparse.Namespace, sweep: 
         f"model={args.model}", f"data={args.data}", f"data.num_images={args.num_images}",
         f"data.batch_size={args.batch_size}", f"data.num_workers={args.num_workers}",
         f"trainer.max_epochs={args.epochs}", "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false",
-        "trainer.enable_checkpointing=false", f"logger.experiment_name={EXPERIMENT}",
+        "checkpoint.save=none", f"logger.experiment_name={EXPERIMENT}",
         f"+logger.tags.bench_round={sweep}", f"+logger.tags.bench_setup={slug}",
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)

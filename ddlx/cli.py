@@ -1,24 +1,48 @@
-"""Shared by the Hydra entry points: config resolvers, sweep tags and user-facing error reporting."""
+"""Shared by the Hydra entry points: config resolvers and schemas, sweep tags and user-facing error reporting."""
 from __future__ import annotations
 
+import os
 import sys
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 
-from .errors import ConfigError, StoreError
+from .errors import ConfigError, Stopped, StoreError
 
 
 class SweepJobRefused(Exception):
     """A sweep job refused before training: Hydra records the job as failed and runs the next."""
 
 
-def register_resolvers(project_dir: Path) -> None:
-    """``${project_dir:}`` in configs: the folder holding train.py, so mlflow.db and data/ land there
-    whatever the working directory."""
+def register_config(project_dir: Path) -> None:
+    """The schemas (:mod:`ddlx.config`) and the resolvers configs use: ``${project_dir:}``, the
+    folder holding train.py, so mlflow.db and data/ land there whatever the working directory;
+    ``${job_id:}``, this job's id (:func:`job_id`), which keeps every run's folder its own."""
+    from .config import register_schemas
+
+    register_schemas()
     OmegaConf.register_new_resolver("project_dir", lambda: str(project_dir), replace=True)
+    OmegaConf.register_new_resolver("job_id", job_id, replace=True)
+
+
+# Launchers that start every rank of a job themselves, and the variables that name the job.
+LAUNCHER_JOB_IDS = (("SLURM_JOB_ID", "SLURM_STEP_ID"), ("PMIX_NAMESPACE",), ("OMPI_MCA_ess_base_jobid",),
+                    ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT"))
+_RANDOM_JOB_ID = uuid.uuid4().hex[:8]
+
+
+def job_id() -> str:
+    """The same for every process of one job and for no other job: the launcher's job id when
+    SLURM, mpirun or torchrun started this process (all its ranks compose their own config),
+    else random, drawn once per process (two runs started in the same second, on one machine or
+    several sharing a file system, must not share a folder)."""
+    for names in LAUNCHER_JOB_IDS:
+        if os.environ.get(names[0]):
+            return "-".join(os.environ.get(n, "") for n in names).replace("/", "_").replace(".", "_").replace(":", "_")
+    return _RANDOM_JOB_ID
 
 
 def hydra_job_tags(project_root: str) -> tuple[str, dict[str, str]]:
@@ -54,3 +78,24 @@ def report_config_errors(fn: Callable[[], Any], in_sweep: bool = False) -> Any:
             print("ddlx: the sweep stops here: its other jobs log to the same store and would be refused alike",
                   file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def run_training_job(fn: Callable[[], Any], in_sweep: bool, overrides: list[str]) -> Any:
+    """Run a train.py job (``fn``): config errors as :func:`report_config_errors`; a stop signal
+    ends the process with 128 + its number (130 for Ctrl-C, 143 for SIGTERM), saying where the
+    checkpoint is and the command that resumes from it (``overrides``: the job's own)."""
+    try:
+        return report_config_errors(fn, in_sweep)
+    except Stopped as stop:
+        print(f"ddlx: {stop}", file=sys.stderr)
+        if stop.checkpoint is not None:
+            kept = [o for o in overrides if not o.lstrip("+").startswith("ckpt_path=")]
+            print(f"ddlx: resume with: python train.py {' '.join([*kept, f'ckpt_path={stop.checkpoint}'])}", file=sys.stderr)
+        raise SystemExit(stop.exit_status) from None
+
+
+def task_overrides() -> list[str]:
+    """The overrides of this Hydra job (a sweep job's own values)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task)

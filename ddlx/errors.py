@@ -1,4 +1,8 @@
 """User-facing errors: raised before any work starts, printed without a traceback by the entry points."""
+from __future__ import annotations
+
+import signal
+from pathlib import Path
 
 
 class ConfigError(ValueError):
@@ -9,3 +13,26 @@ class ConfigError(ValueError):
 class StoreError(ConfigError):
     """The MLflow store (or the experiment) cannot take runs: every job that logs there would be
     refused alike, so a sweep stops at the first instead of failing each of its jobs."""
+
+
+class Stopped(BaseException):
+    """Training was stopped by a signal (:mod:`ddlx.stopping`). A BaseException, as
+    KeyboardInterrupt, so no ``except Exception`` on the way swallows it. ``checkpoint``: the
+    state the run can resume from, when one was written."""
+
+    def __init__(self, signum: int, checkpoint: Path | None = None, step: int | None = None) -> None:
+        self.signum, self.checkpoint, self.step = signum, checkpoint, step
+        super().__init__(self.describe())
+
+    @property
+    def signal_name(self) -> str:
+        return signal.Signals(self.signum).name
+
+    @property
+    def exit_status(self) -> int:
+        return 128 + self.signum  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
+
+    def describe(self) -> str:
+        where = f" after step {self.step}" if self.step is not None else " before training"
+        kept = f"; checkpoint {self.checkpoint}" if self.checkpoint else "; no checkpoint written"
+        return f"stopped by {self.signal_name}{where}{kept}"

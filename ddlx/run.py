@@ -4,17 +4,22 @@ Called by ``train.py``; takes an OmegaConf config but not Hydra, so tests can ca
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
+
 import psutil
 import pytorch_lightning as pl
 import torch
 from omegaconf import DictConfig, OmegaConf
-from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.utilities.exceptions import MisconfigurationException
 
 from .allocator import apply_allocator, check_allocator, resolve_allocator
+from .checkpoints import LAST, AtomicCheckpointIO, RunInCheckpoint, check_resumable, checkpoint_callbacks, read_saved_run
+from .config import TrainerConfig
+from .config_check import check_config
 from .data import ImageFolderDataModule
 from .errors import ConfigError
 from .measure.resources import ResourceMonitor
@@ -23,15 +28,21 @@ from .models import build_model
 from .module import ClassifierModule
 from .predict.memory import GIB, estimate_training_memory
 from .strategies import build_strategy
+from .stopping import StopAtSignal, StopSignals, disable_lightning_signal_handlers
 from .strategies.launch import RelaunchingDDPStrategy, end_distributed_job, launch_rank
 from .tracking import (
     check_experiment,
+    check_resumable_run,
     check_tracking_uri,
+    close_vanished_runs,
     flatten_config,
     machine_tags,
     make_logger,
-    record_failure,
+    prepare_store,
     record_rejected_run,
+    record_unmeasured,
+    recorded,
+    reopen_run,
     start_run,
     use_case,
 )
@@ -92,8 +103,6 @@ def check_measure(cfg: DictConfig) -> None:
             f"use 0 <= warmup_epochs < max_epochs (e.g. trainer.max_epochs={max(1, m.warmup_epochs) + 3} "
             f"measure.warmup_epochs={max(0, m.warmup_epochs)} for the thesis' mean of 3)"
         )
-    if m.monitor and m.monitor_interval_s <= 0:
-        raise ConfigError(f"measure.monitor_interval_s={m.monitor_interval_s}: must be > 0 seconds (default 1.0)")
 
 
 def run_tags(cfg: DictConfig, extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -116,37 +125,77 @@ def measurement_callbacks(cfg: DictConfig) -> list[pl.Callback]:
     return callbacks
 
 
-def build_trainer(cfg: DictConfig, plan, logger, output_dir: Path, callbacks: list[pl.Callback]) -> pl.Trainer:
-    if cfg.trainer.get("enable_checkpointing", True):
-        callbacks = [*callbacks, ModelCheckpoint(dirpath=output_dir / "checkpoints")]
-    return pl.Trainer(
-        **{**OmegaConf.to_container(cfg.trainer, resolve=True), **plan.trainer_kwargs},
-        logger=logger if logger is not None else False,
-        callbacks=callbacks,
-        default_root_dir=str(output_dir),
-        use_distributed_sampler=False,  # the datamodule shards (see ImageFolderDataModule._loader)
-    )
+def trainer_arguments(trainer_cfg: DictConfig) -> dict:
+    """The ``trainer`` values that differ from Lightning's defaults (the schema's), each checked
+    against the installed Lightning's ``Trainer`` signature."""
+    defaults = OmegaConf.to_container(OmegaConf.structured(TrainerConfig))
+    chosen = {k: v for k, v in OmegaConf.to_container(trainer_cfg, resolve=True).items() if defaults.get(k, k) != v}
+    accepted = inspect.signature(pl.Trainer.__init__).parameters
+    unknown = sorted(set(chosen) - set(accepted))
+    if unknown:
+        raise ConfigError(f"{', '.join(f'trainer.{k}' for k in unknown)}: not an argument of this Lightning's Trainer "
+                          f"(pytorch_lightning {pl.__version__}); remove it or upgrade pytorch-lightning")
+    return chosen
+
+
+def check_accelerator(cfg: DictConfig) -> None:
+    if cfg.trainer.accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"trainer.accelerator={cfg.trainer.accelerator}, but this machine has no CUDA GPU that torch "
+                          f"can use (torch.cuda.is_available() is False); train on the CPU with trainer=default")
+
+
+def build_trainer(cfg: DictConfig, plan, logger, output_dir: Path, callbacks: list[pl.Callback],
+                  checkpoint_dir: Path | None = None) -> pl.Trainer:
+    """The Trainer: the user's ``trainer`` values, the strategy's, and ddlx's own: its callbacks,
+    the checkpoint policy (into ``checkpoint_dir``, default the run's ``checkpoints/``) and
+    writer; stop signals are ddlx's (:mod:`ddlx.stopping`)."""
+    checkpoint_dir = checkpoint_dir or output_dir / "checkpoints"
+    saving = checkpoint_callbacks(cfg.checkpoint.save, cfg.checkpoint.keep_best, checkpoint_dir)
+    try:
+        trainer = pl.Trainer(
+            **{**trainer_arguments(cfg.trainer), **plan.trainer_kwargs},
+            logger=logger if logger is not None else False,
+            callbacks=[*callbacks, *saving],
+            enable_checkpointing=bool(saving),
+            plugins=[AtomicCheckpointIO()],
+            default_root_dir=str(output_dir),
+            use_distributed_sampler=False,  # the datamodule shards (see ImageFolderDataModule._loader)
+        )
+    except (MisconfigurationException, ValueError, TypeError) as err:
+        raise ConfigError(f"Lightning refused the trainer settings: {err}; check the trainer.* values") from err
+    disable_lightning_signal_handlers(trainer)
+    return trainer
 
 
 def train(cfg: DictConfig, output_dir: str | os.PathLike, extra_tags: Mapping[str, str] | None = None) -> dict[str, float]:
     """Train once as ``cfg`` says and return the final logged metrics (on every rank).
 
     ``extra_tags`` go on the MLflow run; with a ``sweep_id`` among them (a job of a sweep), a job
-    refused before training is still recorded as a FAILED run with the reason.
+    refused before training is still recorded as a FAILED run with the reason. With
+    ``cfg.ckpt_path``, training continues from that checkpoint, into the MLflow run it belongs to.
     """
+    cfg = check_config(cfg)  # train.py checked its command line; a caller's config may not have been
     output_dir = Path(output_dir)
     pl.seed_everything(cfg.seed, workers=True)
     tags = run_tags(cfg, extra_tags)
     resolved = OmegaConf.to_container(cfg, resolve=True)
+    rank0 = launch_rank() == 0  # only global rank 0 talks to MLflow (see 3.)
+    saved = None
 
     # 1. Everything that can be wrong is checked before the first batch.
     check_tracking_uri(cfg.logger.tracking_uri)
-    if launch_rank() == 0:  # only rank 0 talks to MLflow (see 3.)
+    if rank0:
         check_experiment(cfg.logger.tracking_uri, cfg.logger.experiment_name)
     try:
         # "auto" becomes what this process runs, in the recorded config and the ranks' job description.
         cfg.cpu_allocator = resolved["cpu_allocator"] = resolve_allocator(cfg.cpu_allocator)
+        if cfg.ckpt_path:
+            saved = read_saved_run(cfg.ckpt_path)
+            tags["resume_changes"] = " ".join(f"{k}={v}" for k, v in check_resumable(
+                saved, flatten_config(resolved), flatten_config).items()) or None
+            tags["resumed_from"] = str(saved.path)
         check_measure(cfg)
+        check_accelerator(cfg)
         check_allocator(cfg.cpu_allocator)
         plan = build_strategy(cfg.strategy, cfg.trainer.accelerator, layered_model_meta(cfg), cfg.data)
         datamodule = build_datamodule(cfg.data, plan.data_parallel)
@@ -154,8 +203,15 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, extra_tags: Mapping[st
             check_memory(cfg, plan.data_parallel, plan.replicas_per_machine)
         datamodule.prepare_data()
         datamodule.setup("fit")
+        if rank0:
+            # MLflow creates (and migrates) a new store on first contact: one process at a time.
+            client = prepare_store(cfg.logger.tracking_uri, cfg.logger.experiment_name, cfg.logger.artifact_location)
+            close_vanished_runs(client, [client.get_experiment_by_name(cfg.logger.experiment_name).experiment_id])
+            if saved is not None and saved.run_id:
+                check_resumable_run(client, saved.run_id, cfg.logger.tracking_uri, cfg.logger.experiment_name,
+                                    saved.tracking_uri)
     except ConfigError as err:
-        if "sweep_id" in tags and launch_rank() == 0:
+        if "sweep_id" in tags and rank0:
             logger = make_logger(
                 cfg.logger.tracking_uri, cfg.logger.experiment_name, cfg.logger.run_name, tags, cfg.logger.artifact_location
             )
@@ -166,7 +222,7 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, extra_tags: Mapping[st
 
     # 2. The resolved config: an MLflow artifact, and the job description the other ranks start from.
     config_file = output_dir / "config_resolved.yaml"
-    if launch_rank() == 0:
+    if rank0:
         output_dir.mkdir(parents=True, exist_ok=True)
         config_file.write_text(OmegaConf.to_yaml(resolved))
     strategy = plan.trainer_kwargs.get("strategy")
@@ -180,28 +236,39 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, extra_tags: Mapping[st
     tags.update({
         "synthetic_data": str(datamodule.is_synthetic),
         "accelerator": "gpu" if accelerator in ("gpu", "cuda") else accelerator,  # the report's device kind
+        "output_dir": str(output_dir),
         **plan.tags,
     })
     # Only global rank 0 talks to MLflow: its client creates the store's tables on first
     # contact, and ranks doing that at once corrupt an SQLite store.
     logger = None
-    if launch_rank() == 0:
-        logger = make_logger(
-            cfg.logger.tracking_uri, cfg.logger.experiment_name, cfg.logger.run_name, tags, cfg.logger.artifact_location
-        )
-        run_id = start_run(logger, flatten_config(resolved), config_file, {"output_dir": str(output_dir)})
-        log.info("MLflow run %s in experiment %r at %s", run_id, cfg.logger.experiment_name, cfg.logger.tracking_uri)
-    trainer = build_trainer(cfg, plan, logger, output_dir, measurement_callbacks(cfg))
+    resume_run = saved.run_id if saved is not None else None
+    if rank0:
+        logger = make_logger(cfg.logger.tracking_uri, cfg.logger.experiment_name, cfg.logger.run_name, tags,
+                             cfg.logger.artifact_location, run_id=resume_run)
+    identity = RunInCheckpoint(resolved)
+    # A resumed run goes on writing where its checkpoint is (last.ckpt replaced, the best kept track of).
+    checkpoint_dir = saved.path.parent if saved is not None else output_dir / "checkpoints"
+    checkpoint_file = None if cfg.checkpoint.save == "none" else checkpoint_dir / LAST
 
-    # 4. Train.
-    try:
-        trainer.fit(module, datamodule=datamodule)
-    except BaseException as err:
-        if logger is not None:
-            record_failure(logger, err)
-        raise
-    finally:
-        end_distributed_job(trainer.strategy)
+    # 4. Train: from the run's opening, every way out ends it (FINISHED, FAILED, KILLED).
+    with StopSignals() as signals:
+        open_run = (lambda: reopen_run(logger, tags)) if resume_run else \
+            (lambda: start_run(logger, flatten_config(resolved), config_file, tags))
+        with recorded(logger, open_run) as run_id:
+            if run_id is not None:
+                log.info("MLflow run %s in experiment %r at %s", run_id, cfg.logger.experiment_name, cfg.logger.tracking_uri)
+                identity.run_id, identity.tracking_uri = run_id, cfg.logger.tracking_uri
+                identity.experiment = cfg.logger.experiment_name
+            callbacks = [*measurement_callbacks(cfg), identity,
+                         StopAtSignal(signals, checkpoint_file, weights_only=cfg.checkpoint.save == "weights")]
+            trainer = build_trainer(cfg, plan, logger, output_dir, callbacks, checkpoint_dir)
+            try:
+                trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+            finally:
+                end_distributed_job(trainer.strategy)
+            if trainer.fast_dev_run or not callbacks[0].epoch_times:
+                record_unmeasured(logger, "trainer.fast_dev_run" if trainer.fast_dev_run else "no training step")
     return {k: float(v) for k, v in trainer.callback_metrics.items()}
 
 

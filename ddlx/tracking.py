@@ -1,18 +1,22 @@
 """MLflow: check the tracking store before training, create the run's logger, record the config."""
 from __future__ import annotations
 
+import fcntl
+import logging
 import os
 import platform
 import socket
 import sqlite3
+import threading
+import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
-from contextlib import closing
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import ConfigError, StoreError
+from .errors import ConfigError, Stopped, StoreError
 
 if TYPE_CHECKING:  # Lightning is imported where a logger is made, not by every tracking check
     from pytorch_lightning.loggers import MLFlowLogger
@@ -20,6 +24,8 @@ if TYPE_CHECKING:  # Lightning is imported where a logger is made, not by every 
 # The paper's two use cases (source 000, section 3.1).
 USE_CASES = {("vgg16", "firesmall"): "complexsmall", ("alexnet", "firebig"): "simplebig"}
 MAX_PARAM_LENGTH = 6000  # MLflow's limit on a parameter value
+
+log = logging.getLogger(__name__)
 
 
 def use_case(model: str, data: str) -> str | None:
@@ -94,7 +100,9 @@ def make_logger(
     run_name: str,
     tags: Mapping[str, str],
     artifact_location: str | None,
+    run_id: str | None = None,
 ) -> MLFlowLogger:
+    """Lightning's MLflow logger; ``run_id``: log into that existing run (a resumed one)."""
     from pytorch_lightning.loggers import MLFlowLogger
 
     return MLFlowLogger(
@@ -103,6 +111,7 @@ def make_logger(
         tracking_uri=tracking_uri,
         tags={k: str(v) for k, v in tags.items() if v is not None},
         artifact_location=artifact_location if is_local_store(tracking_uri) else None,
+        run_id=run_id,
     )
 
 
@@ -158,29 +167,235 @@ def _refuse_deleted(exp, tracking_uri: str, setting: str | None) -> None:
         )
 
 
+# ---- the store -----------------------------------------------------------------------------
+
+
+@contextmanager
+def store_lock(tracking_uri: str) -> Iterator[None]:
+    """Hold an exclusive lock on a local SQLite store (``<db>.lock`` beside it; flock works on
+    local and NFS file systems) while opening it: MLflow creates and migrates the schema on its
+    first contact with a store, and processes doing that at once corrupt it or crash. Other
+    stores need none (a server serializes its own writes)."""
+    if not tracking_uri.startswith("sqlite:///"):
+        yield
+        return
+    lock = Path(tracking_uri[len("sqlite:///"):] + ".lock")
+    with open(lock, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def prepare_store(tracking_uri: str, experiment_name: str, artifact_location: str | None):
+    """An MlflowClient on the store, with the store's schema and the experiment created (under
+    :func:`store_lock`), so runs started at once against a new store are all recorded."""
+    from mlflow.tracking import MlflowClient
+
+    with store_lock(tracking_uri):
+        client = MlflowClient(tracking_uri)
+        experiment_id(client, experiment_name, tracking_uri, artifact_location)
+    return client
+
+
+# ---- one training run's record, from its opening to its end ---------------------------------------
+
+HEARTBEAT_S = 60.0  # how often a running run says it is alive (tag "heartbeat")
+STALE_AFTER_S = 5 * HEARTBEAT_S  # a run of another host silent this long has lost its process
+
+
+def process_tags() -> dict[str, str]:
+    """Who runs this run: host, process id and its start time (a reused pid is not taken for it)."""
+    import psutil
+
+    return {"host": socket.gethostname(), "pid": str(os.getpid()),
+            "process_started": f"{psutil.Process().create_time():.3f}", "heartbeat": f"{time.time():.0f}"}
+
+
 def start_run(logger: MLFlowLogger, params: Mapping[str, str], config_file: Path, tags: Mapping[str, str]) -> str:
-    """Create the run now, from global rank 0, with its params, tags and config artifact, so a
-    job that fails at any later point is still one (FAILED) run with its record."""
+    """Create the run, from global rank 0, with its params, tags and config artifact."""
     run_id = logger.run_id
     logger.log_hyperparams(params)
     logger.experiment.log_artifact(run_id, str(config_file))
-    for key, value in tags.items():
-        logger.experiment.set_tag(run_id, key, value)
+    _set_tags(logger.experiment, run_id, {**tags, **process_tags()})
     return run_id
 
 
-def record_rejected_run(
-    logger: MLFlowLogger, params: Mapping[str, str], error: BaseException
-) -> str:
+def check_resumable_run(client, run_id: str, tracking_uri: str, experiment_name: str, saved_uri: str | None) -> None:
+    """Refuse to resume a run this store does not hold, a deleted one, or one still running."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        run = client.get_run(run_id)
+    except MlflowException:
+        elsewhere = f" (it was recorded at {saved_uri}: resume with logger.tracking_uri={saved_uri})" \
+            if saved_uri and saved_uri != tracking_uri else ""
+        raise ConfigError(f"the checkpoint belongs to MLflow run {run_id}, which {tracking_uri} does not hold"
+                          f"{elsewhere}") from None
+    if run.info.lifecycle_stage == "deleted":
+        raise ConfigError(f"the checkpoint's MLflow run {run_id} was deleted; restore it "
+                          f"(MLFLOW_TRACKING_URI={tracking_uri} mlflow runs restore --run-id {run_id}) to resume into it")
+    experiment = client.get_experiment(run.info.experiment_id).name
+    if experiment != experiment_name:
+        raise ConfigError(f"the checkpoint's MLflow run {run_id} is in experiment {experiment!r}; resume with "
+                          f"logger.experiment_name={experiment}")
+    if run.info.status == "RUNNING" and vanished_reason(run) is None:
+        tags = run.data.tags
+        raise ConfigError(f"MLflow run {run_id} is still running (pid {tags.get('pid', '?')} on "
+                          f"{tags.get('host', '?')}); stop it first, or wait for it to end")
+
+
+def reopen_run(logger: MLFlowLogger, tags: Mapping[str, str]) -> str:
+    """Continue the run ``logger`` was made for (its ``run_id``): RUNNING again, with this
+    process's tags; the error of the attempt that stopped it is kept as ``previous_error``."""
+    client, run_id = logger.experiment, logger.run_id
+    run = client.get_run(run_id)
+    previous = run.data.tags.get("error")
+    resumes = int(run.data.tags.get("resumes", "0")) + 1
+    client.update_run(run_id, status="RUNNING")
+    extra = {"previous_error": previous} if previous else {}
+    _set_tags(client, run_id, {**tags, **process_tags(), "resumes": str(resumes), **extra})
+    if previous:
+        client.delete_tag(run_id, "error")
+    return run_id
+
+
+def end_run(client, run_id: str, status: str, error: str | None = None) -> None:
+    """The run's last word: FINISHED, FAILED (with ``error``) or KILLED (with the signal). Never
+    raises: the record must not hide what ended the run."""
+    try:
+        if error:
+            client.set_tag(run_id, "error", error[:5000])
+        client.set_terminated(run_id, status)
+    except Exception as err:  # noqa: BLE001
+        log.error("could not mark MLflow run %s %s: %s", run_id, status, err)
+
+
+@contextmanager
+def recorded(logger: MLFlowLogger | None, open_run: Callable[[], str]) -> Iterator[str | None]:
+    """Open the run (``open_run()``: :func:`start_run` or :func:`reopen_run`) and yield its id.
+    From then to the end of the block the run is alive (a heartbeat tag every
+    :data:`HEARTBEAT_S`), and every way out ends it: FINISHED, KILLED for a stop signal, FAILED
+    with the error for any other exception. ``logger=None`` (ranks other than 0): nothing."""
+    if logger is None:
+        yield None
+        return
+    heartbeat = None
+    try:
+        run_id = open_run()
+        heartbeat = Heartbeat(logger._tracking_uri, run_id)
+        yield run_id
+    except Stopped as stop:
+        _end_logged_run(logger, "KILLED", f"{stop}")
+        raise
+    except BaseException as err:
+        _end_logged_run(logger, "FAILED", f"{type(err).__name__}: {err}")
+        raise
+    else:
+        end_run(logger.experiment, run_id, "FINISHED")
+    finally:
+        if heartbeat is not None:
+            heartbeat.stop()
+
+
+def _end_logged_run(logger: MLFlowLogger, status: str, error: str) -> None:
+    if isinstance(logger._run_id, str):  # it may have failed before the run was created
+        end_run(logger.experiment, logger._run_id, status, error)
+
+
+class Heartbeat:
+    """Sets the run's ``heartbeat`` tag (unix seconds) every :data:`HEARTBEAT_S` from a daemon
+    thread with its own client, so a run whose process vanished (kill -9, a lost node) can be
+    told from one that is alive (:func:`close_vanished_runs`)."""
+
+    def __init__(self, tracking_uri: str, run_id: str) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, args=(tracking_uri, run_id), name="ddlx-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _beat(self, tracking_uri: str, run_id: str) -> None:
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri)
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                client.set_tag(run_id, "heartbeat", f"{time.time():.0f}")
+            except Exception as err:  # noqa: BLE001 - a missed beat is not worth a training run
+                log.warning("heartbeat of MLflow run %s not recorded: %s", run_id, err)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def mark_failed(logger, reason: str) -> None:
+    """Mark the run of ``logger`` FAILED with ``reason`` (a rank died; its launcher ends the job)."""
+    if isinstance(getattr(logger, "_run_id", None), str):
+        _end_logged_run(logger, "FAILED", reason)
+
+
+def record_rejected_run(logger: MLFlowLogger, params: Mapping[str, str], error: BaseException) -> str:
     """A job of a sweep refused before training (bad config, does not fit): still one run, FAILED,
     with its config and the reason, so the sweep's record has every job."""
     logger.log_hyperparams(params)
-    record_failure(logger, error)
+    end_run(logger.experiment, logger.run_id, "FAILED", f"{type(error).__name__}: {error}")
     return logger.run_id
 
 
-def record_failure(logger: MLFlowLogger, error: BaseException) -> None:
-    """Tag the run with the error; Lightning marks it FAILED when it sees the exception."""
-    if logger._run_id is not None:
-        logger.experiment.set_tag(logger.run_id, "error", f"{type(error).__name__}: {error}"[:5000])
-        logger.experiment.set_terminated(logger.run_id, "FAILED")
+def record_unmeasured(logger: MLFlowLogger | None, reason: str) -> None:
+    """A run that trained no step the ddlx way (fast_dev_run, limit_train_batches=0): tagged so
+    the report and the recommender do not count it as a measurement."""
+    if logger is not None and isinstance(logger._run_id, str):
+        _set_tags(logger.experiment, logger.run_id, {"measured": "false", "not_measured_because": reason})
+
+
+# ---- runs whose process is gone -----------------------------------------------------------------
+
+
+def vanished_reason(run, now: float | None = None) -> str | None:
+    """Why a RUNNING run can no longer end by itself, or None while its process may be alive:
+    on this host, its process (pid and start time) is gone; elsewhere, no heartbeat for
+    :data:`STALE_AFTER_S`."""
+    import psutil
+
+    tags = run.data.tags
+    now = time.time() if now is None else now
+    last = float(tags.get("heartbeat") or run.info.start_time / 1000)
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(last))
+    if tags.get("host") == socket.gethostname() and tags.get("pid"):
+        try:
+            alive = abs(psutil.Process(int(tags["pid"])).create_time() - float(tags.get("process_started", 0))) < 1.0
+        except (psutil.Error, ValueError):
+            alive = False
+        if alive:
+            return None
+        return (f"its process (pid {tags['pid']} on {tags['host']}) ended without closing the run: killed "
+                f"(kill -9, out of memory) or crashed; last heartbeat {since}")
+    if now - last > STALE_AFTER_S:
+        return (f"no heartbeat from {tags.get('host', 'its host')} since {since} ({(now - last) / 60:.0f} min): "
+                f"its process or node was lost")
+    return None
+
+
+def close_vanished_runs(client, experiment_ids: list[str]) -> list[str]:
+    """Mark FAILED, with the reason, every RUNNING run of these experiments whose process is
+    gone (:func:`vanished_reason`); their ids. Called before a run starts and by the report."""
+    closed = []
+    for run in client.search_runs(experiment_ids, filter_string="attributes.status = 'RUNNING'", max_results=1000):
+        reason = vanished_reason(run)
+        if reason is not None:
+            last = float(run.data.tags.get("heartbeat") or run.info.start_time / 1000)
+            try:
+                client.set_tag(run.info.run_id, "error", reason)
+                client.set_terminated(run.info.run_id, "FAILED", end_time=int(last * 1000))
+                closed.append(run.info.run_id)
+                log.warning("MLflow run %s was left RUNNING: marked FAILED (%s)", run.info.run_id, reason)
+            except Exception as err:  # noqa: BLE001
+                log.warning("could not close vanished MLflow run %s: %s", run.info.run_id, err)
+    return closed
+
+
+def _set_tags(client, run_id: str, tags: Mapping[str, str]) -> None:
+    from mlflow.entities import RunTag
+
+    client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items() if v is not None])

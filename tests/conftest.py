@@ -8,11 +8,11 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from ddlx.cli import register_resolvers
+from ddlx.cli import register_config
 
 PROJECT_DIR = Path(__file__).resolve().parents[1]
 CONF_DIR = PROJECT_DIR / "conf"
-register_resolvers(PROJECT_DIR)
+register_config(PROJECT_DIR)
 
 # Tiny images, a few dozen samples, 1-2 steps: keeps the default run fast on 2 cores.
 TINY = [
@@ -26,7 +26,7 @@ TINY = [
     "trainer.limit_val_batches=1",
     "trainer.enable_progress_bar=false",
     "trainer.enable_model_summary=false",
-    "trainer.enable_checkpointing=false",
+    "checkpoint.save=none",
 ]
 
 

@@ -55,3 +55,37 @@ def test_a_deleted_experiment_is_refused_with_the_ways_out(tmp_path):
     with pytest.raises(ConfigError, match=restore + r"\)$"):  # a fixed name: no other to choose
         experiment_id(client, "gone", uri, None, setting=None)
     assert experiment_id(client, "here", uri, None) == client.get_experiment_by_name("here").experiment_id
+
+
+WRITER = """
+import sys
+from ddlx.tracking import prepare_store
+uri, name = sys.argv[1], sys.argv[2]
+client = prepare_store(uri, "ddlx", None)
+run = client.create_run(client.get_experiment_by_name("ddlx").experiment_id, run_name=name)
+for step in range(20):
+    client.log_metric(run.info.run_id, "loss", 1.0 / (step + 1), step=step)
+client.set_terminated(run.info.run_id, "FINISHED")
+"""
+
+
+def test_writers_started_at_once_against_an_existing_store_are_all_recorded(tmp_path):
+    """Four processes writing runs at once into one SQLite store, each with its metrics. (Four
+    train.py runs at once against a new store: tests/test_runs.py.)"""
+    import subprocess
+    import sys
+
+    from mlflow.tracking import MlflowClient
+
+    from conftest import subprocess_env
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    MlflowClient(uri).search_experiments()  # the store exists
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, uri, f"w{i}"], env=subprocess_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(4)]
+    outs = [p.communicate(timeout=180)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4, "\n".join(o[-1500:] for o in outs)
+    client = MlflowClient(uri)
+    found = client.search_runs([client.get_experiment_by_name("ddlx").experiment_id])
+    assert sorted(r.info.run_name for r in found) == [f"w{i}" for i in range(4)]
+    assert all(r.info.status == "FINISHED" and len(client.get_metric_history(r.info.run_id, "loss")) == 20 for r in found)

@@ -1,8 +1,10 @@
 """LightningDataModule over an ImageFolder layout, real or synthetic."""
 from __future__ import annotations
 
+import itertools
 import logging
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytorch_lightning as pl
@@ -13,30 +15,43 @@ from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from ..errors import ConfigError
 from .synthetic import SyntheticSpec, ensure_synthetic_imagefolder
-from .transforms import build_transform
+from .transforms import build_transform, flips
 
 log = logging.getLogger(__name__)
+# Lightning's warning on resuming mid-epoch with a loader that has no state_dict: ResumableSampler
+# leaves out the batches already trained, so the warning does not apply to ddlx's loaders.
+RESUME_WARNING = r"You're resuming from a checkpoint that ended before the epoch ended"
+warnings.filterwarnings("ignore", message=RESUME_WARNING)
 
 
 class ImageFileDataset(Dataset):
-    """(path, label) pairs loaded as ``mode`` images and transformed; errors name the file."""
+    """(path, label) pairs loaded as ``mode`` images and transformed; errors name the file.
 
-    def __init__(self, samples: Sequence[tuple[str, int]], transform, mode: str) -> None:
+    Indexed by ``(index, epoch)`` (what :class:`ResumableSampler` yields) or a plain index (epoch
+    0). With ``flip_seed``, a sample is flipped horizontally when :func:`flips` says so.
+    """
+
+    def __init__(self, samples: Sequence[tuple[str, int]], transform, mode: str, flip_seed: int | None = None) -> None:
         self.samples = list(samples)
         self.transform = transform
         self.mode = mode
+        self.flip_seed = flip_seed
 
     def __len__(self) -> int:
         return len(self.samples)
 
-    def __getitem__(self, index: int):
+    def __getitem__(self, key: int | tuple[int, int]):
+        index, epoch = key if isinstance(key, tuple) else (key, 0)
         path, label = self.samples[index]
         try:
             with Image.open(path) as image:
                 image = image.convert(self.mode)
         except (OSError, UnidentifiedImageError) as err:
             raise RuntimeError(f"cannot read image {path}: {err}") from err
-        return self.transform(image), label
+        tensor = self.transform(image)
+        if self.flip_seed is not None and flips(self.flip_seed, epoch, index):
+            tensor = tensor.flip(-1)
+        return tensor, label
 
 
 def scan_imagefolder(root: Path) -> tuple[list[str], list[tuple[str, int]]]:
@@ -74,6 +89,22 @@ def check_readable(samples: Sequence[tuple[str, int]]) -> None:
             raise ConfigError(f"unreadable image {path} ({err}); delete or replace it") from err
 
 
+class ResumableSampler(DistributedSampler):
+    """A DistributedSampler that yields ``(index, epoch)`` (the epoch decides the sample's flip)
+    and leaves out the first ``batches_done()`` batches of this rank's share (read when an
+    epoch's iteration starts), so a resumed epoch trains the samples the stopped one had not
+    reached, in the same order."""
+
+    def __init__(self, dataset, *, batch_size: int, batches_done: Callable[[], int], **kwargs) -> None:
+        super().__init__(dataset, **kwargs)
+        self.batch_size, self.batches_done = batch_size, batches_done
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        epoch = self.epoch
+        indices = itertools.islice(super().__iter__(), self.batches_done() * self.batch_size, None)
+        return ((index, epoch) for index in indices)
+
+
 class ImageFolderDataModule(pl.LightningDataModule):
     """Train/validation loaders over an ImageFolder tree.
 
@@ -103,13 +134,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
         shuffle: bool = True,
         random_flip: bool = True,
     ) -> None:
-        super().__init__()
-        if batch_size < 1:
-            raise ConfigError(f"data.batch_size={batch_size}; expected a positive integer")
-        if not 0 <= val_fraction < 1:
-            raise ConfigError(f"data.val_fraction={val_fraction}; expected a fraction in [0, 1)")
-        if num_workers < 0:
-            raise ConfigError(f"data.num_workers={num_workers}; expected 0 or more")
+        super().__init__()  # types and ranges: the data schema (ddlx.config.DataConfig)
         if len(mean) != channels or len(std) != channels:
             raise ConfigError(f"data.mean/std have {len(mean)}/{len(std)} values for {channels} channels; give one per channel")
         if classes is not None and len(classes) != num_classes:
@@ -191,14 +216,15 @@ class ImageFolderDataModule(pl.LightningDataModule):
                 f"raise data.num_images"
             )
         mode = "L" if self.channels == 1 else "RGB"
-        self.train_set = ImageFileDataset(train, build_transform(self.image_size, self.mean, self.std, train=True, random_flip=self.random_flip), mode)
-        self.val_set = ImageFileDataset(val, build_transform(self.image_size, self.mean, self.std, train=False), mode)
+        transform = build_transform(self.image_size, self.mean, self.std)
+        self.train_set = ImageFileDataset(train, transform, mode, flip_seed=self.seed if self.random_flip else None)
+        self.val_set = ImageFileDataset(val, transform, mode)
         log.info(
             "%s: %d train / %d val images, %d classes, from %s%s",
             self.name, len(train), len(val), len(classes), self.data_folder, " (synthetic)" if self.is_synthetic else "",
         )
 
-    def _loader(self, dataset: ImageFileDataset, shuffle: bool) -> DataLoader:
+    def _loader(self, dataset: ImageFileDataset, shuffle: bool, resumable: bool = False) -> DataLoader:
         """One seeded DistributedSampler for every strategy (one replica when not distributed).
 
         Rank r of P takes every P-th sample of the epoch's permutation, so the union of the
@@ -207,12 +233,14 @@ class ImageFolderDataModule(pl.LightningDataModule):
         training data and is switched off with ``use_distributed_sampler=False``.)
         """
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        sampler = DistributedSampler(
+        sampler = ResumableSampler(
             dataset,
             num_replicas=torch.distributed.get_world_size() if distributed else 1,
             rank=torch.distributed.get_rank() if distributed else 0,
             shuffle=shuffle,
             seed=self.seed,
+            batch_size=self.batch_size,
+            batches_done=self._batches_done_this_epoch if resumable else lambda: 0,
         )
         return DataLoader(
             dataset,
@@ -221,10 +249,20 @@ class ImageFolderDataModule(pl.LightningDataModule):
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
             pin_memory=self.pin_memory,
+            # Its workers' seeds from its own generator: loading draws nothing from the training
+            # process's random state (dropout's), which a checkpoint keeps and a resume restores.
+            generator=torch.Generator().manual_seed(self.seed),
         )
 
+    def _batches_done_this_epoch(self) -> int:
+        """In a run resumed mid-epoch, the batches of this epoch trained before it stopped:
+        Lightning restores its loop's count of them but starts the loader's epoch over (and warns
+        that the loader is not resumable: this sampler makes it so, see ``RESUME_WARNING``)."""
+        loop = self.trainer.fit_loop.epoch_loop if self.trainer is not None else None
+        return loop.batch_progress.current.ready if loop is not None and loop.restarting else 0
+
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, shuffle=self.shuffle)
+        return self._loader(self.train_set, shuffle=self.shuffle, resumable=True)
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set, shuffle=False)

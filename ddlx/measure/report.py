@@ -170,6 +170,8 @@ def load_runs(tracking_uri: str, experiments: list[str], sweep_id: str | None = 
 
     if not store_exists(tracking_uri):
         raise ValueError(f"no MLflow store at {tracking_uri}: train first (python train.py ...) or pass --tracking-uri")
+    from ..tracking import close_vanished_runs
+
     client = MlflowClient(tracking_uri)
     ids = []
     for name in experiments:
@@ -177,6 +179,7 @@ def load_runs(tracking_uri: str, experiments: list[str], sweep_id: str | None = 
         if exp is None:
             raise ValueError(f"no MLflow experiment named {name!r} at {tracking_uri}")
         ids.append(exp.experiment_id)
+    close_vanished_runs(client, ids)  # a run whose process is gone is FAILED, not still running
     found = client.search_runs(ids, max_results=50000, order_by=["attributes.start_time DESC"])
     if sweep_id == "latest":
         sweep_id = next((r.data.tags["sweep_id"] for r in found if r.data.tags.get("sweep_id")), None)
@@ -197,7 +200,7 @@ def build_report(runs: list[MeasuredRun]) -> Report:
     for run in runs:
         if run.status == "FAILED":
             report.failed.append(run)
-        elif run.status != "FINISHED" or run.mean_epoch_time_s is None:
+        elif run.status != "FINISHED" or run.mean_epoch_time_s is None or run.tags.get("measured") == "false":
             report.unmeasured.append(run)
         else:
             groups[run.workload, run.device][run.setup].append(run.mean_epoch_time_s)
@@ -270,7 +273,9 @@ def _notes(report: Report) -> list[str]:
     for run in report.failed:
         notes.append(f"failed: {report.label(run.workload)} {run.setup} (run {run.run_id}): {run.error or 'no error recorded'}")
     for run in report.unmeasured:
-        why = "no mean_epoch_time_s" if run.status == "FINISHED" else f"status {run.status}"
+        why = (f"status {run.status}" if run.status != "FINISHED" else
+               f"not a measurement ({run.tags['not_measured_because']})" if run.tags.get("measured") == "false" else
+               "no mean_epoch_time_s")
         notes.append(f"not counted: {report.label(run.workload)} {run.setup} (run {run.run_id}): {why}")
     return notes
 

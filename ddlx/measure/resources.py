@@ -187,11 +187,13 @@ def log_series(logger, series: ResourceSeries, extra: dict[str, float]) -> None:
     from mlflow.entities import Metric
 
     run_id = getattr(logger, "run_id", None)
-    if run_id is None:
+    if not isinstance(run_id, str):  # no logger, or Lightning's stand-in (fast_dev_run)
         return
+    client = logger.experiment
     start_ms = int(series.start_wall * 1000)
+    first = len(client.get_metric_history(run_id, "cpu_percent"))  # a resumed run's series continue
     metrics = [
-        Metric(name, float(getattr(s, name)), start_ms + int(s.elapsed_s * 1000), step)
+        Metric(name, float(getattr(s, name)), start_ms + int(s.elapsed_s * 1000), first + step)
         for step, s in enumerate(series.samples)
         for name in ResourceMonitor.SERIES
     ]
@@ -199,7 +201,6 @@ def log_series(logger, series: ResourceSeries, extra: dict[str, float]) -> None:
     summary = {"peak_ram_mb": series.peak_ram_mb(), "mean_cpu_percent": series.mean_cpu_percent(),
                "monitor_cpu_fraction": series.overhead_fraction(), **extra}
     metrics += [Metric(name, float(value), end_ms, 0) for name, value in summary.items()]
-    client = logger.experiment
     for i in range(0, len(metrics), 1000):  # MLflow's batch limit
         client.log_batch(run_id, metrics=metrics[i : i + 1000])
     with tempfile.TemporaryDirectory() as tmp:

@@ -7,12 +7,10 @@ done), and rank 0 logs them. Single-process strategies reduce to themselves.
 from __future__ import annotations
 
 import time
-import warnings
 from statistics import mean
 
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.utilities.warnings import PossibleUserWarning
 
 EPOCH_METRICS = ("epoch_time_s", "data_wait_s", "compute_s", "step_time_s", "samples_per_s")
 
@@ -26,26 +24,44 @@ class EpochTimer(pl.Callback):
       ``epoch_time_s``, so a starved loader shows as a large ``data_wait_s``;
     - ``step_time_s``: mean time per step; ``samples_per_s``: global samples (every rank's) / s.
 
-    At the end of training, ``mean_epoch_time_s`` and ``mean_samples_per_s`` average the epochs
-    after the first ``warmup_epochs`` (the thesis reports the mean of 3 epochs).
+    An epoch's figures are taken at its last training step (before validation, and before the
+    epoch-end checkpoint, which so holds them). At the end of training, ``mean_epoch_time_s`` and
+    ``mean_samples_per_s`` average the epochs after the first ``warmup_epochs`` (the thesis
+    reports the mean of 3 epochs).
+
+    Its state goes into every checkpoint: a run resumed mid-epoch adds the steps it times to those
+    of the same epoch before the stop, so each epoch's figures cover all its steps once, and the
+    means cover the epochs of every attempt.
     """
 
     def __init__(self, warmup_epochs: int = 0) -> None:
         self.warmup_epochs = warmup_epochs
-        # These figures are already reduced across ranks (the slowest rank's, below): Lightning's
-        # advice to sync them again does not apply, and would repeat in every distributed run.
-        warnings.filterwarnings("ignore", message=rf"It is recommended to use `self.log\('({'|'.join(EPOCH_METRICS)})'",
-                                category=PossibleUserWarning)
         self.epoch_times: list[float] = []
         self.epoch_samples: list[int] = []
+        self.epoch_steps: list[int] = []
         self.step_times: list[tuple[float, float]] = []  # (data wait, compute) of this rank, this epoch
         self._mark = 0.0
         self._batch_start = 0.0
         self._samples = 0
+        self._carried: tuple[list, int] | None = None  # the resumed epoch's steps timed before the stop
+
+    def state_dict(self) -> dict:
+        return {"epoch_times": self.epoch_times, "epoch_samples": self.epoch_samples, "epoch_steps": self.epoch_steps,
+                "step_times": self.step_times, "samples": self._samples}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch_times, self.epoch_samples = list(state["epoch_times"]), list(state["epoch_samples"])
+        self.epoch_steps = list(state["epoch_steps"])
+        self._carried = (list(state["step_times"]), int(state["samples"]))
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Resumed mid-epoch, Lightning goes on with the epoch without on_train_epoch_start.
+        self.step_times, self._samples = self._carried or ([], 0)
+        self._carried = None
+        self._mark = time.perf_counter()
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._samples = 0
-        self.step_times = []
+        self.step_times, self._samples = [], 0
         self._mark = time.perf_counter()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
@@ -56,27 +72,39 @@ class EpochTimer(pl.Callback):
         self.step_times.append((self._batch_start - self._mark, now - self._batch_start))
         self._mark = now
         self._samples += _batch_size(batch) * trainer.world_size
+        if batch_idx + 1 >= trainer.num_training_batches:
+            self._finish_epoch(trainer, pl_module)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.step_times:  # an epoch cut short (max_steps) or of unknown length
+            self._finish_epoch(trainer, pl_module)
+
+    def _finish_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The slowest rank's figures (a collective: every rank calls it at the same step)."""
         steps = len(self.step_times)
         local = torch.tensor(
             [sum(w for w, _ in self.step_times), sum(c for _, c in self.step_times)], dtype=torch.float64
         )
         wait, compute = trainer.strategy.reduce(local.to(pl_module.device), reduce_op="max").tolist()
-        elapsed = wait + compute
+        elapsed, samples = wait + compute, self._samples
+        self.step_times, self._samples = [], 0
         if steps == 0 or elapsed <= 0:
             return
         self.epoch_times.append(elapsed)
-        self.epoch_samples.append(self._samples)
+        self.epoch_samples.append(samples)
+        self.epoch_steps.append(steps)
         metrics = {
             "epoch_time_s": elapsed,
             "data_wait_s": wait,
             "compute_s": compute,
             "step_time_s": elapsed / steps,
-            "samples_per_s": self._samples / elapsed,
+            "samples_per_s": samples / elapsed,
         }
-        for name, value in metrics.items():
-            pl_module.log(name, value, on_epoch=True, rank_zero_only=True)
+        trainer.callback_metrics.update({k: torch.tensor(v) for k, v in metrics.items()})
+        if trainer.is_global_zero and trainer.logger is not None:
+            # Straight to the logger: logged through the module, they would reach it only at the
+            # epoch's end, after validation, and a stop in between would lose them.
+            trainer.logger.log_metrics(metrics, step=trainer.global_step)
 
     def summary(self) -> dict[str, float]:
         """Mean over the measured epochs (after warm-up; all epochs if there are no others)."""

@@ -12,6 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 from ..allocator import KEEP_FREED, apply_allocator, check_allocator, resolve_allocator
 from ..errors import ConfigError
 from ..models import check_request
+from ..config_check import check_bounds
 from ..measure.report import load_runs, store_exists
 from ..tracking import check_tracking_uri, experiment_id
 from .hardware import HardwareSpec, detect_local, validate
@@ -97,6 +98,7 @@ def run(cfg: DictConfig, out_dir: Path, hw_dir: Path, job_overrides: list[str] |
     commands printed for it."""
     if cfg.mode not in MODES:
         raise ConfigError(f"mode={cfg.mode}; expected one of {', '.join(MODES)}")
+    check_bounds(cfg)  # the model and data groups' declared ranges
     if cfg.output not in OUTPUTS:
         raise ConfigError(f"output={cfg.output}; expected one of {', '.join(OUTPUTS)}")
     for key, example in (("close_call", 0.05), ("prefer_sequential_within", 0.035)):

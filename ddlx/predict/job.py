@@ -45,7 +45,7 @@ def measured_per_batch_s(run: MeasuredRun) -> float:
 def usable(run: MeasuredRun) -> bool:
     """Finished, measured the ddlx way, with the params a prediction needs."""
     need = ("model.name", "data.num_classes", "data.channels", "data.image_size", "data.batch_size")
-    return (run.status == "FINISHED" and all(k in run.params for k in need)
+    return (run.status == "FINISHED" and run.tags.get("measured") != "false" and all(k in run.params for k in need)
             and {"mean_epoch_time_s", "mean_samples_per_s"} <= set(run.metrics))
 
 

@@ -1,6 +1,6 @@
 """Strategy setups on a described machine: which ones exist, their modelled time and memory.
 
-A :class:`Setup` is a strategy config (``conf/strategy/<name>.yaml``) with its knobs; the
+A :class:`Setup` is a strategy config (an option of the ``strategy`` group) with its knobs; the
 time of one global batch comes from :mod:`.perf_models`, given the sequential time split as
 
     t_seq(b) = b * (per_sample_s + load_per_sample_s) + weight_s

@@ -1,7 +1,10 @@
-"""Turn a strategy config (``conf/strategy/NAME.yaml``) into ``pl.Trainer`` arguments.
+"""Turn a strategy config (an option of the ``strategy`` group, :mod:`ddlx.config`) into ``pl.Trainer`` arguments.
 
-Every knob is checked here, before any data is written or process started: a bad value is a
-:class:`ConfigError` that names it, says what was expected and gives the override that works.
+Each knob's type and range are the strategy's schema's (:mod:`ddlx.config`), checked when the
+config is composed; what depends on the model, the data or the machine (cut points, micro-batch
+counts, devices present) is checked here, before any data is written or process started: a bad
+value is a :class:`ConfigError` that names it, says what was expected and gives the override
+that works.
 """
 from __future__ import annotations
 
@@ -38,13 +41,6 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0))
 
 
-def _positive_int(cfg: Mapping[str, Any], key: str, strategy: str) -> int:
-    value = cfg.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(f"strategy.{key}={value!r} for strategy={strategy}; expected a positive integer, e.g. strategy.{key}=2")
-    return value
-
-
 def _require_cpu(name: str, accelerator: str) -> None:
     if accelerator not in ("cpu", "auto"):
         raise ConfigError(f"strategy={name} runs on CPU, but trainer.accelerator={accelerator}; use trainer.accelerator=cpu")
@@ -58,13 +54,11 @@ def _warn_oversubscription(name: str, workers: int, what: str) -> None:
         )
 
 
-def _comm_hook(cfg: Mapping[str, Any], name: str) -> dict[str, Any]:
+def _comm_hook(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """DDP communication hook (source 002, section 4: gradient compression)."""
-    hook = cfg.get("comm_hook") or "none"
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-    if hook == "none":
-        return {}
+    hook = cfg.comm_hook
     if hook == "fp16":
         return {"ddp_comm_hook": default_hooks.fp16_compress_hook}
     if hook == "bf16":
@@ -72,18 +66,11 @@ def _comm_hook(cfg: Mapping[str, Any], name: str) -> dict[str, Any]:
     if hook == "powersgd":
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
         return {"ddp_comm_state": state, "ddp_comm_hook": powerSGD_hook.powerSGD_hook}
-    raise ConfigError(f"strategy.comm_hook={hook!r} for strategy={name}; expected one of none, fp16, bf16, powersgd")
-
-
-def _timeout(cfg: Mapping[str, Any]) -> float:
-    value = cfg.get("timeout_s", 300)
-    if not isinstance(value, (int, float)) or value <= 0:
-        raise ConfigError(f"strategy.timeout_s={value!r}; expected seconds > 0 that a rank waits for the others before failing")
-    return float(value)
+    return {}
 
 
 def _sequential(cfg: Mapping[str, Any], accelerator: str, model: LayeredModel, data: Mapping[str, Any]) -> StrategyPlan:
-    threads = _positive_int(cfg, "threads", "sequential")
+    threads = cfg.threads
     _warn_oversubscription("sequential", threads, "threads")
     # Intra-op threads: 1 is the paper's one-core baseline.
     torch.set_num_threads(threads)
@@ -95,7 +82,7 @@ def _threads(cfg: Mapping[str, Any], accelerator: str, model: LayeredModel, data
     from .threads import threads_parallelizer
 
     _require_cpu("threads", accelerator)
-    threads = _positive_int(cfg, "threads", "threads")
+    threads = cfg.threads
     _warn_oversubscription("threads", threads, "threads")
     strategy = NetworkStrategy(torch.device("cpu"), threads_parallelizer(threads))
     return StrategyPlan(
@@ -107,9 +94,9 @@ def _cpu_mp(cfg: Mapping[str, Any], accelerator: str, model: LayeredModel, data:
     from .cpu_mp import CpuMultiProcessStrategy
 
     _require_cpu("cpu_mp", accelerator)
-    processes = _positive_int(cfg, "processes", "cpu_mp")
+    processes = cfg.processes
     _warn_oversubscription("cpu_mp", processes, "processes")
-    strategy = CpuMultiProcessStrategy(processes, pin_cores=bool(cfg.get("pin_cores", True)), timeout_s=_timeout(cfg))
+    strategy = CpuMultiProcessStrategy(processes, pin_cores=bool(cfg.get("pin_cores", True)), timeout_s=cfg.timeout_s)
     return StrategyPlan(
         trainer_kwargs={"strategy": strategy, "devices": processes, "accelerator": "cpu"},
         tags={"processes": str(processes)},
@@ -123,7 +110,7 @@ def _ddp(backend: str) -> Factory:
         from .launch import RelaunchingDDPStrategy
 
         name = f"ddp_{backend}"
-        processes = _positive_int(cfg, "processes", name)
+        processes = cfg.processes
         if backend == "nccl":
             gpus = gpu_count()
             if gpus < processes:
@@ -138,18 +125,16 @@ def _ddp(backend: str) -> Factory:
             device_accelerator = "cpu" if accelerator in ("cpu", "auto") else accelerator
             if device_accelerator == "cpu":
                 _warn_oversubscription(name, processes, "processes")
-        bucket = cfg.get("bucket_cap_mb", 25)
-        if not isinstance(bucket, (int, float)) or bucket <= 0:
-            raise ConfigError(f"strategy.bucket_cap_mb={bucket!r}; expected a positive size in MB (DDP's default is 25)")
+        bucket = cfg.bucket_cap_mb
         strategy = RelaunchingDDPStrategy(
             process_group_backend=backend,
             bucket_cap_mb=bucket,
-            timeout=timedelta(seconds=_timeout(cfg)),
-            **_comm_hook(cfg, name),
+            timeout=timedelta(seconds=cfg.timeout_s),
+            **_comm_hook(cfg),
         )
         return StrategyPlan(
             trainer_kwargs={"strategy": strategy, "devices": processes, "accelerator": device_accelerator},
-            tags={"processes": str(processes), "backend": backend, "bucket_cap_mb": str(bucket), "comm_hook": str(cfg.get("comm_hook") or "none")},
+            tags={"processes": str(processes), "backend": backend, "bucket_cap_mb": f"{bucket:g}", "comm_hook": cfg.comm_hook},
             data_parallel=processes,
             replicas_per_machine=processes,
         )
@@ -169,15 +154,13 @@ def _cut_point(cfg: Mapping[str, Any], model: LayeredModel, name: str) -> str:
 
 def _pipe_knobs(cfg: Mapping[str, Any], model: LayeredModel, data: Mapping[str, Any], per_process_batch: int, stages: int, name: str):
     """Validated (chunks, balance, checkpoint, micro-batch sample shape) of a pipelined network."""
-    chunks = _positive_int(cfg, "chunks", name)
+    chunks = cfg.chunks
     if chunks > per_process_batch:
         raise ConfigError(
             f"strategy.chunks={chunks} is larger than the batch of {per_process_batch} each pipeline gets "
             f"(data.batch_size={data['batch_size']}): every micro-batch needs a sample; use strategy.chunks<={per_process_batch}"
         )
-    checkpoint = cfg.get("checkpoint", "never")
-    if checkpoint not in ("never", "except_last", "always"):
-        raise ConfigError(f"strategy.checkpoint={checkpoint!r}; expected never, except_last or always")
+    checkpoint = cfg.checkpoint
     balance = cfg.get("balance")
     layers = len(model)
     if balance is None:
@@ -234,7 +217,7 @@ def _local_parallelizer(cfg: Mapping[str, Any], model: LayeredModel, data: Mappi
     if local == "threads":
         from .threads import threads_parallelizer
 
-        threads = _positive_int(cfg, "threads", name)
+        threads = cfg.threads
         return threads_parallelizer(threads), {"local": local, "threads": str(threads)}
     if local == "split":
         from .split import split_parallelizer
@@ -246,7 +229,7 @@ def _local_parallelizer(cfg: Mapping[str, Any], model: LayeredModel, data: Mappi
 
         chunks, balance, checkpoint, sample = _pipe_knobs(cfg, model, data, data["batch_size"] // processes, 2, name)
         return pipe_parallelizer(devices_of, chunks, balance, checkpoint, sample), {"local": local, "chunks": str(chunks), "balance": str(balance)}
-    raise ConfigError(f"strategy.local={local!r} for strategy={name}; expected one of sequential, threads, split, pipe")
+    raise AssertionError(f"strategy.local={local!r}: the schema's choices and this function disagree")
 
 
 def _device_pairs(cfg: Mapping[str, Any], processes: int, name: str) -> list[list[torch.device]]:
@@ -259,16 +242,14 @@ def _device_pairs(cfg: Mapping[str, Any], processes: int, name: str) -> list[lis
 def _hybrid(cfg: Mapping[str, Any], accelerator: str, model: LayeredModel, data: Mapping[str, Any]) -> StrategyPlan:
     from .network import DataParallelNetworkStrategy
 
-    processes = _positive_int(cfg, "processes", "hybrid")
+    processes = cfg.processes
     pairs = _device_pairs(cfg, processes, "hybrid")
     on_cpu = pairs[0][0].type == "cpu"
     if on_cpu:
         _warn_oversubscription("hybrid", processes, "processes")
-    if cfg.get("local", "split") not in ("split", "pipe"):
-        raise ConfigError(f"strategy.local={cfg.get('local')!r} for strategy=hybrid; expected split or pipe (the model half of 'data and model')")
     parallelize, local_tags = _local_parallelizer(cfg, model, data, processes, "hybrid", lambda rank: pairs[rank])
     strategy = DataParallelNetworkStrategy(
-        parallelize, [pair[0] for pair in pairs], process_group_backend="gloo" if on_cpu else "nccl", timeout=timedelta(seconds=_timeout(cfg))
+        parallelize, [pair[0] for pair in pairs], process_group_backend="gloo" if on_cpu else "nccl", timeout=timedelta(seconds=cfg.timeout_s)
     )
     return StrategyPlan(
         trainer_kwargs={"strategy": strategy, "devices": processes, "accelerator": "cpu" if on_cpu else "gpu"},
@@ -299,7 +280,7 @@ def _mpi(cfg: Mapping[str, Any], accelerator: str, model: LayeredModel, data: Ma
 
     backend = cfg.get("backend") or ("gloo" if on_cpu else "nccl")
     strategy = DataParallelNetworkStrategy(
-        parallelize, roots, cluster_environment=MPIEnvironment(), process_group_backend=backend, timeout=timedelta(seconds=_timeout(cfg))
+        parallelize, roots, cluster_environment=MPIEnvironment(), process_group_backend=backend, timeout=timedelta(seconds=cfg.timeout_s)
     )
     return StrategyPlan(
         trainer_kwargs={"strategy": strategy, "devices": local_size, "num_nodes": nodes, "accelerator": "cpu" if on_cpu else "gpu"},

@@ -17,13 +17,15 @@ import logging
 
 from lightning_fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
 from lightning_fabric.utilities.distributed import _set_num_threads_if_needed
-from pytorch_lightning.loggers import MLFlowLogger
 from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+from ..tracking import mark_failed
 
 log = logging.getLogger(__name__)
 
 WORKER_ENV = "DDLX_RANK_WORKER"
+PARENT_ENV = "DDLX_RANK_PARENT"  # the launching process: a worker ends with it (ddlx.rank_worker)
 # Set by the launcher in the parent; removed after the job so the next job of a sweep picks a
 # fresh port instead of the previous job's.
 DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
@@ -75,13 +77,7 @@ class _RecordingObserver(_ChildProcessObserver):
 
     def _terminate_all(self) -> None:
         codes = {rank: p.returncode for rank, p in enumerate(self._child_processes, start=1) if p.returncode}
-        if isinstance(self.logger, MLFlowLogger) and self.logger._run_id is not None:
-            try:
-                reason = ", ".join(f"rank {r} exited with code {c}" for r, c in codes.items())
-                self.logger.experiment.set_tag(self.logger.run_id, "error", reason)
-                self.logger.experiment.set_terminated(self.logger.run_id, "FAILED")
-            except Exception as err:  # noqa: BLE001 - killing the job matters more than the record
-                log.error("could not mark MLflow run failed: %s", err)
+        mark_failed(self.logger, ", ".join(f"rank {r} exited with code {c}" for r, c in codes.items()))
         super()._terminate_all()
 
 
@@ -119,7 +115,7 @@ class WorkerLauncher(_SubprocessScriptLauncher):
         os.environ["LOCAL_RANK"] = str(env.local_rank())
         os.environ["WORLD_SIZE"] = str(self.num_processes * self.num_nodes)
         for local_rank in range(1, self.num_processes):
-            child_env = {**os.environ, "LOCAL_RANK": str(local_rank), WORKER_ENV: "1"}
+            child_env = {**os.environ, "LOCAL_RANK": str(local_rank), WORKER_ENV: "1", PARENT_ENV: str(os.getpid())}
             command = [sys.executable, "-m", "ddlx.rank_worker", *self.worker_args]
             self.procs.append(subprocess.Popen(command, env=child_env))
 

@@ -1,0 +1,166 @@
+"""Checkpoints: what a run keeps (``checkpoint.save``, ``checkpoint.keep_best``), how a file is
+written (whole or not at all), and what a checkpoint says about the run it belongs to, so
+``ckpt_path=`` resumes that run.
+
+Every checkpoint carries ``checkpoint["ddlx"]``: the MLflow run's id, store and experiment, and
+the run's resolved config. Lightning restores the rest (weights, optimizer, loops, callbacks).
+"""
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
+from pytorch_lightning.callbacks import ModelCheckpoint
+
+from .errors import ConfigError
+
+LAST = "last.ckpt"
+# Config keys a resumed run may change: where things are, and how long to train. Any other
+# difference would record a run that is not what its params say.
+MAY_CHANGE_ON_RESUME = ("ckpt_path", "paths.", "data.root", "data.synthetic_dir", "logger.", "trainer.max_epochs",
+                        "trainer.max_steps", "trainer.max_time", "trainer.enable_progress_bar",
+                        "trainer.enable_model_summary", "checkpoint.")
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Writes a local checkpoint to a temporary file beside it, synced, then renamed over the
+    target: a write cut short (disk full, a kill) leaves the previous checkpoint, never a
+    truncated file under a valid name. (Lightning's own writer stages the file in the system's
+    temporary folder and, on another file system, copies it into place.) Remote paths
+    (``s3://``...) go through Lightning's writer."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
+        if "://" in str(path) or storage_options is not None:
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+        try:
+            with open(partial, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(partial, path)
+        except BaseException as err:
+            partial.unlink(missing_ok=True)
+            if isinstance(err, Exception):  # torch reports a refused write as a RuntimeError of its zip writer
+                raise OSError(f"checkpoint {path} not written ({type(err).__name__}: {err}); the file system refused "
+                              f"it (full, or over a size limit?); {path.name} is as it was before") from err
+            raise
+        _sync_folder(path.parent)
+
+
+def _sync_folder(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems cannot sync a folder; the rename is still atomic
+    finally:
+        os.close(fd)
+
+
+def checkpoint_callbacks(save: str, keep_best: bool, folder: Path) -> list[ModelCheckpoint]:
+    """``last.ckpt``, rewritten at each epoch end, and with ``keep_best`` the best by ``val_acc``."""
+    if save == "none":
+        return []
+    weights_only = save == "weights"
+    callbacks = [ModelCheckpoint(dirpath=folder, save_last=True, save_top_k=0, save_weights_only=weights_only)]
+    if keep_best:
+        callbacks.append(ModelCheckpoint(dirpath=folder, filename="best-epoch={epoch}-val_acc={val_acc:.4f}",
+                                         auto_insert_metric_name=False, monitor="val_acc", mode="max", save_top_k=1,
+                                         save_weights_only=weights_only))
+    return callbacks
+
+
+class RunInCheckpoint(pl.Callback):
+    """Writes the run's identity and config into every checkpoint (``checkpoint["ddlx"]``), and
+    keeps the random number generators' states, so a resumed run draws what it would have drawn
+    (dropout masks, flips) had it not stopped."""
+
+    def __init__(self, config: Mapping[str, Any]) -> None:
+        self.config = dict(config)
+        self.run_id: str | None = None
+        self.tracking_uri: str | None = None
+        self.experiment: str | None = None
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        checkpoint["ddlx"] = {"mlflow_run_id": self.run_id, "tracking_uri": self.tracking_uri,
+                              "experiment": self.experiment, "config": self.config}
+
+    def state_dict(self) -> dict[str, Any]:
+        import numpy
+
+        kind, keys, pos, has_gauss, gauss = numpy.random.get_state()
+        # As tensors and plain values: checkpoints load with torch.load(weights_only=True).
+        return {"torch": torch.get_rng_state(), "python": random.getstate(),
+                "numpy": [kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, gauss]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        import numpy
+
+        torch.set_rng_state(state["torch"])
+        random.setstate(state["python"])
+        kind, keys, pos, has_gauss, gauss = state["numpy"]
+        numpy.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, gauss))
+
+
+@dataclass
+class SavedRun:
+    """What a checkpoint says about the run that wrote it."""
+
+    path: Path
+    run_id: str | None
+    tracking_uri: str | None
+    experiment: str | None
+    config: dict[str, Any]
+    epoch: int
+    global_step: int
+
+
+def read_saved_run(path: str | os.PathLike) -> SavedRun:
+    """The run a checkpoint belongs to, read without loading its tensors; a :class:`ConfigError`
+    when it cannot resume one (missing, unreadable or cut short, weights only)."""
+    path = Path(path).expanduser().resolve()
+    fix = "give the path of a run's checkpoints/last.ckpt"
+    if not path.is_file():
+        raise ConfigError(f"ckpt_path={path} does not exist; {fix}")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as err:  # noqa: BLE001 - torch raises many kinds for a damaged file
+        raise ConfigError(f"ckpt_path={path} cannot be read as a checkpoint ({type(err).__name__}: {err}); "
+                          f"it may be cut short or damaged: {fix}") from None
+    if "optimizer_states" not in checkpoint or "loops" not in checkpoint:
+        raise ConfigError(f"ckpt_path={path} holds the model's weights only (checkpoint.save=weights), not the "
+                          f"optimizer and loop state a run resumes from; resume from a checkpoint written with "
+                          f"checkpoint.save=full")
+    meta = checkpoint.get("ddlx") or {}
+    return SavedRun(path, meta.get("mlflow_run_id"), meta.get("tracking_uri"), meta.get("experiment"),
+                    dict(meta.get("config") or {}), int(checkpoint.get("epoch", 0)), int(checkpoint.get("global_step", 0)))
+
+
+def check_resumable(saved: SavedRun, flat_now: Mapping[str, str], flatten) -> dict[str, str]:
+    """The settings a resumed run changes (``MAY_CHANGE_ON_RESUME``); any other difference from
+    the checkpoint's run is a :class:`ConfigError` naming it."""
+    if not saved.config:
+        return {}
+    flat_then = flatten(saved.config)
+    changed = {k: v for k, v in flat_now.items() if k in flat_then and flat_then[k] != v}
+    changed.update({k: "(unset)" for k in flat_then if k not in flat_now})
+    refused = {k: v for k, v in changed.items() if not k.startswith(MAY_CHANGE_ON_RESUME)}
+    if refused:
+        was = ", ".join(f"{k}={flat_then.get(k)} (now {v})" for k, v in sorted(refused.items()))
+        fix = " ".join(f"{k}={flat_then.get(k)}" for k in sorted(refused))
+        raise ConfigError(f"ckpt_path={saved.path} was written by a run with {was}: a resumed run keeps its "
+                          f"settings; resume with {fix}, or start a new run without ckpt_path")
+    return {k: v for k, v in changed.items() if k != "ckpt_path"}

@@ -1,0 +1,343 @@
+"""The config tree's schema: Hydra structured configs registered in the ConfigStore.
+
+A wrong type or an unknown key fails when Hydra composes the config; each knob's range or
+choices are declared here beside its type and checked by :func:`ddlx.config_check.check_config`
+right after composing, before torch, Lightning or MLflow are imported. The strategies are
+options of the ``strategy`` group defined here (no YAML): their knobs, defaults and ranges in
+one place. Nothing here imports torch.
+"""
+from __future__ import annotations
+
+from dataclasses import MISSING as NO_DEFAULT
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from omegaconf import MISSING
+
+from .allocator import AUTO, CHOICES as ALLOCATORS
+
+
+@dataclass(frozen=True)
+class Bound:
+    """What a knob accepts beyond its type: a range (``low``/``high``, open or closed) or choices."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    choices: tuple[Any, ...] | None = None
+
+    def expected(self) -> str:
+        if self.choices is not None:
+            return "one of " + ", ".join(str(c) for c in self.choices)
+        parts = []
+        if self.low is not None and self.high is not None:
+            return f"a value in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+        if self.low is not None:
+            parts.append(f"{'>' if self.low_open else '>='} {self.low:g}")
+        if self.high is not None:
+            parts.append(f"{'<' if self.high_open else '<='} {self.high:g}")
+        return "a value " + " and ".join(parts)
+
+    def accepts(self, value: Any) -> bool:
+        if value is None:
+            return True  # Optional fields: None means "not set", their type says whether it may be
+        if self.choices is not None:
+            return value in self.choices
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return True  # a non-number in an Any field: its consumer checks it
+        if self.low is not None and (value < self.low or (self.low_open and value == self.low)):
+            return False
+        return not (self.high is not None and (value > self.high or (self.high_open and value == self.high)))
+
+
+def knob(default: Any = NO_DEFAULT, *, low=None, high=None, low_open=False, high_open=False, choices=None):
+    """A dataclass field with its :class:`Bound` (``default=MISSING``: the option's YAML gives it)."""
+    bound = Bound(low, high, low_open, high_open, tuple(choices) if choices is not None else None)
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"bound": bound})
+    return field(default=MISSING if default is NO_DEFAULT else default, metadata={"bound": bound})
+
+
+# ---- the train config ------------------------------------------------------------------------
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING  # built by ddlx.models.build_model
+    dropout: Optional[float] = knob(None, low=0, high=1, high_open=True)  # null: the architecture's own
+
+
+@dataclass
+class DataConfig:
+    """The keys of :class:`ddlx.data.ImageFolderDataModule` (the datamodule is built from them)."""
+
+    name: str = MISSING
+    root: Optional[str] = None
+    num_images: Optional[int] = knob(None, low=1)
+    classes: Optional[List[str]] = None
+    num_classes: int = knob(low=1)
+    channels: int = knob(3, choices=(1, 3))
+    image_size: int = knob(low=1)
+    batch_size: int = knob(low=1)  # the global batch
+    num_workers: int = knob(0, low=0)
+    val_fraction: float = knob(0.2, low=0, high=1, high_open=True)
+    mean: List[float] = MISSING
+    std: List[float] = MISSING
+    synthetic_dir: str = MISSING
+    synthetic_size: List[int] = MISSING
+    synthetic_format: str = knob("jpg", choices=("jpg", "png"))
+    seed: int = 0
+    pin_memory: bool = False
+    shuffle: bool = True
+    random_flip: bool = True
+
+
+@dataclass
+class LoggerConfig:
+    tracking_uri: str = MISSING
+    experiment_name: str = MISSING
+    run_name: str = MISSING
+    artifact_location: Optional[str] = None
+    tags: Dict[str, str] = field(default_factory=dict)
+
+
+# Trainer arguments ddlx sets itself, and how a user chooses each instead.
+TRAINER_ARGS_SET_BY_DDLX = {
+    "strategy": "choose the strategy with strategy=NAME",
+    "devices": "it follows the strategy's knobs (strategy.processes, strategy.devices)",
+    "num_nodes": "strategy=mpi reads it from the launcher (mpirun, SLURM)",
+    "logger": "set logger.tracking_uri and logger.experiment_name",
+    "callbacks": "ddlx adds its timing, resource, checkpoint and stop-signal callbacks",
+    "plugins": "ddlx adds its checkpoint writer",
+    "default_root_dir": "the run's output folder is hydra.run.dir",
+    "use_distributed_sampler": "ddlx's datamodule shards the data alike for every strategy",
+    "enable_checkpointing": "use checkpoint.save=full|weights|none",
+    "ckpt_path": "use the top-level ckpt_path=PATH, which resumes a run",
+}
+
+
+# Lightning's accelerator names and precision values (its Trainer's precision Literal).
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps", "tpu", "xla")
+PRECISIONS = ("64", "32", "16", "bf16", "64-true", "32-true", "16-true", "16-mixed", "bf16-true", "bf16-mixed",
+              "transformer-engine", "transformer-engine-float16")
+
+
+@dataclass
+class TrainerConfig:
+    """``pytorch_lightning.Trainer``'s arguments, with Lightning's defaults, but those in
+    :data:`TRAINER_ARGS_SET_BY_DDLX`. Only the values that differ from these defaults are passed
+    on, so an argument another Lightning release lacks is named only when it is set.
+    ``tests/test_config.py`` holds this list against ``Trainer.__init__``'s signature."""
+
+    accelerator: str = knob("auto", choices=ACCELERATORS)
+    precision: Optional[str] = knob(None, choices=PRECISIONS)
+    fast_dev_run: Any = False
+    max_epochs: Optional[int] = knob(None, low=-1)
+    min_epochs: Optional[int] = knob(None, low=0)
+    max_steps: int = knob(-1, low=-1)
+    min_steps: Optional[int] = knob(None, low=0)
+    max_time: Any = None
+    limit_train_batches: Any = knob(None, low=0)
+    limit_val_batches: Any = knob(None, low=0)
+    limit_test_batches: Any = knob(None, low=0)
+    limit_predict_batches: Any = knob(None, low=0)
+    overfit_batches: Any = knob(0.0, low=0)
+    val_check_interval: Any = None
+    check_val_every_n_epoch: Optional[int] = knob(1, low=1)
+    num_sanity_val_steps: Optional[int] = knob(None, low=-1)
+    log_every_n_steps: Optional[int] = knob(None, low=1)
+    enable_progress_bar: Optional[bool] = None
+    enable_model_summary: Optional[bool] = None
+    accumulate_grad_batches: int = knob(1, low=1)
+    gradient_clip_val: Optional[float] = knob(None, low=0)
+    gradient_clip_algorithm: Optional[str] = knob(None, choices=("norm", "value"))
+    deterministic: Any = None
+    benchmark: Optional[bool] = None
+    inference_mode: bool = True
+    profiler: Optional[str] = knob(None, choices=("simple", "advanced", "pytorch", "xla"))
+    detect_anomaly: bool = False
+    barebones: bool = False
+    sync_batchnorm: bool = False
+    reload_dataloaders_every_n_epochs: int = knob(0, low=0)
+    enable_autolog_hparams: bool = True
+    model_registry: Optional[str] = None
+
+
+@dataclass
+class PathsConfig:
+    root: str = MISSING  # the folder that holds train.py
+    data_dir: str = MISSING
+
+
+@dataclass
+class OptimConfig:
+    """SGD (source 000, section 3.2: learning rate 0.001, momentum 0.9)."""
+
+    lr: float = knob(0.001, low=0, low_open=True)
+    momentum: float = knob(0.9, low=0, high=1, high_open=True)
+    weight_decay: float = knob(0.0, low=0)
+
+
+@dataclass
+class MeasureConfig:
+    """How every run is measured (ddlx.measure): the same for all strategies."""
+
+    warmup_epochs: int = knob(0, low=0)  # epochs left out of mean_epoch_time_s (the thesis: 1 warm-up, mean of 3)
+    monitor: bool = True  # sample CPU %, RAM, threads of the whole process tree
+    monitor_interval_s: float = knob(1.0, low=0, low_open=True)
+
+
+@dataclass
+class CheckpointConfig:
+    """What a run keeps in its output folder's ``checkpoints/``: one file, ``last.ckpt``, rewritten
+    at every epoch end and when a stop signal arrives (each write lands whole or not at all)."""
+
+    save: str = knob("full", choices=("full", "weights", "none"))  # full: resumable (weights, optimizer, loops); weights: the model only
+    keep_best: bool = False  # also keep the checkpoint with the best val_acc
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 42
+    ckpt_path: Optional[str] = None  # resume from this checkpoint, into the MLflow run it belongs to
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    measure: MeasureConfig = field(default_factory=MeasureConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    memory_check: bool = True  # refuse a model/data/batch that cannot fit before training starts
+    cpu_allocator: str = knob(AUTO, choices=(AUTO, *ALLOCATORS))
+    model: ModelConfig = MISSING
+    data: DataConfig = MISSING
+    strategy: Any = MISSING  # one of the strategy dataclasses below
+    trainer: TrainerConfig = MISSING
+    logger: LoggerConfig = MISSING
+
+
+# ---- the strategies (the options of the strategy group) ----------------------------------------
+
+TIMEOUT_S = 300.0  # a rank that waits longer than this for the others fails instead of hanging
+COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
+PIPE_CHECKPOINT = ("never", "except_last", "always")
+
+
+@dataclass
+class SequentialConfig:
+    """One device. On CPU, ``threads`` intra-op threads (1 = the paper's one-core baseline); with
+    trainer=gpu, one GPU."""
+
+    name: str = "sequential"
+    threads: int = knob(1, low=1)
+
+
+@dataclass
+class ThreadsConfig:
+    """One process: each batch split into ``threads`` sub-batches trained by ``threads`` threads on
+    shared weights (source 003, section 2.5)."""
+
+    name: str = "threads"
+    threads: int = knob(2, low=1)
+
+
+@dataclass
+class CpuMpConfig:
+    """``processes`` ranks on one machine, each pinned to cores/processes cores with as many
+    threads, its own data shard and loader workers; gradients averaged through shared memory
+    (source 000, section 4.1)."""
+
+    name: str = "cpu_mp"
+    processes: int = knob(2, low=1)
+    pin_cores: bool = True
+    timeout_s: float = knob(TIMEOUT_S, low=0, low_open=True)
+
+
+@dataclass
+class DdpConfig:
+    """Lightning DDP: ``processes`` ranks, gradients allreduced (gloo over sockets on CPU, NCCL on GPUs)."""
+
+    name: str = MISSING
+    processes: int = knob(2, low=1)
+    bucket_cap_mb: float = knob(25.0, low=0, low_open=True)  # DDP's tensor-fusion threshold (source 004 Eq. 5.1's th)
+    comm_hook: str = knob("none", choices=COMM_HOOKS)  # gradient compression (source 002, section 4)
+    timeout_s: float = knob(TIMEOUT_S, low=0, low_open=True)
+
+
+@dataclass
+class SplitConfig:
+    """The model cut at ``cut_point`` (null: the paper's split point) over two devices, no
+    pipelining (source 003, section 2.4). devices: auto = two GPUs when there are, else [cpu, cpu]."""
+
+    name: str = "split"
+    devices: Any = "auto"
+    cut_point: Optional[str] = None
+
+
+@dataclass
+class PipeConfig:
+    """fairscale Pipe (GPipe): the batch in ``chunks`` micro-batches through the stages. balance:
+    null = two stages at the split point, auto = by profiled layer time, or layer counts per device."""
+
+    name: str = "pipe"
+    devices: Any = "auto"
+    chunks: int = knob(4, low=1)
+    balance: Any = None
+    checkpoint: str = knob("never", choices=PIPE_CHECKPOINT)  # recompute activations in backward
+
+
+@dataclass
+class HybridConfig:
+    """DDP across ``processes``, each splitting (local: split) or piping (local: pipe) the model
+    over its own pair of devices (source 000 Table 2, source 003 Figure 1)."""
+
+    name: str = "hybrid"
+    processes: int = knob(2, low=1)
+    local: str = knob("split", choices=("split", "pipe"))
+    devices: Any = "auto"
+    cut_point: Optional[str] = None
+    chunks: int = knob(4, low=1)  # local: pipe
+    balance: Any = None  # local: pipe
+    checkpoint: str = knob("never", choices=PIPE_CHECKPOINT)  # local: pipe
+    timeout_s: float = knob(TIMEOUT_S, low=0, low_open=True)
+
+
+@dataclass
+class MpiConfig:
+    """Ranks started by mpirun, gradients averaged across them, each running a ``local`` strategy
+    (source 003, section 2.6):  mpirun -np 2 python train.py strategy=mpi strategy.local=threads"""
+
+    name: str = "mpi"
+    local: str = knob("sequential", choices=("sequential", "threads", "split", "pipe"))
+    threads: int = knob(2, low=1)  # local: threads
+    devices: Any = "auto"  # local: split | pipe (two devices per rank)
+    cut_point: Optional[str] = None
+    chunks: int = knob(4, low=1)
+    balance: Any = None
+    checkpoint: str = knob("never", choices=PIPE_CHECKPOINT)
+    backend: Optional[str] = knob(None, choices=("gloo", "nccl", "mpi"))  # null: gloo on CPU, nccl on GPU
+    timeout_s: float = knob(TIMEOUT_S, low=0, low_open=True)
+
+
+STRATEGIES: dict[str, Any] = {
+    "sequential": SequentialConfig(),
+    "threads": ThreadsConfig(),
+    "cpu_mp": CpuMpConfig(),
+    "ddp_gloo": DdpConfig(name="ddp_gloo"),
+    "ddp_nccl": DdpConfig(name="ddp_nccl", processes=1),
+    "split": SplitConfig(),
+    "pipe": PipeConfig(),
+    "hybrid": HybridConfig(),
+    "mpi": MpiConfig(),
+}
+
+
+def register_schemas() -> None:
+    """Put the schemas in Hydra's ConfigStore: ``train_schema`` (train.yaml's first default),
+    ``schema/<group>`` (each YAML option's first default) and the strategy options."""
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    store.store(name="train_schema", node=TrainConfig)
+    for group, node in (("model", ModelConfig), ("data", DataConfig), ("trainer", TrainerConfig), ("logger", LoggerConfig)):
+        store.store(group=f"schema/{group}", name=group, node=node)
+    for name, node in STRATEGIES.items():
+        store.store(group="strategy", name=name, node=node)

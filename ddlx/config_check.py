@@ -1,0 +1,271 @@
+"""Check a composed config against the schema (:mod:`ddlx.config`) and say what is wrong in the
+user's terms: the key, what it expects, and the override that fixes it (a did-you-mean for a
+misspelled key). Hydra's and OmegaConf's own errors are translated the same way. No torch here.
+"""
+from __future__ import annotations
+
+import difflib
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import (
+    ConfigAttributeError,
+    ConfigKeyError,
+    InterpolationResolutionError,
+    MissingMandatoryValue,
+    OmegaConfBaseException,
+    ValidationError,
+)
+
+from .config import STRATEGIES, TRAINER_ARGS_SET_BY_DDLX, Bound, TrainConfig, TrainerConfig
+from .errors import ConfigError
+
+TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def check_config(cfg: DictConfig) -> DictConfig:
+    """The train config merged into its schema (types, keys), every bound checked; else a
+    :class:`ConfigError`. Returns the typed config."""
+    try:
+        # Through a plain container: a typed node merged as is keeps the keys added with '+'.
+        typed = OmegaConf.merge(schema_for(cfg), OmegaConf.create(OmegaConf.to_container(cfg, resolve=False)))
+    except OmegaConfBaseException as err:
+        raise explain(err) from None
+    check_bounds(typed)
+    return typed
+
+
+def check_bounds(cfg: DictConfig) -> None:
+    """Every value of a typed node (one whose schema is a dataclass of :mod:`ddlx.config`) within
+    its declared range or choices, and none missing; else a :class:`ConfigError` naming them all."""
+    try:
+        values = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except OmegaConfBaseException as err:
+        raise explain(err) from None
+    problems = list(_bound_problems(cfg, values, ""))
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+def schema_for(cfg: DictConfig) -> DictConfig:
+    """The train schema, its ``strategy`` typed as the strategy that ``cfg`` names."""
+    name = OmegaConf.select(cfg, "strategy.name", default=None)
+    if name not in STRATEGIES:
+        raise ConfigError(
+            f"strategy={name} is not a strategy ddlx knows{_did_you_mean(str(name), STRATEGIES)}; "
+            f"expected one of {', '.join(STRATEGIES)}"
+        )
+    schema = OmegaConf.structured(TrainConfig)
+    schema.strategy = OmegaConf.structured(STRATEGIES[name])
+    return schema
+
+
+def _bound_problems(node: DictConfig, values: dict, prefix: str) -> Iterator[str]:
+    object_type = OmegaConf.get_type(node)
+    bounds = {f.name: (f, f.metadata["bound"]) for f in fields(object_type) if "bound" in f.metadata} \
+        if is_dataclass(object_type) else {}
+    for key, value in values.items():
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and isinstance(value, dict):
+            yield from _bound_problems(child, value, f"{prefix}{key}.")
+        elif key in bounds and not bounds[key][1].accepts(value):
+            yield f"{prefix}{key}={_show(value)}: expected {bounds[key][1].expected()}{_example(bounds[key][0], prefix)}"
+
+
+def _example(f, prefix: str) -> str:
+    default = f.default
+    if default is None or isinstance(default, (list, dict)) or str(default) == "???" or default is f.default_factory:
+        return ""
+    if not isinstance(default, (int, float, str, bool)):
+        return ""
+    return f", e.g. {prefix}{f.name}={_show(default)}"
+
+
+def _show(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
+
+
+# ---- translating OmegaConf and Hydra errors ---------------------------------------------------
+
+
+def explain(err: BaseException, override: str | None = None) -> ConfigError:
+    """A :class:`ConfigError` for an error raised while composing or typing the config."""
+    if isinstance(err, (ConfigKeyError, ConfigAttributeError)) and getattr(err, "full_key", None):
+        return ConfigError(_unknown_key(err.full_key, getattr(err, "object_type", None)))
+    if isinstance(err, ValidationError) and getattr(err, "full_key", None):
+        return ConfigError(_wrong_type(err))
+    if isinstance(err, MissingMandatoryValue) and getattr(err, "full_key", None):
+        return ConfigError(f"{err.full_key} has no value; set it ({err.full_key}=...)")
+    if isinstance(err, InterpolationResolutionError):
+        return ConfigError(f"{getattr(err, 'full_key', '') or 'a value'} cannot be resolved: {_first_line(err)}")
+    where = f" in override {override!r}" if override else ""
+    return ConfigError(f"{_first_line(err)}{where}")
+
+
+def _unknown_key(full_key: str, object_type: Any) -> str:
+    parent, _, leaf = full_key.rpartition(".")
+    if parent == "trainer" and leaf in TRAINER_ARGS_SET_BY_DDLX:
+        return f"trainer.{leaf} is set by ddlx: {TRAINER_ARGS_SET_BY_DDLX[leaf]}"
+    known = [f.name for f in fields(object_type)] if is_dataclass(object_type) else []
+    where = f"{parent}" if parent else "the config"
+    if parent == "strategy":
+        strategy = next((n for n, s in STRATEGIES.items() if type(s) is object_type), None)
+        elsewhere = [n for n, s in STRATEGIES.items() if leaf in {f.name for f in fields(s)}]
+        also = f"; {leaf} is a knob of strategy={'|'.join(elsewhere)}" if elsewhere else ""
+        return (f"strategy.{leaf} is not a knob of strategy={strategy}{_did_you_mean(leaf, known, 'strategy.')} "
+                f"(its knobs: {', '.join(k for k in known if k != 'name')}){also}")
+    hint = _did_you_mean(leaf, known, f"{parent}." if parent else "") or _elsewhere(leaf)
+    return f"{full_key} is not a key of {where}{hint} (its keys: {', '.join(known)})"
+
+
+def _elsewhere(leaf: str) -> str:
+    """A key given under the wrong parent (``data.lr``): where a key of that name lives."""
+    found = [path for path in _schema_keys(TrainConfig, "") if path.rpartition(".")[2] == leaf]
+    return f"; did you mean {' or '.join(found)}?" if found else ""
+
+
+def _schema_keys(object_type: Any, prefix: str) -> Iterator[str]:
+    for f in fields(object_type):
+        nested = f.type if is_dataclass(f.type) else _dataclass_of(f)
+        if nested is not None:
+            yield from _schema_keys(nested, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}"
+
+
+def _dataclass_of(f) -> Any:
+    default = f.default_factory() if callable(f.default_factory) else None  # type: ignore[misc]
+    if is_dataclass(default):
+        return type(default)
+    return {"trainer": TrainerConfig}.get(f.name)  # MISSING groups typed by their YAML option's schema
+
+
+def _wrong_type(err: ValidationError) -> str:
+    key, value = err.full_key, _offending_value(err)
+    expected, example = _expected_type(err)
+    if value is None:
+        return f"{key}: expected {expected} ({_first_line(err)})"
+    return f"{key}={value}: expected {expected}{example}"
+
+
+def _offending_value(err: ValidationError) -> str | None:
+    text = str(err)
+    if text.startswith("Value '"):
+        return text[len("Value '"):].split("'", 1)[0]
+    return None
+
+
+def _expected_type(err: ValidationError) -> tuple[str, str]:
+    """What the key's type asks for, and an example (its default) when there is one."""
+    object_type = getattr(err, "object_type", None)
+    prefix, _, leaf = err.full_key.rpartition(".")
+    if is_dataclass(object_type):
+        for f in fields(object_type):
+            if f.name == leaf:
+                return _type_words(f.type), _example(f, f"{prefix}." if prefix else "")
+    return _first_line(err), ""
+
+
+def _type_words(annotation: Any) -> str:
+    text = str(annotation)
+    optional = text.startswith("Optional[")
+    inner = text[len("Optional["):-1] if optional else text
+    words = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
+             "List[str]": "a list of strings, e.g. [a,b]", "List[int]": "a list of integers, e.g. [1,2]",
+             "List[float]": "a list of numbers, e.g. [0.5,0.5]", "Dict[str, str]": "a mapping of strings"}
+    word = words.get(inner, inner)
+    return f"{word} or null" if optional else word
+
+
+def _did_you_mean(word: str, candidates: Sequence[str], prefix: str = "") -> str:
+    close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
+    return f"; did you mean {prefix}{close[0]}?" if close else ""
+
+
+def _first_line(err: BaseException) -> str:
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+
+
+# ---- the command line, before Hydra runs it ---------------------------------------------------
+
+
+def check_command_line(argv: Sequence[str], config_dir: Path, config_name: str) -> None:
+    """Compose every job the command line asks for (each job of a ``-m`` sweep) and check it,
+    so a bad value is reported in about a second, before Hydra starts any job; print the errors
+    and exit with status 2. Hydra's own flags (--help, --cfg, ...) are left to Hydra."""
+    from hydra._internal.utils import get_args_parser
+
+    args = get_args_parser().parse_args(list(argv))
+    if args.help or args.hydra_help or args.info or args.shell_completion or args.cfg or args.config_path or args.config_dir:
+        return  # Hydra answers these itself (another config folder: its own schema, if any)
+    errors = list(_job_errors(args.overrides, args.multirun, config_dir, args.config_name or config_name))
+    for job, swept, err in errors:
+        label = f"sweep job {' '.join(swept)}: " if args.multirun and swept else ""
+        print(f"ddlx: error: {label}{err}", file=sys.stderr)
+    if errors:
+        raise SystemExit(2)
+
+
+def _job_errors(overrides: list[str], multirun: bool, config_dir: Path, config_name: str):
+    """(job's overrides, those that vary across the sweep's jobs, error) for each job refused."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+
+    try:
+        jobs = _sweep_jobs(overrides)
+    except OverrideParseException as err:
+        yield [], [], ConfigError(f"cannot read the overrides {' '.join(overrides)!r}: {_first_line(err)} "
+                                  f"(the syntax: https://hydra.cc/docs/advanced/override_grammar/basic)")
+        return
+    if not multirun:
+        jobs = [list(overrides)]  # a run takes sweep syntax (a,b) only under -m, where Hydra says so
+    shared = set.intersection(*(set(job) for job in jobs)) if jobs else set()
+    with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+        for job in jobs:
+            swept = [o for o in job if o not in shared]
+            try:
+                check_config(compose(config_name=config_name, overrides=job))
+            except ConfigError as err:
+                yield job, swept, err
+            except MissingConfigException as err:
+                yield job, swept, ConfigError(_missing_option(err))
+            except HydraException as err:
+                cause = err.__cause__
+                yield job, swept, explain(cause) if isinstance(cause, OmegaConfBaseException) else ConfigError(_hydra_message(err))
+
+
+def _sweep_jobs(overrides: list[str]) -> list[list[str]]:
+    """The overrides of each job of a sweep, as Hydra's basic sweeper expands them."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(list(overrides))
+    batches = BasicSweeper.split_arguments(parsed, None)
+    return [job for batch in batches for job in batch]
+
+
+def _missing_option(err) -> str:
+    text = _first_line(err)
+    missing = getattr(err, "missing_cfg_file", "") or ""
+    group, _, option = missing.rpartition("/")
+    options = [o for o in (getattr(err, "options", None) or []) if not o.startswith("schema")]
+    if group and options:
+        return (f"{group}={option} is not an option of {group}{_did_you_mean(option, options, f'{group}=')}; "
+                f"expected one of {', '.join(sorted(options))}")
+    return text
+
+
+def _hydra_message(err) -> str:
+    text = str(err).strip()
+    if "Could not append to config. An item is already at" in text:
+        key = text.split("'")[1]
+        return f"{key} already exists, so it takes no '+': set it as {key}=VALUE"
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())

@@ -1,0 +1,96 @@
+"""Stop signals: SIGINT (Ctrl-C), SIGTERM (SLURM, Kubernetes, ``timeout``) and SIGUSR1 (SLURM's
+pre-emption warning, ``sbatch --signal=USR1@90``).
+
+From the moment a run's MLflow run is open until it is closed, these raise :class:`Stopped` at
+once, so the run is recorded as KILLED and the process exits 128 + the signal's number. While
+training, they are deferred to the end of the current step instead: the ranks agree that one of
+them was signalled, write a checkpoint of the state after that step, and all stop, so a
+pre-empted job resumes where it stopped (``ckpt_path=``). A second Ctrl-C stops at once.
+
+Lightning's own SIGTERM handling is switched off (:func:`disable_lightning_signal_handlers`):
+it signals the other ranks from inside the handler, broadcasts from there, and ends the process
+with status 0 and no checkpoint.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from pathlib import Path
+
+import pytorch_lightning as pl
+
+from .errors import Stopped
+
+log = logging.getLogger(__name__)
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+
+
+class StopSignals:
+    """Installs the stop-signal handlers (main thread only) for the ``with`` block; restores the
+    previous ones after it."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self.deferred = False
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for signum in STOP_SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame) -> None:
+        again = self.received is not None
+        self.received = self.received or signum
+        if not self.deferred or (again and signum == signal.SIGINT):
+            raise Stopped(signum)
+        log.warning("%s received: stopping after this step, with a checkpoint", signal.Signals(signum).name)
+
+
+def disable_lightning_signal_handlers(trainer: pl.Trainer) -> None:
+    """Keep Lightning from installing its SIGTERM / SLURM-requeue handlers at fit start: ddlx's
+    (:class:`StopSignals`, :class:`StopAtSignal`) handle these signals on every rank alike."""
+    trainer._signal_connector.register_signal_handlers = lambda: None  # noqa: SLF001 - see the module docstring
+
+
+class StopAtSignal(pl.Callback):
+    """Defers the stop signals while training, and stops every rank at the end of the step in
+    which one of them was signalled, after writing ``checkpoint`` (None: no checkpoint)."""
+
+    def __init__(self, signals: StopSignals, checkpoint: Path | None, weights_only: bool = False) -> None:
+        self.signals, self.checkpoint, self.weights_only = signals, checkpoint, weights_only
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.signals.deferred = True
+        self._stop_if_signalled(trainer)  # a signal between the run's start and here
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx: int) -> None:
+        self._stop_if_signalled(trainer)
+
+    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx: int,
+                                dataloader_idx: int = 0) -> None:
+        if not trainer.sanity_checking:
+            self._stop_if_signalled(trainer)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.signals.deferred = False
+        self._stop_if_signalled(trainer)
+
+    def _stop_if_signalled(self, trainer: pl.Trainer) -> None:
+        # A collective: every rank calls it at the same point of every step (a no-op for one process).
+        if not trainer.strategy.reduce_boolean_decision(self.signals.received is not None, all=False):
+            return
+        self.signals.deferred = False
+        path = None
+        if self.checkpoint is not None:
+            trainer.save_checkpoint(self.checkpoint, weights_only=self.weights_only)  # every rank: it has a barrier
+            path = self.checkpoint
+        raise Stopped(self.signals.received or signal.SIGTERM, path, trainer.global_step)

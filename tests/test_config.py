@@ -1,0 +1,102 @@
+"""The config schema: wrong types, unknown keys and out-of-range values are named, with the fix,
+when the command line is read: before torch, Lightning or MLflow load, and before any run."""
+from __future__ import annotations
+
+import inspect
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import PROJECT_DIR, compose_config, subprocess_env
+from ddlx.config import STRATEGIES, TRAINER_ARGS_SET_BY_DDLX, TrainerConfig
+from ddlx.config_check import check_config
+from ddlx.errors import ConfigError
+
+
+def train_py(*overrides: str, multirun: bool = False) -> tuple[subprocess.CompletedProcess, float]:
+    cmd = [sys.executable, str(PROJECT_DIR / "train.py"), *(["-m"] if multirun else []), *overrides]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=subprocess_env())
+    return proc, time.monotonic() - start
+
+
+@pytest.mark.parametrize("override,key,expected", [
+    ("seed=abc", r"seed=abc", r"an integer, e.g. seed=42"),
+    ("data.image_size=abc", r"data.image_size=abc", r"an integer"),
+    ("data.batch_size=0", r"data.batch_size=0", r">= 1"),
+    ("optim.lr=-1", r"optim.lr=-1.0", r"> 0, e.g. optim.lr=0.001"),
+    ("data.val_fraction=1", r"data.val_fraction=1.0", r"in \[0, 1\)"),
+    ("data.num_workers=-1", r"data.num_workers=-1", r">= 0"),
+    ("data.batchsize=8", r"data.batchsize is not a key of data", r"did you mean data.batch_size\?"),
+    ("+data.batchsize=8", r"data.batchsize is not a key of data", r"did you mean data.batch_size\?"),
+    ("trainer.max_epoch=3", r"trainer.max_epoch is not a key of trainer", r"did you mean trainer.max_epochs\?"),
+    ("data.lr=0.1", r"data.lr is not a key of data", r"did you mean optim.lr\?"),
+    ("+trainer.ckpt_path=x.ckpt", r"trainer.ckpt_path is set by ddlx", r"ckpt_path=PATH"),
+    ("trainer.devices=4", r"trainer.devices is set by ddlx", r"strategy.processes"),
+    ("strategy.processes=2", r"strategy.processes is not a knob of strategy=sequential", r"knob of strategy=cpu_mp"),
+    ("model=vgg17", r"model=vgg17 is not an option of model", r"did you mean model=vgg16\?"),
+])
+def test_a_bad_value_is_named_with_the_fix_before_anything_loads(override, key, expected):
+    proc, seconds = train_py(override)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert re.search(rf"ddlx: error: .*{key}", proc.stderr) and re.search(expected, proc.stderr), proc.stderr
+    assert seconds < 20, "reported before torch, Lightning and MLflow load (about a second on a quiet machine)"
+
+
+def test_every_job_of_a_sweep_is_checked_before_the_first_runs(tmp_path):
+    proc, _ = train_py(f"paths.root={tmp_path}", "strategy=sequential,cpu_mp", "strategy.threads=2", multirun=True)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert re.search(r"sweep job strategy=cpu_mp: strategy.threads is not a knob of strategy=cpu_mp",
+                     proc.stderr)
+    assert not (tmp_path / "multirun").exists() and not (tmp_path / "mlflow.db").exists(), "no job ran"
+
+
+def test_the_schema_types_and_bounds_every_strategys_knobs():
+    with pytest.raises(ConfigError, match=r"strategy.processes=0: expected a value >= 1"):
+        check_config(compose_config(["strategy=cpu_mp", "strategy.processes=0"]))
+    with pytest.raises(ConfigError, match=r"strategy.comm_hook=zip: expected one of none, fp16, bf16, powersgd"):
+        check_config(compose_config(["strategy=ddp_gloo", "strategy.comm_hook=zip"]))
+    with pytest.raises(ConfigError, match=r"strategy.checkpoint=sometimes: expected one of never, except_last, always"):
+        check_config(compose_config(["strategy=pipe", "strategy.checkpoint=sometimes"]))
+    with pytest.raises(ConfigError, match=r"strategy.timeout_s=0.0: expected a value > 0"):
+        check_config(compose_config(["strategy=hybrid", "strategy.timeout_s=0"]))
+    for name in STRATEGIES:
+        check_config(compose_config([f"strategy={name}"]))  # every default is within its bounds
+
+
+def test_a_config_edited_after_composing_is_checked_again():
+    """train() checks what it is given (a rank's config file, an API caller's edits)."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create(OmegaConf.to_container(compose_config([]), resolve=False))
+    cfg.data.batchsize = 8
+    with pytest.raises(ConfigError, match=r"data.batchsize is not a key of data"):
+        check_config(cfg)
+
+
+def test_every_trainer_argument_can_be_set_and_the_schema_follows_lightning():
+    import pytorch_lightning as pl
+
+    lightning = set(inspect.signature(pl.Trainer.__init__).parameters) - {"self"}
+    schema = {f for f in TrainerConfig.__dataclass_fields__}
+    assert schema | (set(TRAINER_ARGS_SET_BY_DDLX) - {"ckpt_path"}) == lightning, "TrainerConfig lists Trainer's arguments"
+    cfg = check_config(compose_config(["trainer.precision=bf16-mixed", "trainer.accumulate_grad_batches=2",
+                                       "trainer.gradient_clip_val=0.5"]))
+    from ddlx.run import trainer_arguments
+
+    args = trainer_arguments(cfg.trainer)
+    assert (args["precision"], args["accumulate_grad_batches"], args["gradient_clip_val"]) == ("bf16-mixed", 2, 0.5)
+    assert "inference_mode" not in args, "only values that differ from Lightning's defaults are passed"
+    precision = inspect.signature(pl.Trainer.__init__).parameters["precision"].annotation
+    from typing import get_args
+
+    accepted = {str(v) for literal in get_args(precision) for v in get_args(literal)}
+    from ddlx.config import PRECISIONS
+
+    assert set(PRECISIONS) == accepted, "the schema's precision choices are Lightning's"
+    with pytest.raises(ConfigError, match=r"trainer.precision=bf17: expected one of .*bf16-mixed"):
+        check_config(compose_config(["trainer.precision=bf17"]))

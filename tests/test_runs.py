@@ -1,0 +1,270 @@
+"""Runs you can trust: every run its own folder and config, a true status and exit status on every
+way out, resume into the same MLflow run, checkpoints that land whole, concurrent writers."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import psutil
+import pytest
+import pytorch_lightning as pl
+import torch
+
+from conftest import PROJECT_DIR, TINY, runs, subprocess_env
+from ddlx import run as run_module
+from ddlx.errors import ConfigError, Stopped
+from ddlx.run import train
+
+FULL = ["checkpoint.save=full"]
+
+
+class SignalAtStep(pl.Callback):
+    """Sends ``signum`` to this process when training reaches ``step``: a stop at a known point."""
+
+    def __init__(self, step: int, signum: int) -> None:
+        self.step, self.signum = step, signum
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if trainer.global_step == self.step:
+            signal.raise_signal(self.signum)
+
+
+def _with_signal_at(monkeypatch, step: int, signum: int) -> None:
+    measured = run_module.measurement_callbacks
+    monkeypatch.setattr(run_module, "measurement_callbacks", lambda cfg: [*measured(cfg), SignalAtStep(step, signum)])
+
+
+def _weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    return torch.load(checkpoint, map_location="cpu", weights_only=True)["state_dict"]
+
+
+def _history(uri: str, run_id: str, metric: str) -> list[tuple[int, float]]:
+    from mlflow.tracking import MlflowClient
+
+    return [(m.step, m.value) for m in MlflowClient(uri).get_metric_history(run_id, metric)]
+
+
+def test_a_run_stopped_mid_epoch_resumes_into_the_same_run_as_if_never_stopped(tiny_config, tracking_uri, tmp_path,
+                                                                               monkeypatch):
+    """Ctrl-C at step 4 (epoch 2 of 2): a checkpoint of that step, the run KILLED; resumed from it,
+    the same MLflow run goes on to FINISHED with one figure per epoch, and ends with the weights of
+    a run that was never stopped (optimizer, loop, data position and random state restored)."""
+    job = ["model=alexnet", "trainer.max_epochs=2", "trainer.limit_train_batches=3", *FULL]
+    train(tiny_config(*job), tmp_path / "never_stopped")
+
+    _with_signal_at(monkeypatch, step=4, signum=signal.SIGINT)
+    with pytest.raises(Stopped) as stop:
+        train(tiny_config(*job), tmp_path / "stopped")
+    assert (stop.value.signal_name, stop.value.exit_status, stop.value.step) == ("SIGINT", 130, 4)
+    checkpoint = tmp_path / "stopped" / "checkpoints" / "last.ckpt"
+    assert stop.value.checkpoint == checkpoint and torch.load(checkpoint, weights_only=True)["global_step"] == 4
+    stopped = next(r for r in runs(tracking_uri) if r.info.status != "FINISHED")
+    assert stopped.info.status == "KILLED" and "stopped by SIGINT after step 4" in stopped.data.tags["error"]
+
+    monkeypatch.undo()
+    train(tiny_config(*job, f"ckpt_path={checkpoint}"), tmp_path / "resumed")
+    assert len(runs(tracking_uri)) == 2, "the resumed run is the stopped one, not a third"
+    resumed = next(r for r in runs(tracking_uri) if r.info.run_id == stopped.info.run_id)
+    assert resumed.info.status == "FINISHED" and resumed.data.tags["resumes"] == "1"
+    assert "error" not in resumed.data.tags and "SIGINT" in resumed.data.tags["previous_error"]
+    assert [s for s, _ in _history(tracking_uri, stopped.info.run_id, "epoch_time_s")] == [3, 6], "each epoch once"
+    assert resumed.data.metrics["measured_epochs"] == 2
+    assert not (tmp_path / "resumed" / "checkpoints").exists(), "a resumed run goes on in its checkpoint's folder"
+    never, again = _weights(tmp_path / "never_stopped" / "checkpoints" / "last.ckpt"), _weights(checkpoint)
+    for name, value in never.items():
+        assert torch.allclose(value, again[name], atol=1e-6), name
+
+
+def test_sigusr1_slurms_preemption_warning_checkpoints_and_stops(tiny_config, tracking_uri, tmp_path, monkeypatch):
+    _with_signal_at(monkeypatch, step=1, signum=signal.SIGUSR1)
+    with pytest.raises(Stopped) as stop:
+        train(tiny_config(*FULL), tmp_path / "preempted")
+    assert stop.value.exit_status == 138 and stop.value.checkpoint.is_file()
+    (run,) = runs(tracking_uri)
+    assert run.info.status == "KILLED" and "SIGUSR1" in run.data.tags["error"]
+
+
+def test_a_checkpoint_resumes_only_the_run_it_belongs_to(tiny_config, tracking_uri, tmp_path):
+    job = ["model=resnet18", *FULL]
+    train(tiny_config(*job), tmp_path / "a")
+    checkpoint = tmp_path / "a" / "checkpoints" / "last.ckpt"
+    with pytest.raises(ConfigError, match=r"ckpt_path=.*was written by a run with optim.lr=0.001 \(now 0.01\).*"
+                                          r"resume with optim.lr=0.001"):
+        train(tiny_config(*job, "optim.lr=0.01", f"ckpt_path={checkpoint}"), tmp_path / "b")
+    with pytest.raises(ConfigError, match=r"ckpt_path=.*nope.ckpt does not exist"):
+        train(tiny_config(*job, f"ckpt_path={tmp_path}/nope.ckpt"), tmp_path / "c")
+    running = next(iter(runs(tracking_uri)))
+    from mlflow.tracking import MlflowClient
+
+    MlflowClient(tracking_uri).update_run(running.info.run_id, status="RUNNING")  # as if this process still ran it
+    with pytest.raises(ConfigError, match=rf"MLflow run {running.info.run_id} is still running \(pid {os.getpid()}"):
+        train(tiny_config(*job, f"ckpt_path={checkpoint}"), tmp_path / "d")
+
+
+def test_checkpoint_policies(tiny_config, tmp_path):
+    """Default: one last.ckpt, resumable; weights only: the model alone, refused for resuming with
+    the reason; keep_best adds the best by val_acc; none writes nothing."""
+    train(tiny_config("checkpoint.save=weights", "checkpoint.keep_best=true"), tmp_path / "weights")
+    files = sorted(p.name for p in (tmp_path / "weights" / "checkpoints").iterdir())
+    assert files[-1] == "last.ckpt" and re.fullmatch(r"best-epoch=0-val_acc=[\d.]+\.ckpt", files[0]) and len(files) == 2
+    assert "optimizer_states" not in torch.load(tmp_path / "weights" / "checkpoints" / "last.ckpt", weights_only=True)
+    with pytest.raises(ConfigError, match=r"holds the model's weights only .*checkpoint.save=full"):
+        train(tiny_config(f"ckpt_path={tmp_path / 'weights' / 'checkpoints' / 'last.ckpt'}"), tmp_path / "again")
+    train(tiny_config("checkpoint.save=none"), tmp_path / "none")
+    assert not (tmp_path / "none" / "checkpoints").exists()
+
+
+def test_a_checkpoint_write_cut_short_leaves_no_file_under_a_valid_name(tmp_path):
+    """The file system refuses the write past 20 MB (as a full disk would): the run is FAILED with
+    the error, exits non-zero, and no truncated checkpoint (nor its partial file) is left."""
+    import resource
+
+    def limit_file_size():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20 * 2**20, 20 * 2**20))
+
+    cmd = [sys.executable, str(PROJECT_DIR / "train.py"), f"paths.root={tmp_path}", *TINY, *FULL, "model=resnet18"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=subprocess_env(), cwd=tmp_path,
+                          preexec_fn=limit_file_size)
+    assert proc.returncode != 0
+    (run,) = runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert run.info.status == "FAILED" and re.search(r"checkpoint \S*last.ckpt not written", run.data.tags["error"])
+    assert not list(tmp_path.glob("outputs/*/*/checkpoints/*")), "neither a truncated last.ckpt nor its partial file"
+
+
+def test_errors_while_building_the_trainer_and_runs_without_a_step_end_their_run(tiny_config, tracking_uri, tmp_path):
+    with pytest.raises(ConfigError, match=r"Lightning refused the trainer settings.*not a valid duration"):
+        # Accepted by the schema, refused by Lightning when the Trainer is built: after the run opened.
+        train(tiny_config("trainer.max_time=abc"), tmp_path / "bad")
+    (failed,) = runs(tracking_uri)
+    assert failed.info.status == "FAILED" and "Lightning refused" in failed.data.tags["error"]
+    train(tiny_config("trainer.fast_dev_run=true"), tmp_path / "smoke")
+    smoke = next(r for r in runs(tracking_uri) if r.info.run_id != failed.info.run_id)
+    assert smoke.info.status == "FINISHED" and smoke.data.tags["measured"] == "false"
+    from ddlx.measure.report import build_report, load_runs
+
+    report = build_report(load_runs(tracking_uri, ["ddlx"]))
+    assert not report.rows and [r.run_id for r in report.unmeasured] == [smoke.info.run_id]
+
+
+def test_a_run_whose_process_vanished_is_marked_failed():
+    from ddlx.tracking import STALE_AFTER_S, vanished_reason
+
+    now = time.time()
+
+    def run(host, pid=None, started=None, beat=now):
+        tags = {"host": host, "heartbeat": f"{beat:.0f}", **({"pid": str(pid)} if pid else {}),
+                **({"process_started": f"{started:.3f}"} if started else {})}
+        return SimpleNamespace(data=SimpleNamespace(tags=tags), info=SimpleNamespace(start_time=int(now * 1000)))
+
+    me = psutil.Process()
+    import socket
+
+    here = socket.gethostname()
+    assert vanished_reason(run(here, me.pid, me.create_time())) is None, "this process is alive"
+    assert "ended without closing the run" in vanished_reason(run(here, me.pid, me.create_time() - 100)), "a reused pid"
+    assert vanished_reason(run("node7", beat=now - 10)) is None
+    assert "no heartbeat from node7" in vanished_reason(run("node7", beat=now - STALE_AFTER_S - 60))
+
+
+def _wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = predicate()
+        if found:
+            return found
+        time.sleep(0.3)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _rank_workers(pid: int) -> list[psutil.Process]:
+    try:
+        return [c for c in psutil.Process(pid).children(recursive=True) if "ddlx.rank_worker" in " ".join(c.cmdline())]
+    except psutil.Error:
+        return []
+
+
+def _an_epoch_done(tmp_path: Path) -> bool:
+    """The run has timed its first epoch (read under the store's lock, as a training job opens it)."""
+    from ddlx.tracking import store_lock
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    if not (tmp_path / "mlflow.db").exists():
+        return False
+    with store_lock(uri):
+        return any("epoch_time_s" in r.data.metrics for r in runs(uri))
+
+
+def test_sigterm_to_rank_0_of_a_ddp_run_stops_every_rank_with_a_checkpoint_and_the_run_resumes(tmp_path):
+    """What SLURM, Kubernetes and timeout send: every rank stops after the same step, rank 0 writes
+    the checkpoint, the run is KILLED and the process exits 143; resumed, the run FINISHES."""
+    job = [f"paths.root={tmp_path}", *TINY, *FULL, "model=resnet18", "strategy=ddp_gloo", "trainer.max_epochs=4",
+           "trainer.limit_train_batches=1.0", "data.num_images=96"]
+    proc = subprocess.Popen([sys.executable, str(PROJECT_DIR / "train.py"), *job], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=subprocess_env(), cwd=tmp_path)
+    workers = _wait_for(lambda: _rank_workers(proc.pid), 120, "rank 1")
+    _wait_for(lambda: _an_epoch_done(tmp_path), 120, "the first epoch")
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-3000:]
+    assert not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers), "no rank left behind"
+    (run,) = runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert run.info.status == "KILLED" and "stopped by SIGTERM after step" in run.data.tags["error"]
+    checkpoint = Path(re.search(r"resume with: python train.py .* ckpt_path=(\S+)", err).group(1))
+    assert checkpoint.is_file()
+
+    resumed = subprocess.run([sys.executable, str(PROJECT_DIR / "train.py"), *job, f"ckpt_path={checkpoint}"],
+                             capture_output=True, text=True, timeout=300, env=subprocess_env(), cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    (run,) = runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert run.info.status == "FINISHED" and run.data.metrics["measured_epochs"] == 4
+
+
+def test_kill_9_of_rank_0_leaves_no_rank_and_the_run_is_failed_at_the_next_look(tmp_path):
+    job = [f"paths.root={tmp_path}", *TINY, "model=resnet18", "strategy=ddp_gloo", "trainer.max_epochs=50"]
+    proc = subprocess.Popen([sys.executable, str(PROJECT_DIR / "train.py"), *job], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env=subprocess_env(), cwd=tmp_path)
+    workers = _wait_for(lambda: _rank_workers(proc.pid), 120, "rank 1")
+    _wait_for(lambda: _an_epoch_done(tmp_path), 120, "the first epoch")
+    proc.kill()
+    proc.wait()
+    _wait_for(lambda: not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers), 10,
+              "rank 1 to end with rank 0")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert [r.info.status for r in runs(uri)] == ["RUNNING"]
+    from ddlx.measure.report import load_runs
+
+    (seen,) = load_runs(uri, ["ddlx"])  # the report looks: the run's process is gone
+    assert seen.status == "FAILED" and f"pid {proc.pid}" in seen.error and "ended without closing the run" in seen.error
+
+
+def test_runs_and_sweeps_started_at_once_each_get_their_own_folder_config_and_record(tmp_path):
+    """Four jobs start together against a store that does not exist yet: two DDP runs with their
+    own seeds and learning rates, two one-job sweeps. Each is recorded, in its own folder, every
+    rank of a run on that run's own config."""
+    seeds = {"11": "0.01", "22": "0.02"}
+    cmds = [[*TINY, "strategy=ddp_gloo", f"seed={s}", f"optim.lr={lr}"] for s, lr in seeds.items()]
+    cmds += [["-m", *TINY, "seed=33"], ["-m", *TINY, "seed=44"]]
+    procs = [subprocess.Popen([sys.executable, str(PROJECT_DIR / "train.py"), *cmd, f"paths.root={tmp_path}"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=subprocess_env(),
+                              cwd=tmp_path) for cmd in cmds]
+    outputs = [p.communicate(timeout=400)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0, 0], "\n".join(o[-2000:] for o in outputs)
+    for seed, out in zip(seeds, outputs):
+        assert set(re.findall(r"Seed set to (\d+)", out)) == {seed}, f"every rank of the seed={seed} run"
+    recorded = runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert sorted(r.data.params["seed"] for r in recorded) == ["11", "22", "33", "44"]
+    assert all(r.info.status == "FINISHED" for r in recorded)
+    assert len({r.data.tags["output_dir"] for r in recorded}) == 4
+    assert len({r.data.tags["sweep_id"] for r in recorded if "sweep_id" in r.data.tags}) == 2
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    for r in recorded:
+        config = Path(client.download_artifacts(r.info.run_id, "config_resolved.yaml", str(tmp_path / r.info.run_id)))
+        assert f"seed: {r.data.params['seed']}" in config.read_text()

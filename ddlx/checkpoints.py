@@ -41,6 +41,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             return super().save_checkpoint(checkpoint, path, storage_options)
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
+        _remove_orphaned_partials(path)
         partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
         try:
             with open(partial, "wb") as f:
@@ -55,6 +56,16 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                               f"it (full, or over a size limit?); {path.name} is as it was before") from err
             raise
         _sync_folder(path.parent)
+
+
+def _remove_orphaned_partials(path: Path) -> None:
+    """The partial files of writes whose process was killed before it could remove them."""
+    import psutil
+
+    for partial in path.parent.glob(f".{path.name}.*.partial"):
+        pid = partial.name[len(path.name) + 2 : -len(".partial")]
+        if pid.isdigit() and not psutil.pid_exists(int(pid)):
+            partial.unlink(missing_ok=True)
 
 
 def _sync_folder(folder: Path) -> None:
@@ -75,11 +86,14 @@ def checkpoint_callbacks(save: str, keep_best: bool, folder: Path) -> list[Model
     if save == "none":
         return []
     weights_only = save == "weights"
-    callbacks = [ModelCheckpoint(dirpath=folder, save_last=True, save_top_k=0, save_weights_only=weights_only)]
+    # No version counter: a stop's checkpoint (stopping.StopAtSignal) replaces last.ckpt too, and a
+    # resumed run goes on replacing it, where Lightning would start a last-v1.ckpt beside it.
+    callbacks = [ModelCheckpoint(dirpath=folder, save_last=True, save_top_k=0, save_weights_only=weights_only,
+                                 enable_version_counter=False)]
     if keep_best:
         callbacks.append(ModelCheckpoint(dirpath=folder, filename="best-epoch={epoch}-val_acc={val_acc:.4f}",
                                          auto_insert_metric_name=False, monitor="val_acc", mode="max", save_top_k=1,
-                                         save_weights_only=weights_only))
+                                         save_weights_only=weights_only, enable_version_counter=False))
     return callbacks
 
 
@@ -104,7 +118,8 @@ class RunInCheckpoint(pl.Callback):
         kind, keys, pos, has_gauss, gauss = numpy.random.get_state()
         # As tensors and plain values: checkpoints load with torch.load(weights_only=True).
         return {"torch": torch.get_rng_state(), "python": random.getstate(),
-                "numpy": [kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, gauss]}
+                "numpy": [kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, gauss],
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         import numpy
@@ -113,6 +128,9 @@ class RunInCheckpoint(pl.Callback):
         random.setstate(state["python"])
         kind, keys, pos, has_gauss, gauss = state["numpy"]
         numpy.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, gauss))
+        cuda = state.get("cuda") or []
+        if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda)
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """Shared by the Hydra entry points: config resolvers and schemas, sweep tags and user-facing error reporting."""
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import uuid
@@ -28,20 +29,25 @@ def register_config(project_dir: Path) -> None:
     OmegaConf.register_new_resolver("job_id", job_id, replace=True)
 
 
-# Launchers that start every rank of a job themselves, and the variables that name the job.
-LAUNCHER_JOB_IDS = (("SLURM_JOB_ID", "SLURM_STEP_ID"), ("PMIX_NAMESPACE",), ("OMPI_MCA_ess_base_jobid",),
-                    ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT"))
+# Launchers that start every rank of a job themselves: the variable that says how many processes
+# they started, and those that name the job (the same in every one of its processes).
+LAUNCHER_JOB_IDS = (("SLURM_STEP_NUM_TASKS", ("SLURM_JOB_ID", "SLURM_STEP_ID")),
+                    ("OMPI_COMM_WORLD_SIZE", ("PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid")),
+                    ("PMI_SIZE", ("PMIX_NAMESPACE",)),
+                    ("WORLD_SIZE", ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT")))
 _RANDOM_JOB_ID = uuid.uuid4().hex[:8]
 
 
+@functools.cache  # one value per process: every resolution of a folder name agrees
 def job_id() -> str:
     """The same for every process of one job and for no other job: the launcher's job id when
-    SLURM, mpirun or torchrun started this process (all its ranks compose their own config),
-    else random, drawn once per process (two runs started in the same second, on one machine or
-    several sharing a file system, must not share a folder)."""
-    for names in LAUNCHER_JOB_IDS:
-        if os.environ.get(names[0]):
-            return "-".join(os.environ.get(n, "") for n in names).replace("/", "_").replace(".", "_").replace(":", "_")
+    SLURM (srun), mpirun or torchrun started several processes of it (each composes its own
+    config), else random, drawn once per process (two runs started in the same second, on one
+    machine or several sharing a file system, or in one SLURM allocation, must not share a folder)."""
+    for size, names in LAUNCHER_JOB_IDS:
+        ids = [os.environ[n] for n in names if os.environ.get(n)]
+        if int(os.environ.get(size) or 1) > 1 and ids:
+            return "-".join(dict.fromkeys(ids)).replace("/", "_").replace(".", "_").replace(":", "_")
     return _RANDOM_JOB_ID
 
 
@@ -88,7 +94,7 @@ def run_training_job(fn: Callable[[], Any], in_sweep: bool, overrides: list[str]
         return report_config_errors(fn, in_sweep)
     except Stopped as stop:
         print(f"ddlx: {stop}", file=sys.stderr)
-        if stop.checkpoint is not None:
+        if stop.resumable:
             kept = [o for o in overrides if not o.lstrip("+").startswith("ckpt_path=")]
             print(f"ddlx: resume with: python train.py {' '.join([*kept, f'ckpt_path={stop.checkpoint}'])}", file=sys.stderr)
         raise SystemExit(stop.exit_status) from None

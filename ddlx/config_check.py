@@ -11,7 +11,7 @@ from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import (
     ConfigAttributeError,
     ConfigKeyError,
@@ -43,12 +43,32 @@ def check_bounds(cfg: DictConfig) -> None:
     """Every value of a typed node (one whose schema is a dataclass of :mod:`ddlx.config`) within
     its declared range or choices, and none missing; else a :class:`ConfigError` naming them all."""
     try:
-        values = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+        values = _resolved(cfg)
     except OmegaConfBaseException as err:
         raise explain(err) from None
     problems = list(_bound_problems(cfg, values, ""))
     if problems:
         raise ConfigError("; ".join(problems))
+
+
+def _resolved(node: DictConfig) -> dict:
+    """The node's values, resolved; a value taken from Hydra's own config (``${hydra:...}``),
+    which exists only once Hydra runs the job, is left out (None)."""
+    values: dict = {}
+    for key in node.keys():
+        child = node._get_node(key)
+        if isinstance(child, DictConfig):
+            values[key] = _resolved(child)
+            continue
+        try:
+            value = node[key]
+        except InterpolationResolutionError:
+            if "${hydra:" in str(child._value()):
+                values[key] = None
+                continue
+            raise
+        values[key] = OmegaConf.to_container(value, resolve=True) if isinstance(value, ListConfig) else value
+    return values
 
 
 def schema_for(cfg: DictConfig) -> DictConfig:
@@ -219,11 +239,17 @@ def _job_errors(overrides: list[str], multirun: bool, config_dir: Path, config_n
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 
+    if any(o.lstrip("+~").startswith(("hydra/sweeper", "hydra.sweeper")) for o in overrides):
+        return  # another sweeper expands the jobs (and checks them as it composes each)
     try:
         jobs = _sweep_jobs(overrides)
     except OverrideParseException as err:
         yield [], [], ConfigError(f"cannot read the overrides {' '.join(overrides)!r}: {_first_line(err)} "
                                   f"(the syntax: https://hydra.cc/docs/advanced/override_grammar/basic)")
+        return
+    except HydraException as err:  # sweep syntax the basic sweeper cannot expand (interval, ...)
+        yield [], [], ConfigError(f"{_first_line(err)}: Hydra's basic sweeper takes lists (a,b), range() and "
+                                  f"glob(); a sweeper plugin (hydra/sweeper=...) takes the others")
         return
     if not multirun:
         jobs = [list(overrides)]  # a run takes sweep syntax (a,b) only under -m, where Hydra says so

@@ -20,8 +20,9 @@ class Stopped(BaseException):
     KeyboardInterrupt, so no ``except Exception`` on the way swallows it. ``checkpoint``: the
     state the run can resume from, when one was written."""
 
-    def __init__(self, signum: int, checkpoint: Path | None = None, step: int | None = None) -> None:
-        self.signum, self.checkpoint, self.step = signum, checkpoint, step
+    def __init__(self, signum: int, checkpoint: Path | None = None, step: int | None = None,
+                 resumable: bool = False) -> None:
+        self.signum, self.checkpoint, self.step, self.resumable = signum, checkpoint, step, resumable
         super().__init__(self.describe())
 
     @property
@@ -34,5 +35,6 @@ class Stopped(BaseException):
 
     def describe(self) -> str:
         where = f" after step {self.step}" if self.step is not None else " before training"
-        kept = f"; checkpoint {self.checkpoint}" if self.checkpoint else "; no checkpoint written"
+        kind = "checkpoint" if self.resumable else "checkpoint of the weights only"
+        kept = f"; {kind} {self.checkpoint}" if self.checkpoint else "; no checkpoint written"
         return f"stopped by {self.signal_name}{where}{kept}"

@@ -43,8 +43,10 @@ def main(argv: list[str]) -> None:
     cfg = OmegaConf.load(argv[0])
     try:
         report_config_errors(lambda: train(cfg, argv[1]))
-    except Stopped:
-        pass  # every rank stopped at the same step; rank 0 wrote the checkpoint and records the run
+    except Stopped as stop:
+        if stop.step is None:  # this rank alone, before training: the job's launcher ends the others
+            raise SystemExit(stop.exit_status) from None
+        # Otherwise every rank stopped at the same step; rank 0 wrote the checkpoint and records the run.
     # Everything this rank owns is done (rank 0 saves checkpoints and logs). Interpreter
     # teardown of torch/Lightning objects can take many seconds here, while rank 0 waits
     # for this process to end the job: leave at once.

@@ -179,80 +179,51 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, extra_tags: Mapping[st
     pl.seed_everything(cfg.seed, workers=True)
     tags = run_tags(cfg, extra_tags)
     resolved = OmegaConf.to_container(cfg, resolve=True)
-    rank0 = launch_rank() == 0  # only global rank 0 talks to MLflow (see 3.)
-    saved = None
+    rank0 = launch_rank() == 0  # only global rank 0 talks to MLflow: its client may create the store
+    signals = StopSignals()
 
-    # 1. Everything that can be wrong is checked before the first batch.
+    # 1. Everything that can be wrong is checked, and the Trainer built, before a run is opened.
     check_tracking_uri(cfg.logger.tracking_uri)
     if rank0:
         check_experiment(cfg.logger.tracking_uri, cfg.logger.experiment_name)
     try:
-        # "auto" becomes what this process runs, in the recorded config and the ranks' job description.
-        cfg.cpu_allocator = resolved["cpu_allocator"] = resolve_allocator(cfg.cpu_allocator)
-        if cfg.ckpt_path:
-            saved = read_saved_run(cfg.ckpt_path)
-            tags["resume_changes"] = " ".join(f"{k}={v}" for k, v in check_resumable(
-                saved, flatten_config(resolved), flatten_config).items()) or None
-            tags["resumed_from"] = str(saved.path)
-        check_measure(cfg)
-        check_accelerator(cfg)
-        check_allocator(cfg.cpu_allocator)
-        plan = build_strategy(cfg.strategy, cfg.trainer.accelerator, layered_model_meta(cfg), cfg.data)
-        datamodule = build_datamodule(cfg.data, plan.data_parallel)
-        if cfg.memory_check:
-            check_memory(cfg, plan.data_parallel, plan.replicas_per_machine)
-        datamodule.prepare_data()
-        datamodule.setup("fit")
+        saved, plan, datamodule = check_job(cfg, resolved, tags, rank0)
+        apply_allocator(cfg.cpu_allocator)  # before the model and the ranks (they inherit it)
+        # The resolved config: an MLflow artifact, and the job description the other ranks start from.
+        config_file = output_dir / "config_resolved.yaml"
         if rank0:
-            # MLflow creates (and migrates) a new store on first contact: one process at a time.
-            client = prepare_store(cfg.logger.tracking_uri, cfg.logger.experiment_name, cfg.logger.artifact_location)
-            close_vanished_runs(client, [client.get_experiment_by_name(cfg.logger.experiment_name).experiment_id])
-            if saved is not None and saved.run_id:
-                check_resumable_run(client, saved.run_id, cfg.logger.tracking_uri, cfg.logger.experiment_name,
-                                    saved.tracking_uri)
+            output_dir.mkdir(parents=True, exist_ok=True)
+            config_file.write_text(OmegaConf.to_yaml(resolved))
+        strategy = plan.trainer_kwargs.get("strategy")
+        if isinstance(strategy, RelaunchingDDPStrategy):
+            strategy.worker_args = [str(config_file), str(output_dir)]  # before the Trainer picks a launcher
+        accelerator = str(plan.trainer_kwargs.get("accelerator", cfg.trainer.accelerator))
+        tags.update({
+            "synthetic_data": str(datamodule.is_synthetic),
+            "accelerator": "gpu" if accelerator in ("gpu", "cuda") else accelerator,  # the report's device kind
+            "output_dir": str(output_dir),
+            **plan.tags,
+        })
+        resume_run = saved.run_id if saved is not None else None
+        logger = make_logger(cfg.logger.tracking_uri, cfg.logger.experiment_name, cfg.logger.run_name, tags,
+                             cfg.logger.artifact_location, run_id=resume_run) if rank0 else None  # no run yet
+        identity = RunInCheckpoint(resolved)
+        # A resumed run goes on writing where its checkpoint is (last.ckpt replaced, the best kept track of).
+        checkpoint_dir = saved.path.parent if saved is not None else output_dir / "checkpoints"
+        checkpoint_file = None if cfg.checkpoint.save == "none" else checkpoint_dir / LAST
+        timer, *others = measurement_callbacks(cfg)
+        callbacks = [timer, *others, identity,
+                     StopAtSignal(signals, checkpoint_file, weights_only=cfg.checkpoint.save == "weights")]
+        trainer = build_trainer(cfg, plan, logger, output_dir, callbacks, checkpoint_dir)
     except ConfigError as err:
         if "sweep_id" in tags and rank0:
-            logger = make_logger(
-                cfg.logger.tracking_uri, cfg.logger.experiment_name, cfg.logger.run_name, tags, cfg.logger.artifact_location
-            )
-            record_rejected_run(logger, flatten_config(resolved), err)
+            record_rejected_run(cfg.logger, tags, flatten_config(resolved), err)
         raise
-
-    apply_allocator(cfg.cpu_allocator)  # before the model and the ranks (they inherit it)
-
-    # 2. The resolved config: an MLflow artifact, and the job description the other ranks start from.
-    config_file = output_dir / "config_resolved.yaml"
-    if rank0:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        config_file.write_text(OmegaConf.to_yaml(resolved))
-    strategy = plan.trainer_kwargs.get("strategy")
-    if isinstance(strategy, RelaunchingDDPStrategy):
-        strategy.worker_args = [str(config_file), str(output_dir)]
-
-    # 3. Build.
     model = build_model(cfg.model.name, cfg.data.num_classes, cfg.data.channels, cfg.data.image_size, cfg.model.dropout)
     module = ClassifierModule(model, cfg.data.num_classes, **cfg.optim)
-    accelerator = str(plan.trainer_kwargs.get("accelerator", cfg.trainer.accelerator))
-    tags.update({
-        "synthetic_data": str(datamodule.is_synthetic),
-        "accelerator": "gpu" if accelerator in ("gpu", "cuda") else accelerator,  # the report's device kind
-        "output_dir": str(output_dir),
-        **plan.tags,
-    })
-    # Only global rank 0 talks to MLflow: its client creates the store's tables on first
-    # contact, and ranks doing that at once corrupt an SQLite store.
-    logger = None
-    resume_run = saved.run_id if saved is not None else None
-    if rank0:
-        logger = make_logger(cfg.logger.tracking_uri, cfg.logger.experiment_name, cfg.logger.run_name, tags,
-                             cfg.logger.artifact_location, run_id=resume_run)
-    identity = RunInCheckpoint(resolved)
-    # A resumed run goes on writing where its checkpoint is (last.ckpt replaced, the best kept track of).
-    checkpoint_dir = saved.path.parent if saved is not None else output_dir / "checkpoints"
-    checkpoint_file = None if cfg.checkpoint.save == "none" else checkpoint_dir / LAST
 
-    # 4. Train: from the run's opening, every way out ends it (FINISHED, FAILED, KILLED).
-    with StopSignals() as signals:
+    # 2. Train: from the run's opening, every way out ends it (FINISHED, FAILED, KILLED).
+    with signals:
         open_run = (lambda: reopen_run(logger, tags)) if resume_run else \
             (lambda: start_run(logger, flatten_config(resolved), config_file, tags))
         with recorded(logger, open_run) as run_id:
@@ -260,16 +231,43 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, extra_tags: Mapping[st
                 log.info("MLflow run %s in experiment %r at %s", run_id, cfg.logger.experiment_name, cfg.logger.tracking_uri)
                 identity.run_id, identity.tracking_uri = run_id, cfg.logger.tracking_uri
                 identity.experiment = cfg.logger.experiment_name
-            callbacks = [*measurement_callbacks(cfg), identity,
-                         StopAtSignal(signals, checkpoint_file, weights_only=cfg.checkpoint.save == "weights")]
-            trainer = build_trainer(cfg, plan, logger, output_dir, callbacks, checkpoint_dir)
             try:
                 trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
             finally:
                 end_distributed_job(trainer.strategy)
-            if trainer.fast_dev_run or not callbacks[0].epoch_times:
+            if trainer.fast_dev_run or not timer.epoch_times:
                 record_unmeasured(logger, "trainer.fast_dev_run" if trainer.fast_dev_run else "no training step")
     return {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+
+def check_job(cfg: DictConfig, resolved: dict, tags: dict, rank0: bool):
+    """What the job needs checked and prepared before a run: the allocator, the checkpoint it
+    resumes from, the strategy's plan, the data (written if synthetic) and, on rank 0, the store
+    and the run to resume. Returns (the saved run or None, plan, datamodule)."""
+    saved = None
+    # "auto" becomes what this process runs, in the recorded config and the ranks' job description.
+    cfg.cpu_allocator = resolved["cpu_allocator"] = resolve_allocator(cfg.cpu_allocator)
+    if cfg.ckpt_path:
+        saved = read_saved_run(cfg.ckpt_path)
+        tags["resume_changes"] = " ".join(f"{k}={v}" for k, v in check_resumable(
+            saved, flatten_config(resolved), flatten_config).items()) or None
+        tags["resumed_from"] = str(saved.path)
+    check_measure(cfg)
+    check_accelerator(cfg)
+    check_allocator(cfg.cpu_allocator)
+    plan = build_strategy(cfg.strategy, cfg.trainer.accelerator, layered_model_meta(cfg), cfg.data)
+    datamodule = build_datamodule(cfg.data, plan.data_parallel)
+    if cfg.memory_check:
+        check_memory(cfg, plan.data_parallel, plan.replicas_per_machine)
+    datamodule.prepare_data()
+    datamodule.setup("fit")
+    if rank0:
+        client = prepare_store(cfg.logger.tracking_uri, cfg.logger.experiment_name, cfg.logger.artifact_location)
+        close_vanished_runs(client, [client.get_experiment_by_name(cfg.logger.experiment_name).experiment_id])
+        if saved is not None and saved.run_id:
+            check_resumable_run(client, saved.run_id, cfg.logger.tracking_uri, cfg.logger.experiment_name,
+                                saved.tracking_uri)
+    return saved, plan, datamodule
 
 
 def layered_model_meta(cfg: DictConfig):

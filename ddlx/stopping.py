@@ -29,11 +29,18 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
 class StopSignals:
     """Installs the stop-signal handlers (main thread only) for the ``with`` block; restores the
-    previous ones after it."""
+    previous ones after it.
+
+    Immediate (the default): a signal raises :class:`Stopped`. Deferred (while training): it is
+    noted, and :class:`StopAtSignal` stops at the end of the step; a second Ctrl-C then stops at
+    once, but never while the stop's checkpoint is being written. Once a stop is under way,
+    further signals are only noted, so the run's record and checkpoint are completed.
+    """
 
     def __init__(self) -> None:
         self.received: int | None = None
         self.deferred = False
+        self.stopping = False
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> "StopSignals":
@@ -48,11 +55,16 @@ class StopSignals:
         self._previous.clear()
 
     def _handle(self, signum: int, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.stopping:
+            log.warning("%s received: already stopping", name)
+            return
         again = self.received is not None
         self.received = self.received or signum
         if not self.deferred or (again and signum == signal.SIGINT):
+            self.stopping = True
             raise Stopped(signum)
-        log.warning("%s received: stopping after this step, with a checkpoint", signal.Signals(signum).name)
+        log.warning("%s received: stopping after this step, with a checkpoint", name)
 
 
 def disable_lightning_signal_handlers(trainer: pl.Trainer) -> None:
@@ -63,7 +75,8 @@ def disable_lightning_signal_handlers(trainer: pl.Trainer) -> None:
 
 class StopAtSignal(pl.Callback):
     """Defers the stop signals while training, and stops every rank at the end of the step in
-    which one of them was signalled, after writing ``checkpoint`` (None: no checkpoint)."""
+    which one of them was signalled (or at the end of a validation that one arrived in), after
+    writing ``checkpoint`` (None: no checkpoint; ``weights_only``: one that cannot resume)."""
 
     def __init__(self, signals: StopSignals, checkpoint: Path | None, weights_only: bool = False) -> None:
         self.signals, self.checkpoint, self.weights_only = signals, checkpoint, weights_only
@@ -75,22 +88,23 @@ class StopAtSignal(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx: int) -> None:
         self._stop_if_signalled(trainer)
 
-    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx: int,
-                                dataloader_idx: int = 0) -> None:
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Not mid-validation: a run resumed from there would skip the rest of that validation.
         if not trainer.sanity_checking:
             self._stop_if_signalled(trainer)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Training is done: a signal now ends the run as it is (the epoch-end checkpoint is written).
         self.signals.deferred = False
-        self._stop_if_signalled(trainer)
+        if self.signals.received is not None:
+            log.warning("training had finished when the stop signal came: the run ends as finished")
 
     def _stop_if_signalled(self, trainer: pl.Trainer) -> None:
         # A collective: every rank calls it at the same point of every step (a no-op for one process).
         if not trainer.strategy.reduce_boolean_decision(self.signals.received is not None, all=False):
             return
-        self.signals.deferred = False
-        path = None
+        self.signals.stopping = True  # nothing interrupts the checkpoint from here
         if self.checkpoint is not None:
             trainer.save_checkpoint(self.checkpoint, weights_only=self.weights_only)  # every rank: it has a barrier
-            path = self.checkpoint
-        raise Stopped(self.signals.received or signal.SIGTERM, path, trainer.global_step)
+        raise Stopped(self.signals.received or signal.SIGTERM, self.checkpoint, trainer.global_step,
+                      resumable=self.checkpoint is not None and not self.weights_only)

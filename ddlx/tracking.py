@@ -151,7 +151,8 @@ def check_experiment(tracking_uri: str, name: str) -> None:
     if not store_exists(tracking_uri):
         return  # a new store has no experiments; opening it here would create it
 
-    exp = MlflowClient(tracking_uri).get_experiment_by_name(name)
+    with store_lock(tracking_uri):  # another process may be creating its tables
+        exp = MlflowClient(tracking_uri).get_experiment_by_name(name)
     if exp is not None:
         _refuse_deleted(exp, tracking_uri, "logger.experiment_name")
 
@@ -206,11 +207,21 @@ STALE_AFTER_S = 5 * HEARTBEAT_S  # a run of another host silent this long has lo
 
 
 def process_tags() -> dict[str, str]:
-    """Who runs this run: host, process id and its start time (a reused pid is not taken for it)."""
-    import psutil
+    """Who runs this run: host, process id, and a key that tells this process from any other
+    (:func:`process_key`), so a reused pid or another container's process is not taken for it."""
+    return {"host": socket.gethostname(), "pid": str(os.getpid()), "process": process_key(os.getpid()) or "",
+            "heartbeat": f"{time.time():.0f}"}
 
-    return {"host": socket.gethostname(), "pid": str(os.getpid()),
-            "process_started": f"{psutil.Process().create_time():.3f}", "heartbeat": f"{time.time():.0f}"}
+
+def process_key(pid: int) -> str | None:
+    """``boot id:pid namespace:pid:start time in ticks`` of a live process (Linux), else None."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        namespace = os.stat(f"/proc/{pid}/ns/pid").st_ino
+        started = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+    return f"{boot}:{namespace}:{pid}:{started}"
 
 
 def start_run(logger: MLFlowLogger, params: Mapping[str, str], config_file: Path, tags: Mapping[str, str]) -> str:
@@ -263,13 +274,21 @@ def reopen_run(logger: MLFlowLogger, tags: Mapping[str, str]) -> str:
 
 def end_run(client, run_id: str, status: str, error: str | None = None) -> None:
     """The run's last word: FINISHED, FAILED (with ``error``) or KILLED (with the signal). Never
-    raises: the record must not hide what ended the run."""
-    try:
-        if error:
-            client.set_tag(run_id, "error", error[:5000])
-        client.set_terminated(run_id, status)
-    except Exception as err:  # noqa: BLE001
-        log.error("could not mark MLflow run %s %s: %s", run_id, status, err)
+    raises: the record must not hide what ended the run, and a stop signal arriving meanwhile
+    waits until it is written."""
+    for _ in range(3):
+        try:
+            if error:
+                client.set_tag(run_id, "error", error[:5000])
+            elif "error" in client.get_run(run_id).data.tags:  # set by a look that took it for vanished
+                client.delete_tag(run_id, "error")
+            client.set_terminated(run_id, status)
+            return
+        except Stopped:
+            continue
+        except Exception as err:  # noqa: BLE001
+            log.error("could not mark MLflow run %s %s: %s", run_id, status, err)
+            return
 
 
 @contextmanager
@@ -286,14 +305,13 @@ def recorded(logger: MLFlowLogger | None, open_run: Callable[[], str]) -> Iterat
         run_id = open_run()
         heartbeat = Heartbeat(logger._tracking_uri, run_id)
         yield run_id
+        end_run(logger.experiment, run_id, "FINISHED")
     except Stopped as stop:
         _end_logged_run(logger, "KILLED", f"{stop}")
         raise
     except BaseException as err:
         _end_logged_run(logger, "FAILED", f"{type(err).__name__}: {err}")
         raise
-    else:
-        end_run(logger.experiment, run_id, "FINISHED")
     finally:
         if heartbeat is not None:
             heartbeat.stop()
@@ -334,9 +352,13 @@ def mark_failed(logger, reason: str) -> None:
         _end_logged_run(logger, "FAILED", reason)
 
 
-def record_rejected_run(logger: MLFlowLogger, params: Mapping[str, str], error: BaseException) -> str:
+def record_rejected_run(logger_cfg, tags: Mapping[str, str], params: Mapping[str, str], error: BaseException) -> str:
     """A job of a sweep refused before training (bad config, does not fit): still one run, FAILED,
-    with its config and the reason, so the sweep's record has every job."""
+    with its config and the reason, so the sweep's record has every job. ``logger_cfg``: the
+    ``logger`` config group."""
+    prepare_store(logger_cfg.tracking_uri, logger_cfg.experiment_name, logger_cfg.artifact_location)
+    logger = make_logger(logger_cfg.tracking_uri, logger_cfg.experiment_name, logger_cfg.run_name, tags,
+                         logger_cfg.artifact_location)
     logger.log_hyperparams(params)
     end_run(logger.experiment, logger.run_id, "FAILED", f"{type(error).__name__}: {error}")
     return logger.run_id
@@ -354,22 +376,18 @@ def record_unmeasured(logger: MLFlowLogger | None, reason: str) -> None:
 
 def vanished_reason(run, now: float | None = None) -> str | None:
     """Why a RUNNING run can no longer end by itself, or None while its process may be alive:
-    on this host, its process (pid and start time) is gone; elsewhere, no heartbeat for
-    :data:`STALE_AFTER_S`."""
-    import psutil
-
+    when it ran in this machine's boot and pid namespace, its process (:func:`process_key`) is
+    gone; otherwise (another host, container or boot), no heartbeat for :data:`STALE_AFTER_S`."""
     tags = run.data.tags
     now = time.time() if now is None else now
     last = float(tags.get("heartbeat") or run.info.start_time / 1000)
     since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(last))
-    if tags.get("host") == socket.gethostname() and tags.get("pid"):
-        try:
-            alive = abs(psutil.Process(int(tags["pid"])).create_time() - float(tags.get("process_started", 0))) < 1.0
-        except (psutil.Error, ValueError):
-            alive = False
-        if alive:
+    recorded_key, mine = tags.get("process", ""), process_key(os.getpid())
+    if tags.get("host") == socket.gethostname() and recorded_key and mine \
+            and recorded_key.split(":")[:2] == mine.split(":")[:2]:
+        if process_key(int(recorded_key.split(":")[2])) == recorded_key:
             return None
-        return (f"its process (pid {tags['pid']} on {tags['host']}) ended without closing the run: killed "
+        return (f"its process (pid {tags.get('pid')} on {tags['host']}) ended without closing the run: killed "
                 f"(kill -9, out of memory) or crashed; last heartbeat {since}")
     if now - last > STALE_AFTER_S:
         return (f"no heartbeat from {tags.get('host', 'its host')} since {since} ({(now - last) / 60:.0f} min): "

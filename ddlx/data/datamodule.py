@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-import warnings
+import signal
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -18,10 +18,7 @@ from .synthetic import SyntheticSpec, ensure_synthetic_imagefolder
 from .transforms import build_transform, flips
 
 log = logging.getLogger(__name__)
-# Lightning's warning on resuming mid-epoch with a loader that has no state_dict: ResumableSampler
-# leaves out the batches already trained, so the warning does not apply to ddlx's loaders.
-RESUME_WARNING = r"You're resuming from a checkpoint that ended before the epoch ended"
-warnings.filterwarnings("ignore", message=RESUME_WARNING)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
 
 class ImageFileDataset(Dataset):
@@ -91,18 +88,51 @@ def check_readable(samples: Sequence[tuple[str, int]]) -> None:
 
 class ResumableSampler(DistributedSampler):
     """A DistributedSampler that yields ``(index, epoch)`` (the epoch decides the sample's flip)
-    and leaves out the first ``batches_done()`` batches of this rank's share (read when an
-    epoch's iteration starts), so a resumed epoch trains the samples the stopped one had not
-    reached, in the same order."""
+    and, once after :meth:`resume_at`, starts its epoch after the batches already trained."""
 
-    def __init__(self, dataset, *, batch_size: int, batches_done: Callable[[], int], **kwargs) -> None:
+    def __init__(self, dataset, *, batch_size: int, **kwargs) -> None:
         super().__init__(dataset, **kwargs)
-        self.batch_size, self.batches_done = batch_size, batches_done
+        self.batch_size = batch_size
+        self._resume: tuple[int, int] | None = None
+
+    def resume_at(self, epoch: int, batches_done: int) -> None:
+        self._resume = (epoch, batches_done)
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
+        skip = 0
+        if self._resume is not None:  # before Lightning's set_epoch: loader workers read indices at once
+            (self.epoch, skip), self._resume = self._resume, None
         epoch = self.epoch
-        indices = itertools.islice(super().__iter__(), self.batches_done() * self.batch_size, None)
+        indices = itertools.islice(super().__iter__(), skip * self.batch_size, None)
         return ((index, epoch) for index in indices)
+
+
+class ResumableLoader(DataLoader):
+    """The training loader, stateful in Lightning's sense: its state in a checkpoint is the epoch
+    and the number of its batches trained (``position()``); restored before the loader's
+    iteration starts, so a resumed epoch trains, in order, the samples the stopped one had not."""
+
+    def __init__(self, *args, position: Callable[[], tuple[int, int]], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._position = position
+
+    def state_dict(self) -> dict[str, int]:
+        epoch, done = self._position()
+        return {"epoch": epoch, "batches_done": done}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.sampler.resume_at(int(state["epoch"]), int(state["batches_done"]))
+
+
+def _quiet_worker(worker_id: int) -> None:
+    """A loader worker leaves stop signals to the training process (which stops after the step
+    and shuts its workers down); otherwise a Ctrl-C or SLURM's signal to the whole process group
+    kills the worker, and the step fails instead of stopping. Seeded as Lightning seeds them."""
+    from lightning_fabric.utilities.seed import pl_worker_init_function
+
+    pl_worker_init_function(worker_id)
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
 
 
 class ImageFolderDataModule(pl.LightningDataModule):
@@ -240,26 +270,30 @@ class ImageFolderDataModule(pl.LightningDataModule):
             shuffle=shuffle,
             seed=self.seed,
             batch_size=self.batch_size,
-            batches_done=self._batches_done_this_epoch if resumable else lambda: 0,
         )
-        return DataLoader(
-            dataset,
+        kwargs = dict(
             batch_size=self.batch_size,
             sampler=sampler,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
             pin_memory=self.pin_memory,
+            worker_init_fn=_quiet_worker if self.num_workers > 0 else None,
             # Its workers' seeds from its own generator: loading draws nothing from the training
             # process's random state (dropout's), which a checkpoint keeps and a resume restores.
             generator=torch.Generator().manual_seed(self.seed),
         )
+        if resumable:
+            return ResumableLoader(dataset, position=self._training_position, **kwargs)
+        return DataLoader(dataset, **kwargs)
 
-    def _batches_done_this_epoch(self) -> int:
-        """In a run resumed mid-epoch, the batches of this epoch trained before it stopped:
-        Lightning restores its loop's count of them but starts the loader's epoch over (and warns
-        that the loader is not resumable: this sampler makes it so, see ``RESUME_WARNING``)."""
-        loop = self.trainer.fit_loop.epoch_loop if self.trainer is not None else None
-        return loop.batch_progress.current.ready if loop is not None and loop.restarting else 0
+    def _training_position(self) -> tuple[int, int]:
+        """(epoch, its batches trained) when a checkpoint is written; after an epoch's last batch,
+        the next epoch from its start."""
+        trainer = self.trainer
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        if done >= trainer.num_training_batches:
+            return trainer.current_epoch + 1, 0
+        return trainer.current_epoch, done
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_set, shuffle=self.shuffle, resumable=True)

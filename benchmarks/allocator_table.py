@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from ddlx.allocator import SYSTEM  # noqa: E402
-from ddlx.measure.report import load_runs  # noqa: E402
+from ddlx.tracking import load_runs  # noqa: E402
 
 
 def main(argv: list[str]) -> None:

@@ -42,10 +42,11 @@ def main() -> None:
     args = parser.parse_args()
 
     from ddlx.allocator import apply_allocator, resolve_allocator
-    from ddlx.measure.report import load_runs
+    from ddlx.tracking import load_runs
     from ddlx.predict.cli import hardware, load_hw_file
     from ddlx.predict.job import Job
-    from ddlx.predict.recommender import Predictor, ValidationRow, data_config_of_job, pick, pick_figures
+    from ddlx.predict.prediction import Predictor, data_config_of_job
+    from ddlx.predict.validation import ValidationRow, pick, pick_figures
     from ddlx.predict.setups import calibration_group, setup_of_run
     from ddlx.predict.tseq import probe_batches
 

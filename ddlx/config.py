@@ -2,61 +2,20 @@
 
 A wrong type or an unknown key fails when Hydra composes the config; each knob's range or
 choices are declared here beside its type and checked by :func:`ddlx.config_check.check_config`
-right after composing, before torch, Lightning or MLflow are imported. The strategies are
-options of the ``strategy`` group defined here (no YAML): their knobs, defaults and ranges in
-one place. Nothing here imports torch.
+right after composing, before torch, Lightning or MLflow are imported. The options of the
+``strategy`` group are the strategies' own config dataclasses (no YAML), each in its file in
+:mod:`ddlx.strategies`: its knobs, defaults and ranges in one place. Nothing here imports torch.
 """
 from __future__ import annotations
 
-from dataclasses import MISSING as NO_DEFAULT
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
 from .allocator import AUTO, CHOICES as ALLOCATORS
-
-
-@dataclass(frozen=True)
-class Bound:
-    """What a knob accepts beyond its type: a range (``low``/``high``, open or closed) or choices."""
-
-    low: float | None = None
-    high: float | None = None
-    low_open: bool = False
-    high_open: bool = False
-    choices: tuple[Any, ...] | None = None
-
-    def expected(self) -> str:
-        if self.choices is not None:
-            return "one of " + ", ".join(str(c) for c in self.choices)
-        parts = []
-        if self.low is not None and self.high is not None:
-            return f"a value in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
-        if self.low is not None:
-            parts.append(f"{'>' if self.low_open else '>='} {self.low:g}")
-        if self.high is not None:
-            parts.append(f"{'<' if self.high_open else '<='} {self.high:g}")
-        return "a value " + " and ".join(parts)
-
-    def accepts(self, value: Any) -> bool:
-        if value is None:
-            return True  # Optional fields: None means "not set", their type says whether it may be
-        if self.choices is not None:
-            return value in self.choices
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            return True  # a non-number in an Any field: its consumer checks it
-        if self.low is not None and (value < self.low or (self.low_open and value == self.low)):
-            return False
-        return not (self.high is not None and (value > self.high or (self.high_open and value == self.high)))
-
-
-def knob(default: Any = NO_DEFAULT, *, low=None, high=None, low_open=False, high_open=False, choices=None):
-    """A dataclass field with its :class:`Bound` (``default=MISSING``: the option's YAML gives it)."""
-    bound = Bound(low, high, low_open, high_open, tuple(choices) if choices is not None else None)
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"bound": bound})
-    return field(default=MISSING if default is NO_DEFAULT else default, metadata={"bound": bound})
+from .knobs import knob
+from .strategies import STRATEGIES
 
 
 # ---- the train config ------------------------------------------------------------------------
@@ -209,135 +168,23 @@ class TrainConfig:
     cpu_allocator: str = knob(AUTO, choices=(AUTO, *ALLOCATORS))
     model: ModelConfig = MISSING
     data: DataConfig = MISSING
-    strategy: Any = MISSING  # one of the strategy dataclasses below
+    strategy: Any = MISSING  # one of the strategies' config dataclasses
     trainer: TrainerConfig = MISSING
     logger: LoggerConfig = MISSING
 
 
-# ---- the strategies (the options of the strategy group) ----------------------------------------
-
-TIMEOUT_S = 300.0  # a rank that waits longer than this for the others fails instead of hanging
-COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
-PIPE_CHECKPOINT = ("never", "except_last", "always")
-
-
-@dataclass
-class SequentialConfig:
-    """One device. On CPU, ``threads`` intra-op threads (1 = the paper's one-core baseline); with
-    trainer=gpu, one GPU."""
-
-    name: str = "sequential"
-    threads: int = knob(1, low=1)
-
-
-@dataclass
-class ThreadsConfig:
-    """One process: each batch split into ``threads`` sub-batches trained by ``threads`` threads on
-    shared weights (source 003, section 2.5)."""
-
-    name: str = "threads"
-    threads: int = knob(2, low=1)
-
-
-@dataclass
-class CpuMpConfig:
-    """``processes`` ranks on one machine, each pinned to cores/processes cores with as many
-    threads, its own data shard and loader workers; gradients averaged through shared memory
-    (source 000, section 4.1)."""
-
-    name: str = "cpu_mp"
-    processes: int = knob(2, low=1)
-    pin_cores: bool = True
-    timeout_s: float = knob(TIMEOUT_S, low=0, low_open=True)
-
-
-@dataclass
-class DdpConfig:
-    """Lightning DDP: ``processes`` ranks, gradients allreduced (gloo over sockets on CPU, NCCL on GPUs)."""
-
-    name: str = MISSING
-    processes: int = knob(2, low=1)
-    bucket_cap_mb: float = knob(25.0, low=0, low_open=True)  # DDP's tensor-fusion threshold (source 004 Eq. 5.1's th)
-    comm_hook: str = knob("none", choices=COMM_HOOKS)  # gradient compression (source 002, section 4)
-    timeout_s: float = knob(TIMEOUT_S, low=0, low_open=True)
-
-
-@dataclass
-class SplitConfig:
-    """The model cut at ``cut_point`` (null: the paper's split point) over two devices, no
-    pipelining (source 003, section 2.4). devices: auto = two GPUs when there are, else [cpu, cpu]."""
-
-    name: str = "split"
-    devices: Any = "auto"
-    cut_point: Optional[str] = None
-
-
-@dataclass
-class PipeConfig:
-    """fairscale Pipe (GPipe): the batch in ``chunks`` micro-batches through the stages. balance:
-    null = two stages at the split point, auto = by profiled layer time, or layer counts per device."""
-
-    name: str = "pipe"
-    devices: Any = "auto"
-    chunks: int = knob(4, low=1)
-    balance: Any = None
-    checkpoint: str = knob("never", choices=PIPE_CHECKPOINT)  # recompute activations in backward
-
-
-@dataclass
-class HybridConfig:
-    """DDP across ``processes``, each splitting (local: split) or piping (local: pipe) the model
-    over its own pair of devices (source 000 Table 2, source 003 Figure 1)."""
-
-    name: str = "hybrid"
-    processes: int = knob(2, low=1)
-    local: str = knob("split", choices=("split", "pipe"))
-    devices: Any = "auto"
-    cut_point: Optional[str] = None
-    chunks: int = knob(4, low=1)  # local: pipe
-    balance: Any = None  # local: pipe
-    checkpoint: str = knob("never", choices=PIPE_CHECKPOINT)  # local: pipe
-    timeout_s: float = knob(TIMEOUT_S, low=0, low_open=True)
-
-
-@dataclass
-class MpiConfig:
-    """Ranks started by mpirun, gradients averaged across them, each running a ``local`` strategy
-    (source 003, section 2.6):  mpirun -np 2 python train.py strategy=mpi strategy.local=threads"""
-
-    name: str = "mpi"
-    local: str = knob("sequential", choices=("sequential", "threads", "split", "pipe"))
-    threads: int = knob(2, low=1)  # local: threads
-    devices: Any = "auto"  # local: split | pipe (two devices per rank)
-    cut_point: Optional[str] = None
-    chunks: int = knob(4, low=1)
-    balance: Any = None
-    checkpoint: str = knob("never", choices=PIPE_CHECKPOINT)
-    backend: Optional[str] = knob(None, choices=("gloo", "nccl", "mpi"))  # null: gloo on CPU, nccl on GPU
-    timeout_s: float = knob(TIMEOUT_S, low=0, low_open=True)
-
-
-STRATEGIES: dict[str, Any] = {
-    "sequential": SequentialConfig(),
-    "threads": ThreadsConfig(),
-    "cpu_mp": CpuMpConfig(),
-    "ddp_gloo": DdpConfig(name="ddp_gloo"),
-    "ddp_nccl": DdpConfig(name="ddp_nccl", processes=1),
-    "split": SplitConfig(),
-    "pipe": PipeConfig(),
-    "hybrid": HybridConfig(),
-    "mpi": MpiConfig(),
-}
+# The strategies' knobs: each strategy's own dataclass, in its file (ddlx/strategies/<name>.py).
+STRATEGY_CONFIGS: dict[str, type] = {name: spec.config for name, spec in STRATEGIES.items()}
 
 
 def register_schemas() -> None:
     """Put the schemas in Hydra's ConfigStore: ``train_schema`` (train.yaml's first default),
-    ``schema/<group>`` (each YAML option's first default) and the strategy options."""
+    ``schema/<group>`` (each YAML option's first default) and the strategy options (their specs' configs)."""
     from hydra.core.config_store import ConfigStore
 
     store = ConfigStore.instance()
     store.store(name="train_schema", node=TrainConfig)
     for group, node in (("model", ModelConfig), ("data", DataConfig), ("trainer", TrainerConfig), ("logger", LoggerConfig)):
         store.store(group=f"schema/{group}", name=group, node=node)
-    for name, node in STRATEGIES.items():
+    for name, node in STRATEGY_CONFIGS.items():
         store.store(group="strategy", name=name, node=node)

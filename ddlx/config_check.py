@@ -21,7 +21,7 @@ from omegaconf.errors import (
     ValidationError,
 )
 
-from .config import STRATEGIES, TRAINER_ARGS_SET_BY_DDLX, Bound, TrainConfig, TrainerConfig
+from .config import STRATEGY_CONFIGS, TRAINER_ARGS_SET_BY_DDLX, TrainConfig, TrainerConfig
 from .errors import ConfigError
 
 TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
@@ -74,13 +74,13 @@ def _resolved(node: DictConfig) -> dict:
 def schema_for(cfg: DictConfig) -> DictConfig:
     """The train schema, its ``strategy`` typed as the strategy that ``cfg`` names."""
     name = OmegaConf.select(cfg, "strategy.name", default=None)
-    if name not in STRATEGIES:
+    if name not in STRATEGY_CONFIGS:
         raise ConfigError(
-            f"strategy={name} is not a strategy ddlx knows{_did_you_mean(str(name), STRATEGIES)}; "
-            f"expected one of {', '.join(STRATEGIES)}"
+            f"strategy={name} is not a strategy ddlx knows{_did_you_mean(str(name), STRATEGY_CONFIGS)}; "
+            f"expected one of {', '.join(STRATEGY_CONFIGS)}"
         )
     schema = OmegaConf.structured(TrainConfig)
-    schema.strategy = OmegaConf.structured(STRATEGIES[name])
+    schema.strategy = OmegaConf.structured(STRATEGY_CONFIGS[name])
     return schema
 
 
@@ -137,8 +137,8 @@ def _unknown_key(full_key: str, object_type: Any) -> str:
     known = [f.name for f in fields(object_type)] if is_dataclass(object_type) else []
     where = f"{parent}" if parent else "the config"
     if parent == "strategy":
-        strategy = next((n for n, s in STRATEGIES.items() if type(s) is object_type), None)
-        elsewhere = [n for n, s in STRATEGIES.items() if leaf in {f.name for f in fields(s)}]
+        strategy = next((n for n, config in STRATEGY_CONFIGS.items() if config is object_type), None)
+        elsewhere = [n for n, config in STRATEGY_CONFIGS.items() if leaf in {f.name for f in fields(config)}]
         also = f"; {leaf} is a knob of strategy={'|'.join(elsewhere)}" if elsewhere else ""
         return (f"strategy.{leaf} is not a knob of strategy={strategy}{_did_you_mean(leaf, known, 'strategy.')} "
                 f"(its knobs: {', '.join(k for k in known if k != 'name')}){also}")

@@ -1,6 +1,6 @@
 """Entry point of the extra ranks of a multi-process strategy: ``python -m ddlx.rank_worker CONFIG OUTPUT_DIR``.
 
-Started by :class:`ddlx.strategies.launch.WorkerLauncher` with the job's resolved config, so
+Started by :class:`ddlx.parallel.launch.WorkerLauncher` with the job's resolved config, so
 every rank trains exactly the job that rank 0 runs (see that module for why not ``sys.argv``).
 A worker ends with the process that started it (kill -9 of rank 0 leaves no rank behind).
 """
@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from .cli import report_config_errors
 from .errors import Stopped
-from .strategies.launch import PARENT_ENV
+from .parallel.launch import PARENT_ENV
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 

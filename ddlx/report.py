@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from .measure import report
+from .tracking import load_runs, log_result_run
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -30,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     experiments = args.experiment or ["ddlx"]
     try:
-        runs = report.load_runs(args.tracking_uri, experiments, args.sweep_id)
+        runs = load_runs(args.tracking_uri, experiments, args.sweep_id)
     except ValueError as err:
         print(f"ddlx.report: error: {err}", file=sys.stderr)
         return 2
@@ -41,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nwrote {', '.join(str(f) for f in files)}")
     if not args.no_log:
         sweep = args.sweep_id if args.sweep_id != "latest" else next((r.sweep_id for r in runs), "")
-        run_id = report.log_to_mlflow(args.tracking_uri, files, {"experiments": ",".join(experiments), "sweep_id": sweep})
+        run_id = log_result_run(args.tracking_uri, "reports", "speedup-report", files=files,
+                                tags={"experiments": ",".join(experiments), "sweep_id": sweep})
         print(f"logged as MLflow run {run_id} in experiment 'reports'")
     return 0
 

@@ -29,7 +29,7 @@ from .module import ClassifierModule
 from .predict.memory import GIB, estimate_training_memory
 from .strategies import build_strategy
 from .stopping import StopAtSignal, StopSignals, disable_lightning_signal_handlers
-from .strategies.launch import RelaunchingDDPStrategy, end_distributed_job, launch_rank
+from .parallel.launch import RelaunchingDDPStrategy, end_distributed_job, launch_rank
 from .tracking import (
     check_experiment,
     check_resumable_run,

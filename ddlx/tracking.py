@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError, Stopped, StoreError
+from .records import MeasuredRun, to_measured_run
 
 if TYPE_CHECKING:  # Lightning is imported where a logger is made, not by every tracking check
     from pytorch_lightning.loggers import MLFlowLogger
@@ -53,6 +54,17 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def sqlite_path(tracking_uri: str) -> Path | None:
+    """The database file of an SQLite store (``sqlite:///PATH``), None for other stores."""
+    return Path(tracking_uri[len("sqlite:///"):]) if tracking_uri.startswith("sqlite:///") else None
+
+
+def store_exists(tracking_uri: str) -> bool:
+    """False for an SQLite store whose file is not there (opening it would create an empty one)."""
+    path = sqlite_path(tracking_uri)
+    return path is None or path.is_file()
+
+
 def check_tracking_uri(uri: str, timeout_s: float = 5.0) -> None:
     """Fail at start, not after training, when runs could not be recorded."""
     if uri.startswith(("http://", "https://")):
@@ -66,8 +78,7 @@ def check_tracking_uri(uri: str, timeout_s: float = 5.0) -> None:
                 f"MLflow tracking server logger.tracking_uri={uri} is unreachable ({err}); start it "
                 f"(mlflow server --host ... --port ...) or log locally with logger.tracking_uri=sqlite:///mlflow.db"
             ) from err
-    elif uri.startswith("sqlite:///"):
-        path = Path(uri[len("sqlite:///"):])
+    elif (path := sqlite_path(uri)) is not None:
         folder = path.parent if path.parent != Path("") else Path(".")
         if not folder.is_dir() or not os.access(folder, os.W_OK):
             raise StoreError(
@@ -123,8 +134,9 @@ def is_local_store(tracking_uri: str) -> bool:
 def artifacts_beside_store(tracking_uri: str) -> str | None:
     """An SQLite store's artifact folder: ``mlruns`` beside the database file, where train.py's
     runs keep theirs (``${paths.root}/mlruns``); None for other stores, which choose their own."""
-    if tracking_uri.startswith("sqlite:///"):
-        return str(Path(tracking_uri[len("sqlite:///"):]).resolve().parent / "mlruns")
+    path = sqlite_path(tracking_uri)
+    if path is not None:
+        return str(path.resolve().parent / "mlruns")
     return None
 
 
@@ -145,8 +157,6 @@ def check_experiment(tracking_uri: str, name: str) -> None:
     taken, and Lightning's logger would try to create it again after the checks, failing with an
     IntegrityError from deep inside the store."""
     from mlflow.tracking import MlflowClient
-
-    from .measure.report import store_exists
 
     if not store_exists(tracking_uri):
         return  # a new store has no experiments; opening it here would create it
@@ -177,10 +187,11 @@ def store_lock(tracking_uri: str) -> Iterator[None]:
     local and NFS file systems) while opening it: MLflow creates and migrates the schema on its
     first contact with a store, and processes doing that at once corrupt it or crash. Other
     stores need none (a server serializes its own writes)."""
-    if not tracking_uri.startswith("sqlite:///"):
+    path = sqlite_path(tracking_uri)
+    if path is None:
         yield
         return
-    lock = Path(tracking_uri[len("sqlite:///"):] + ".lock")
+    lock = path.with_name(path.name + ".lock")
     with open(lock, "a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
@@ -417,3 +428,79 @@ def _set_tags(client, run_id: str, tags: Mapping[str, str]) -> None:
     from mlflow.entities import RunTag
 
     client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items() if v is not None])
+
+
+# ---- reading runs, and the runs that record a report or a recommendation ---------------------
+
+
+def load_runs(tracking_uri: str, experiments: list[str], sweep_id: str | None = None) -> list[MeasuredRun]:
+    """Every run of ``experiments`` (or only those of ``sweep_id``; ``latest`` = the newest sweep),
+    after closing those whose process vanished. A ValueError says what is missing."""
+    from mlflow.tracking import MlflowClient
+
+    if not store_exists(tracking_uri):
+        raise ValueError(f"no MLflow store at {tracking_uri}: train first (python train.py ...) or pass --tracking-uri")
+    with store_lock(tracking_uri):
+        client = MlflowClient(tracking_uri)
+        ids = []
+        for name in experiments:
+            exp = client.get_experiment_by_name(name)
+            if exp is None:
+                raise ValueError(f"no MLflow experiment named {name!r} at {tracking_uri}")
+            ids.append(exp.experiment_id)
+    close_vanished_runs(client, ids)  # a run whose process is gone is FAILED, not still running
+    found = client.search_runs(ids, max_results=50000, order_by=["attributes.start_time DESC"])
+    if sweep_id == "latest":
+        sweep_id = next((r.data.tags["sweep_id"] for r in found if r.data.tags.get("sweep_id")), None)
+        if sweep_id is None:
+            raise ValueError("sweep_id=latest: none of these runs belongs to a sweep (python train.py -m ...)")
+    runs = [to_measured_run(r) for r in found]
+    if sweep_id is not None:
+        runs = [r for r in runs if r.sweep_id == sweep_id]
+        if not runs:
+            raise ValueError(f"no runs tagged sweep_id={sweep_id!r} in experiments {experiments}")
+    return runs
+
+
+def log_result_run(tracking_uri: str, experiment: str, run_name: str, *, artifact_location: str | None = None,
+                   tags: Mapping[str, str] | None = None, params: Mapping[str, object] | None = None,
+                   metrics: Mapping[str, float] | None = None, files: list[Path] = ()) -> str:
+    """One FINISHED run recording a result (a report, a recommendation): its inputs as params,
+    its answer as tags and metrics, its files as artifacts. Its id."""
+    from mlflow.entities import Metric, Param
+
+    client = prepare_store(tracking_uri, experiment, artifact_location or artifacts_beside_store(tracking_uri))
+    exp_id = client.get_experiment_by_name(experiment).experiment_id
+    run = client.create_run(exp_id, run_name=run_name, tags={k: str(v) for k, v in (tags or {}).items() if v})
+    now = int(time.time() * 1000)
+    client.log_batch(run.info.run_id, params=[Param(k, str(v)) for k, v in (params or {}).items()],
+                     metrics=[Metric(k, float(v), now, 0) for k, v in (metrics or {}).items()])
+    for path in files:
+        client.log_artifact(run.info.run_id, str(path))
+    client.set_terminated(run.info.run_id, "FINISHED")
+    return run.info.run_id
+
+
+def log_series(logger, metrics: list[tuple[str, float, int]], summary: Mapping[str, float], summary_ms: int,
+               files: list[Path] = ()) -> None:
+    """A training run's sampled series (name, value, unix ms), numbered after those already
+    logged (a resumed run's continue), its summary figures and files. No run (no logger, or
+    Lightning's stand-in under fast_dev_run): nothing."""
+    from mlflow.entities import Metric
+
+    run_id = getattr(logger, "run_id", None)
+    if not isinstance(run_id, str):
+        return
+    client = logger.experiment
+    names = {name for name, _, _ in metrics}
+    first = {name: len(client.get_metric_history(run_id, name)) for name in names}
+    count: dict[str, int] = {}
+    batch = []
+    for name, value, ms in metrics:
+        batch.append(Metric(name, float(value), ms, first[name] + count.get(name, 0)))
+        count[name] = count.get(name, 0) + 1
+    batch += [Metric(name, float(value), summary_ms, 0) for name, value in summary.items()]
+    for i in range(0, len(batch), 1000):  # MLflow's batch limit
+        client.log_batch(run_id, metrics=batch[i : i + 1000])
+    for path in files:
+        client.log_artifact(run_id, str(path))

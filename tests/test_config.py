@@ -11,7 +11,7 @@ import time
 import pytest
 
 from conftest import PROJECT_DIR, compose_config, subprocess_env
-from ddlx.config import STRATEGIES, TRAINER_ARGS_SET_BY_DDLX, TrainerConfig
+from ddlx.config import STRATEGY_CONFIGS, TRAINER_ARGS_SET_BY_DDLX, TrainerConfig
 from ddlx.config_check import check_config
 from ddlx.errors import ConfigError
 
@@ -64,7 +64,7 @@ def test_the_schema_types_and_bounds_every_strategys_knobs():
         check_config(compose_config(["strategy=pipe", "strategy.checkpoint=sometimes"]))
     with pytest.raises(ConfigError, match=r"strategy.timeout_s=0.0: expected a value > 0"):
         check_config(compose_config(["strategy=hybrid", "strategy.timeout_s=0"]))
-    for name in STRATEGIES:
+    for name in STRATEGY_CONFIGS:
         check_config(compose_config([f"strategy={name}"]))  # every default is within its bounds
 
 

@@ -17,13 +17,15 @@ from omegaconf import OmegaConf
 
 from conftest import CONF_DIR, PROJECT_DIR, subprocess_env
 from ddlx.errors import ConfigError
-from ddlx.measure.report import MeasuredRun, workload_of
+from ddlx.records import MeasuredRun, workload_of
 from ddlx.predict import perf_models as pm
 from ddlx.predict.cli import hardware, load_hw_file
 from ddlx.predict.hardware import HardwareSpec, LinkSpec
 from ddlx.predict.job import Job
 from ddlx.predict.profile import profile_model
-from ddlx.predict.recommender import Calibration, Predictor, ValidationRow, choose, pick, validate
+from ddlx.predict.calibration import Calibration
+from ddlx.predict.prediction import Predictor, choose
+from ddlx.predict.validation import ValidationRow, pick, validate
 from ddlx.predict.setups import SequentialTime, Setup, memory_need, model_batch_s, model_cost, setup_of_run
 from ddlx.predict.tseq import ProbedBatch
 
@@ -124,7 +126,7 @@ def test_a_steps_tensors_scale_with_the_batch_and_those_of_32_mib_are_mapped_afr
 
 def test_the_allocator_advice_names_what_glibc_maps_afresh_for_the_recommended_setup(monkeypatch):
     from ddlx.predict.profile import mapped_bytes
-    from ddlx.predict.recommender import allocator_advice
+    from ddlx.predict.prediction import allocator_advice
     from ddlx.predict.setups import worker_batch
 
     job = Job("mobilenet_v2", "firesmall", 3, 3, 192, 32, 320)
@@ -137,7 +139,7 @@ def test_the_allocator_advice_names_what_glibc_maps_afresh_for_the_recommended_s
     assert allocator_advice(Predictor(gpu, []).recommend(job)) is None
     # This machine as the target, where glibc does not serve malloc (musl, a preloaded jemalloc):
     # train.py here would refuse keep_freed, so it is not advised; a described machine still gets it.
-    monkeypatch.setattr("ddlx.predict.recommender.keep_freed_possible", lambda: False)
+    monkeypatch.setattr("ddlx.predict.prediction.keep_freed_possible", lambda: False)
     assert allocator_advice(Predictor(_hw(host=socket.gethostname()), []).recommend(job)) is None
     assert allocator_advice(Predictor(_hw(), []).recommend(job)) is not None
     assert [worker_batch(s, job) for s in (Setup("sequential", (("threads", 2),)), Setup("threads", (("threads", 2),)),
@@ -268,7 +270,7 @@ def test_a_network_measured_at_other_sizes_corrects_its_strategies_own_miss():
     shares out differently per layer mix): a ResNet18 size not measured is predicted with that
     factor, learned from its two other sizes; AlexNet, measured at one size, and VGG11 are not
     given one, and a workload's repeats count once."""
-    from ddlx.predict.recommender import WorkloadRatio, workload_ratios
+    from ddlx.predict.calibration import WorkloadRatio, workload_ratios
     from ddlx.predict.setups import Cost
 
     hw = _hw()
@@ -544,7 +546,7 @@ def test_checkpointed_pipe_trades_time_for_memory():
 
 
 def test_calibration_is_chosen_by_how_well_it_predicts_held_out_runs():
-    from ddlx.predict.recommender import fit_calibration
+    from ddlx.predict.calibration import fit_calibration
     from ddlx.predict.setups import Cost
 
     costs = [Cost(1.0, 0.2), Cost(0.5, 0.5), Cost(0.2, 1.0), Cost(0.8, 0.1)]
@@ -566,7 +568,7 @@ def test_batch_splitting_strategies_share_one_compute_factor():
     """threads, cpu_mp and DDP run the same network on the same b/W samples per worker: one
     compute factor between them, each its own overhead factor; other groups, and a group with
     too few runs, are fitted apart."""
-    from ddlx.predict.recommender import fit_group_calibrations
+    from ddlx.predict.calibration import fit_group_calibrations
     from ddlx.predict.setups import Cost
 
     costs = [Cost(1.0, 0.2), Cost(0.5, 0.5), Cost(0.2, 1.0), Cost(0.9, 0.05)]

@@ -9,6 +9,7 @@ from mlflow.tracking import MlflowClient
 
 from ddlx import report as cli
 from ddlx.measure import report
+from ddlx.tracking import load_runs
 
 WORKLOAD = {"model.name": "alexnet", "data.name": "firesmall", "data.image_size": "64", "data.batch_size": "32",
             "data.num_images": "200", "data.num_workers": "0", "data.root": "None", "trainer.limit_train_batches": "1.0"}
@@ -44,7 +45,7 @@ def store(tmp_path):
 
 
 def test_speedups_over_the_one_core_baseline(store):
-    built = report.build_report(report.load_runs(store, ["ddlx"]))
+    built = report.build_report(load_runs(store, ["ddlx"]))
     alexnet = {r.setup: r for r in built.rows if r.workload.model == "alexnet" and r.workload.batch_size == "32"}
     assert alexnet["sequential threads=1"].speedup == pytest.approx(1.0)
     assert alexnet["sequential threads=2"].speedup == pytest.approx(30 / 16)
@@ -54,7 +55,7 @@ def test_speedups_over_the_one_core_baseline(store):
 
 
 def test_missing_baseline_is_named_with_the_command_that_measures_it(store):
-    built = report.build_report(report.load_runs(store, ["ddlx"]))
+    built = report.build_report(load_runs(store, ["ddlx"]))
     (vgg,) = [r for r in built.rows if r.workload.model == "vgg16"]
     assert vgg.speedup is None
     (missing,) = built.missing_baselines
@@ -63,14 +64,14 @@ def test_missing_baseline_is_named_with_the_command_that_measures_it(store):
 
 
 def test_failed_runs_are_listed_with_their_error(store):
-    built = report.build_report(report.load_runs(store, ["ddlx"]))
+    built = report.build_report(load_runs(store, ["ddlx"]))
     (failed,) = built.failed
     assert failed.strategy == "pipe" and "OutOfMemoryError" in failed.error
     assert "failed: " in report.to_text(built) and "OutOfMemoryError: boom" in report.to_text(built)
 
 
 def test_a_different_batch_is_a_different_workload(store):
-    built = report.build_report(report.load_runs(store, ["ddlx"]))
+    built = report.build_report(load_runs(store, ["ddlx"]))
     b16 = [r for r in built.rows if r.workload.batch_size == "16"]
     assert len(b16) == 1 and b16[0].speedup == pytest.approx(1.0), "not compared with the batch-32 runs"
 
@@ -81,7 +82,7 @@ def test_another_allocator_is_another_workload_with_its_own_baseline(store):
     client = MlflowClient(store)
     exp = client.get_experiment_by_name("ddlx").experiment_id
     _log(client, exp, "cpu_mp", 7.0, tags={"processes": "2"}, params={"cpu_allocator": "keep_freed"})
-    built = report.build_report(report.load_runs(store, ["ddlx"]))
+    built = report.build_report(load_runs(store, ["ddlx"]))
     (kept,) = [r for r in built.rows if r.workload.cpu_allocator == "keep_freed"]
     assert kept.speedup is None and built.label(kept.workload) == "alexnet/firesmall 64px b32 cpu_allocator=keep_freed"
     assert any("cpu_allocator=keep_freed" in m and "strategy=sequential strategy.threads=1" in m for m in built.missing_baselines)
@@ -94,7 +95,7 @@ def test_workloads_sharing_a_short_label_are_named_apart(store):
     client = MlflowClient(store)
     exp = client.get_experiment_by_name("ddlx").experiment_id
     _log(client, exp, "sequential", 90.0, tags={"threads": "1"}, params={"data.num_images": "800"})
-    built = report.build_report(report.load_runs(store, ["ddlx"]))
+    built = report.build_report(load_runs(store, ["ddlx"]))
     base = [r for r in built.rows if r.setup == "sequential threads=1" and r.workload.model == "alexnet"
             and r.workload.batch_size == "32"]
     assert sorted(built.label(r.workload) for r in base) == [
@@ -104,14 +105,14 @@ def test_workloads_sharing_a_short_label_are_named_apart(store):
 
 
 def test_sweep_filter_and_latest(store):
-    assert {r.sweep_id for r in report.load_runs(store, ["ddlx"], "multirun/a")} == {"multirun/a"}
-    assert {r.sweep_id for r in report.load_runs(store, ["ddlx"], "latest")} == {"multirun/b"}
+    assert {r.sweep_id for r in load_runs(store, ["ddlx"], "multirun/a")} == {"multirun/a"}
+    assert {r.sweep_id for r in load_runs(store, ["ddlx"], "latest")} == {"multirun/b"}
     with pytest.raises(ValueError, match="no runs tagged sweep_id='nope'"):
-        report.load_runs(store, ["ddlx"], "nope")
+        load_runs(store, ["ddlx"], "nope")
 
 
 def test_markdown_has_the_papers_table_shape(store):
-    md = report.to_markdown(report.build_report(report.load_runs(store, ["ddlx"], "multirun/a")))
+    md = report.to_markdown(report.build_report(load_runs(store, ["ddlx"], "multirun/a")))
     assert "Speedup over sequential threads=1 (one core) on cpu:" in md
     assert "| setup | alexnet/firesmall 64px b32 | vgg16/firesmall 64px b32 |" in md
     assert "| cpu_mp processes=2 | 3.00 | - |" in md
@@ -119,7 +120,7 @@ def test_markdown_has_the_papers_table_shape(store):
 
 
 def test_csv_and_plot(store, tmp_path):
-    built = report.build_report(report.load_runs(store, ["ddlx"], "multirun/a"))
+    built = report.build_report(load_runs(store, ["ddlx"], "multirun/a"))
     md, csv_file, png = report.write(built, tmp_path / "out")
     rows = list(csv.DictReader(io.StringIO(csv_file.read_text())))
     by_setup = {r["setup"]: r for r in rows if r["model"] == "alexnet"}

@@ -160,7 +160,8 @@ def test_errors_before_and_after_the_run_opens_and_runs_without_a_step(tiny_conf
     train(tiny_config("trainer.fast_dev_run=true"), tmp_path / "smoke")
     smoke = next(r for r in runs(tracking_uri) if r.info.run_id != failed.info.run_id)
     assert smoke.info.status == "FINISHED" and smoke.data.tags["measured"] == "false"
-    from ddlx.measure.report import build_report, load_runs
+    from ddlx.measure.report import build_report
+    from ddlx.tracking import load_runs
 
     report = build_report(load_runs(tracking_uri, ["ddlx"]))
     assert not report.rows and [r.run_id for r in report.unmeasured] == [smoke.info.run_id]
@@ -265,7 +266,7 @@ def test_kill_9_of_rank_0_leaves_no_rank_and_the_run_is_failed_at_the_next_look(
               "rank 1 to end with rank 0")
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     assert [r.info.status for r in runs(uri)] == ["RUNNING"]
-    from ddlx.measure.report import load_runs
+    from ddlx.tracking import load_runs
 
     (seen,) = load_runs(uri, ["ddlx"])  # the report looks: the run's process is gone
     assert seen.status == "FAILED" and f"pid {proc.pid}" in seen.error and "ended without closing the run" in seen.error

@@ -12,78 +12,11 @@ from __future__ import annotations
 import csv
 import io
 from collections import defaultdict
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import median
 
-from ..allocator import SYSTEM
-
-# The workload: runs that differ in any of these are not comparable.
-WORKLOAD_PARAMS = (
-    "model.name", "data.name", "data.image_size", "data.batch_size", "data.num_images",
-    "data.num_workers", "data.root", "trainer.limit_train_batches",
-)
-# Tags that name a setup's knobs, in the order they are printed.
-KNOB_TAGS = (
-    "threads", "processes", "ranks", "nodes", "backend", "comm_hook", "bucket_cap_mb",
-    "local", "devices", "cut_point", "chunks", "checkpoint",
-)
-DEFAULT_KNOBS = {"comm_hook": "none", "checkpoint": "never"}
-BASELINE_LABEL = {"cpu": "sequential threads=1 (one core)", "gpu": "sequential (one GPU)"}
-
-
-@dataclass(frozen=True)
-class Workload:
-    host: str
-    model: str
-    data: str
-    image_size: str
-    batch_size: str
-    num_images: str
-    num_workers: str
-    root: str
-    limit_train_batches: str
-    use_case: str = ""
-    cpu_allocator: str = SYSTEM
-
-    @property
-    def label(self) -> str:
-        name = self.use_case or f"{self.model}/{self.data}"
-        allocator = f" cpu_allocator={self.cpu_allocator}" if self.cpu_allocator != SYSTEM else ""
-        return f"{name} {self.image_size}px b{self.batch_size}{allocator}"
-
-    def baseline_command(self, device: str) -> str:
-        over = [f"model={self.model}", f"data={self.data}", f"data.image_size={self.image_size}",
-                f"data.batch_size={self.batch_size}", f"data.num_images={self.num_images}",
-                f"data.num_workers={self.num_workers}", f"trainer.limit_train_batches={self.limit_train_batches}"]
-        if self.root not in ("None", ""):
-            over.append(f"data.root={self.root}")
-        if self.cpu_allocator != SYSTEM:
-            over.append(f"cpu_allocator={self.cpu_allocator}")
-        over += ["strategy=sequential", "strategy.threads=1"] if device == "cpu" else ["strategy=sequential", "trainer=gpu"]
-        return "python train.py " + " ".join(over)
-
-
-@dataclass
-class MeasuredRun:
-    run_id: str
-    status: str
-    workload: Workload
-    device: str
-    strategy: str
-    setup: str
-    mean_epoch_time_s: float | None
-    sweep_id: str = ""
-    error: str = ""
-    params: dict[str, str] = field(default_factory=dict)
-    tags: dict[str, str] = field(default_factory=dict)
-    metrics: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def is_baseline(self) -> bool:
-        return self.strategy == "sequential" and (self.device != "cpu" or self.setup == "sequential threads=1")
-
+from ..records import BASELINE_LABEL, MeasuredRun, Workload, distinct_labels
 
 @dataclass
 class Row:
@@ -105,92 +38,6 @@ class Report:
 
     def label(self, workload: Workload) -> str:
         return self.labels.get(workload, workload.label)
-
-
-# What tells apart workloads whose short labels (model/data, size, batch) coincide.
-DISTINGUISHING_FIELDS = ("num_images", "num_workers", "limit_train_batches", "root", "host")
-
-
-def distinct_labels(workloads: Iterable[Workload]) -> dict[Workload, str]:
-    """Each workload's short label, followed by the fields whose values differ among the
-    workloads sharing it (``alexnet/firesmall 64px b32 num_images=400``), so no two coincide."""
-    by_label: dict[str, set[Workload]] = defaultdict(set)
-    for workload in workloads:
-        by_label[workload.label].add(workload)
-    labels = {}
-    for label, group in by_label.items():
-        differing = [f for f in DISTINGUISHING_FIELDS if len({getattr(w, f) for w in group}) > 1]
-        for workload in group:
-            labels[workload] = label + "".join(f" {f}={getattr(workload, f)}" for f in differing)
-    return labels
-
-
-def setup_label(tags: dict[str, str], params: dict[str, str] | None = None) -> str:
-    """Strategy and knobs; a pipeline's balance only when the user chose one (the resolved
-    default differs per model and would make every model's pipe a different setup)."""
-    knobs = [f"{k}={tags[k]}" for k in KNOB_TAGS if tags.get(k) not in (None, "", "None", DEFAULT_KNOBS.get(k))]
-    balance = (params or {}).get("strategy.balance")
-    if tags.get("strategy") == "pipe" and balance not in (None, "None"):
-        knobs.append(f"balance={balance}")
-    return " ".join([tags.get("strategy", "?"), *knobs])
-
-
-def workload_of(params: dict[str, str], tags: dict[str, str]) -> Workload:
-    return Workload(tags.get("host", "?"), *(str(params.get(k, "")) for k in WORKLOAD_PARAMS),
-                    use_case=tags.get("use_case", ""), cpu_allocator=params.get("cpu_allocator", SYSTEM))
-
-
-def to_measured_run(run) -> MeasuredRun:
-    """One MLflow run (``mlflow.entities.Run``) as the report sees it."""
-    p, t, m = run.data.params, run.data.tags, run.data.metrics
-    return MeasuredRun(
-        run_id=run.info.run_id,
-        status=run.info.status,
-        workload=workload_of(p, t),
-        device=t.get("accelerator", p.get("trainer.accelerator", "cpu")),
-        strategy=t.get("strategy", "?"),
-        setup=setup_label(t, p),
-        mean_epoch_time_s=m.get("mean_epoch_time_s"),
-        sweep_id=t.get("sweep_id", ""),
-        error=t.get("error", ""),
-        params=dict(p),
-        tags=dict(t),
-        metrics=dict(m),
-    )
-
-
-def store_exists(tracking_uri: str) -> bool:
-    """False for an SQLite store whose file is not there (opening it would create an empty one)."""
-    return not tracking_uri.startswith("sqlite:///") or Path(tracking_uri[len("sqlite:///"):]).is_file()
-
-
-def load_runs(tracking_uri: str, experiments: list[str], sweep_id: str | None = None) -> list[MeasuredRun]:
-    """Every run of ``experiments`` (or only those of ``sweep_id``; ``latest`` = the newest sweep)."""
-    from mlflow.tracking import MlflowClient
-
-    if not store_exists(tracking_uri):
-        raise ValueError(f"no MLflow store at {tracking_uri}: train first (python train.py ...) or pass --tracking-uri")
-    from ..tracking import close_vanished_runs
-
-    client = MlflowClient(tracking_uri)
-    ids = []
-    for name in experiments:
-        exp = client.get_experiment_by_name(name)
-        if exp is None:
-            raise ValueError(f"no MLflow experiment named {name!r} at {tracking_uri}")
-        ids.append(exp.experiment_id)
-    close_vanished_runs(client, ids)  # a run whose process is gone is FAILED, not still running
-    found = client.search_runs(ids, max_results=50000, order_by=["attributes.start_time DESC"])
-    if sweep_id == "latest":
-        sweep_id = next((r.data.tags["sweep_id"] for r in found if r.data.tags.get("sweep_id")), None)
-        if sweep_id is None:
-            raise ValueError("sweep_id=latest: none of these runs belongs to a sweep (python train.py -m ...)")
-    runs = [to_measured_run(r) for r in found]
-    if sweep_id is not None:
-        runs = [r for r in runs if r.sweep_id == sweep_id]
-        if not runs:
-            raise ValueError(f"no runs tagged sweep_id={sweep_id!r} in experiments {experiments}")
-    return runs
 
 
 def build_report(runs: list[MeasuredRun]) -> Report:
@@ -318,19 +165,3 @@ def write(report: Report, out_dir: Path) -> list[Path]:
     files[1].write_text(to_csv(report))
     plot(report, files[2])
     return files
-
-
-def log_to_mlflow(tracking_uri: str, files: list[Path], sources: dict[str, str], experiment: str = "reports") -> str:
-    """One run in the ``reports`` experiment holding the report's files, tagged with what it read."""
-    import mlflow
-    from mlflow.tracking import MlflowClient
-
-    from ..tracking import artifacts_beside_store, experiment_id
-
-    client = MlflowClient(tracking_uri)
-    exp_id = experiment_id(client, experiment, tracking_uri, artifacts_beside_store(tracking_uri), setting=None)
-    run = client.create_run(exp_id, tags={k: v for k, v in sources.items() if v}, run_name="speedup-report")
-    for path in files:
-        client.log_artifact(run.info.run_id, str(path))
-    client.set_terminated(run.info.run_id, mlflow.entities.RunStatus.to_string(mlflow.entities.RunStatus.FINISHED))
-    return run.info.run_id

@@ -10,7 +10,6 @@ the ranks at the end of training.
 from __future__ import annotations
 
 import logging
-import os
 import tempfile
 import threading
 import time
@@ -20,6 +19,8 @@ from pathlib import Path
 import psutil
 import pytorch_lightning as pl
 import torch
+
+from .. import tracking
 
 log = logging.getLogger(__name__)
 
@@ -183,30 +184,16 @@ class ResourceMonitor(pl.Callback):
 
 
 def log_series(logger, series: ResourceSeries, extra: dict[str, float]) -> None:
-    """Metric series with their sample times (MLflow's 'relative time' axis = elapsed s) + plot."""
-    from mlflow.entities import Metric
-
-    run_id = getattr(logger, "run_id", None)
-    if not isinstance(run_id, str):  # no logger, or Lightning's stand-in (fast_dev_run)
-        return
-    client = logger.experiment
+    """Metric series with their sample times (MLflow's 'relative time' axis = elapsed s), the
+    peaks and means, and the plot."""
     start_ms = int(series.start_wall * 1000)
-    first = len(client.get_metric_history(run_id, "cpu_percent"))  # a resumed run's series continue
-    metrics = [
-        Metric(name, float(getattr(s, name)), start_ms + int(s.elapsed_s * 1000), first + step)
-        for step, s in enumerate(series.samples)
-        for name in ResourceMonitor.SERIES
-    ]
-    end_ms = start_ms + int(series.duration_s * 1000)
+    metrics = [(name, float(getattr(s, name)), start_ms + int(s.elapsed_s * 1000))
+               for s in series.samples for name in ResourceMonitor.SERIES]
     summary = {"peak_ram_mb": series.peak_ram_mb(), "mean_cpu_percent": series.mean_cpu_percent(),
                "monitor_cpu_fraction": series.overhead_fraction(), **extra}
-    metrics += [Metric(name, float(value), end_ms, 0) for name, value in summary.items()]
-    for i in range(0, len(metrics), 1000):  # MLflow's batch limit
-        client.log_batch(run_id, metrics=metrics[i : i + 1000])
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "resources.png"
-        plot_series(series, path)
-        client.log_artifact(run_id, str(path))
+        path = plot_series(series, Path(tmp) / "resources.png")
+        tracking.log_series(logger, metrics, summary, start_ms + int(series.duration_s * 1000), files=[path])
 
 
 def plot_series(series: ResourceSeries, path: Path, title: str = "") -> Path:

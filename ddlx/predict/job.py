@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..allocator import SYSTEM
-from ..measure.report import MeasuredRun
+from ..records import MeasuredRun
 from .hardware import HardwareSpec
 
 

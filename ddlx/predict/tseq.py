@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..measure.report import MeasuredRun
+from ..records import MeasuredRun
 from .hardware import HardwareSpec, intra_op_threads
 from .job import Job, measured_per_batch_s, on_hardware, same_network, usable
 from .profile import ModelProfile

@@ -1,4 +1,43 @@
-"""Strategies: a factory from strategy config to Trainer arguments, and the strategies Lightning lacks."""
-from .factory import StrategyPlan, available_strategies, build_strategy
+"""The strategies ddlx runs, measures and predicts: one spec per strategy (:mod:`.spec`), one file
+each (``ddlx/strategies/<name>.py``, found here by their ``SPECS``). Adding a strategy is adding
+its file. Their implementations (Lightning strategies, parallelizers) are in :mod:`ddlx.parallel`.
+"""
+from __future__ import annotations
 
-__all__ = ["StrategyPlan", "available_strategies", "build_strategy"]
+import importlib
+import pkgutil
+
+from ..errors import ConfigError
+from .spec import Setup, StrategyPlan, StrategySpec
+
+
+def _discover() -> dict[str, StrategySpec]:
+    found: list[StrategySpec] = []
+    for module in pkgutil.iter_modules(__path__):
+        found += getattr(importlib.import_module(f"{__name__}.{module.name}"), "SPECS", ())
+    return {spec.name: spec for spec in sorted(found, key=lambda spec: spec.order)}
+
+
+STRATEGIES: dict[str, StrategySpec] = _discover()
+
+
+def available_strategies() -> list[str]:
+    return sorted(STRATEGIES)
+
+
+def spec_of(name: str) -> StrategySpec:
+    if name not in STRATEGIES:
+        raise ConfigError(f"strategy.name={name!r} is not known; expected one of {', '.join(available_strategies())}")
+    return STRATEGIES[name]
+
+
+def build_strategy(cfg, accelerator: str, model, data) -> StrategyPlan:
+    """The Trainer's arguments for the strategy ``cfg`` names (``model`` on the meta device is
+    enough: layer counts and cut points; ``data``: the batch's shape)."""
+    spec = spec_of(cfg.get("name"))
+    plan = spec.plan(cfg, accelerator, model, data)
+    plan.tags = {"strategy": spec.name, **plan.tags}
+    return plan
+
+
+__all__ = ["STRATEGIES", "Setup", "StrategyPlan", "StrategySpec", "available_strategies", "build_strategy", "spec_of"]

@@ -1,89 +1,61 @@
-"""Custom multi-process data parallelism on CPU: the paper's fastest CPU setup (source 000, 4.1).
-
-``processes`` ranks on one machine, each pinned to its own equal share of the cores with that
-many intra-op threads (so ranks never oversubscribe), its own data shard (Lightning's
-DistributedSampler) and its own loader workers (which inherit the pinning). Gradients are
-averaged after every backward through shared memory (:mod:`.shared_memory`) instead of DDP's
-socket allreduce. Processes start like DDP's (the script re-launched per rank); the process
-group carries only barriers, metric reductions and the initial weight broadcast.
-"""
+"""Multi-process data parallelism on one CPU machine, gradients averaged through shared memory
+(source 000, section 4.1): the paper's fastest CPU setup."""
 from __future__ import annotations
 
-import logging
-import os
-from datetime import timedelta
+from dataclasses import dataclass
 
-import torch
-import torch.distributed as dist
-from pytorch_lightning.overrides.distributed import _sync_module_states
-from .launch import RelaunchingDDPStrategy
+from ..knobs import knob
+from ..predict.costs import cost, memory_need, replica_bytes, weight_traffic_s
+from ..predict.perf_models import cpu_mp_s
+from .spec import Setup, StrategyPlan, StrategySpec, require_cpu, warn_oversubscription
 
-from .shared_memory import SharedMemoryGradientAverager
-
-log = logging.getLogger(__name__)
+TIMEOUT_S = 300.0  # a rank that waits longer than this for the others fails instead of hanging
 
 
-def core_share(cores: list[int], processes: int, rank: int) -> list[int]:
-    """The cores of ``rank`` when ``cores`` are split evenly into ``processes`` contiguous shares."""
-    per = max(1, len(cores) // processes)
-    start = (rank * per) % len(cores)
-    return cores[start : start + per]
+@dataclass
+class CpuMpConfig:
+    """``processes`` ranks on one machine, each pinned to cores/processes cores with as many
+    threads, its own data shard and loader workers; gradients averaged through shared memory
+    (source 000, section 4.1)."""
+
+    name: str = "cpu_mp"
+    processes: int = knob(2, low=1)
+    pin_cores: bool = True
+    timeout_s: float = knob(TIMEOUT_S, low=0, low_open=True)
 
 
-class CpuMultiProcessStrategy(RelaunchingDDPStrategy):
-    strategy_name = "ddlx_cpu_mp"
+class CpuMp(StrategySpec):
+    name, config, order = "cpu_mp", CpuMpConfig, 2
+    knob_tags = ("processes",)
+    splits_batch = True
 
-    def __init__(self, processes: int, pin_cores: bool = True, timeout_s: float = 300.0) -> None:
-        super().__init__(
-            accelerator=None,
-            parallel_devices=[torch.device("cpu")] * processes,
-            process_group_backend="gloo",
-            timeout=timedelta(seconds=timeout_s),
-        )
-        self.pin_cores = pin_cores
-        self._averager: SharedMemoryGradientAverager | None = None
-        self._restore: tuple[set[int], int] | None = None
+    def plan(self, cfg, accelerator, model, data) -> StrategyPlan:
+        from ..parallel.cpu_mp import CpuMultiProcessStrategy
 
-    def setup_environment(self) -> None:
-        # Before the process group and the model: threads and affinity are per process.
-        cores = sorted(os.sched_getaffinity(0))
-        mine = core_share(cores, self.num_processes, self.local_rank)
-        self._restore = (set(cores), torch.get_num_threads())  # the process may outlive the job (a sweep)
-        if self.pin_cores:
-            os.sched_setaffinity(0, mine)
-        torch.set_num_threads(len(mine))
-        log.info("cpu_mp rank %d: cores %s, %d threads", self.local_rank, mine, len(mine))
-        super().setup_environment()
-        if self.num_nodes > 1:
-            raise RuntimeError("cpu_mp averages through shared memory and runs on one machine; use strategy=mpi for several")
+        require_cpu(self.name, accelerator)
+        warn_oversubscription(self.name, cfg.processes, "processes")
+        strategy = CpuMultiProcessStrategy(cfg.processes, pin_cores=cfg.pin_cores, timeout_s=cfg.timeout_s)
+        return StrategyPlan(trainer_kwargs={"strategy": strategy, "devices": cfg.processes, "accelerator": "cpu"},
+                            tags={"processes": str(cfg.processes)}, data_parallel=cfg.processes,
+                            replicas_per_machine=cfg.processes)
 
-    def configure_ddp(self) -> None:
-        # No DDP wrapper: same start weights everywhere, then shared-memory averaging after backward.
-        _sync_module_states(self.model)
-        self._averager = SharedMemoryGradientAverager(
-            list(self.model.parameters()),
-            rank=self.global_rank,
-            world_size=self.world_size,
-            barrier=dist.barrier,
-            broadcast_name=self._broadcast_name,
-        )
+    def setup_of_run(self, params, tags) -> Setup:
+        return Setup(self.name, (("processes", int(params["strategy.processes"])),))
 
-    @staticmethod
-    def _broadcast_name(name: str | None) -> str:
-        holder = [name]
-        dist.broadcast_object_list(holder, src=0)
-        return holder[0]
+    def candidates(self, hw, job) -> list[Setup]:
+        n = hw.devices_per_node
+        return [Setup(self.name, (("processes", n),))] if hw.device_kind == "cpu" and n > 1 else []
 
-    def post_backward(self, closure_loss: torch.Tensor) -> None:
-        if self._averager is not None and self.lightning_module.training:
-            self._averager.average()
+    def cost(self, setup, job, hw, profile, seq):
+        p = setup.get("processes")
+        work = job.batch_size * (seq.per_sample_s + seq.load_per_sample_s)
+        barrier = hw.intra_node.latency_us * 1e-6
+        total = cpu_mp_s(work, p, profile.gradient_mb, hw.memory_bandwidth_gb_s * 1e3, barrier) + weight_traffic_s(seq, hw, p, p)
+        return cost(work / p, total)
 
-    def teardown(self) -> None:
-        self._averager = None
-        if self._restore is not None:
-            cores, threads = self._restore
-            if self.pin_cores:
-                os.sched_setaffinity(0, cores)
-            torch.set_num_threads(threads)
-            self._restore = None
-        super().teardown()
+    def memory(self, setup, job, hw, profile):
+        p = setup.get("processes")
+        return memory_need(hw, replica_bytes(job, job.batch_size // p), min(p, hw.devices_per_node))
+
+
+SPECS = (CpuMp(),)

@@ -1,42 +1,113 @@
-"""MPI launch: ``mpirun`` starts every rank; Lightning's MPIEnvironment reads the ranks from mpi4py.
-
-Each rank runs a local strategy on its own share of the machine (source 003, section 2.6 and
-its Figure 1: MPI between nodes, local parallelism inside each) and gradients are averaged
-across all ranks by DDP over gloo (CPU) or NCCL (GPU).
-"""
+"""Ranks started by ``mpirun`` (or SLURM), gradients averaged across them, each rank running a
+``local`` strategy on its own devices (source 003, section 2.6)."""
 from __future__ import annotations
 
-import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Optional
 
-import torch
-
-from ..errors import ConfigError
-
-INSTALL_HINT = (
-    "install OpenMPI (apt-get install -y openmpi-bin libopenmpi-dev) and mpi4py (pip install -e '.[mpi]'), "
-    "then start with: mpirun -np 2 python train.py strategy=mpi"
-)
-
-
-def mpi_layout() -> tuple[int, int, int]:
-    """(world size, ranks on this node, nodes) of the running MPI job."""
-    try:
-        from mpi4py import MPI
-    except ImportError as err:
-        raise ConfigError(f"strategy=mpi needs mpi4py, which is not importable here ({err}); {INSTALL_HINT}") from err
-    world = MPI.COMM_WORLD
-    node = world.Split_type(MPI.COMM_TYPE_SHARED)
-    local_size = node.Get_size()
-    sizes = set(world.allgather(local_size))
-    node.Free()
-    if len(sizes) != 1:
-        raise ConfigError(f"strategy=mpi needs the same number of ranks on every node, got {sorted(sizes)}; use mpirun --map-by ppr:N:node")
-    return world.Get_size(), local_size, world.Get_size() // local_size
+from ..knobs import knob
+from .cpu_mp import TIMEOUT_S
+from .ddp import data_parallel_cost, data_parallel_memory
+from .pipe import PIPE_CHECKPOINT, pipe_knobs
+from .spec import Setup, StrategyPlan, StrategySpec
+from .split import cut_point
 
 
-def set_rank_threads(local_size: int) -> int:
-    """Intra-op threads of one MPI rank: its bound cores, or an equal share when mpirun did not bind."""
-    cores = len(os.sched_getaffinity(0))
-    threads = max(1, cores // local_size) if cores == os.cpu_count() else cores
-    torch.set_num_threads(threads)
-    return threads
+@dataclass
+class MpiConfig:
+    """Ranks started by mpirun, gradients averaged across them, each running a ``local`` strategy
+    (source 003, section 2.6):  mpirun -np 2 python train.py strategy=mpi strategy.local=threads"""
+
+    name: str = "mpi"
+    local: str = knob("sequential", choices=("sequential", "threads", "split", "pipe"))
+    threads: int = knob(2, low=1)  # local: threads
+    devices: Any = "auto"  # local: split | pipe (two devices per rank)
+    cut_point: Optional[str] = None
+    chunks: int = knob(4, low=1)
+    balance: Any = None
+    checkpoint: str = knob("never", choices=PIPE_CHECKPOINT)
+    backend: Optional[str] = knob(None, choices=("gloo", "nccl", "mpi"))  # null: gloo on CPU, nccl on GPU
+    timeout_s: float = knob(TIMEOUT_S, low=0, low_open=True)
+
+
+def local_parallelizer(cfg, model, data, processes: int, name: str, devices_of):
+    """The network strategy each rank of a data-parallel job runs (``strategy.local``): its
+    parallelizer (None: the plain network) and tags."""
+    local = cfg.local
+    if local == "sequential":
+        return None, {"local": local}
+    if local == "threads":
+        from ..parallel.threads import threads_parallelizer
+
+        return threads_parallelizer(cfg.threads), {"local": local, "threads": str(cfg.threads)}
+    if local == "split":
+        from ..parallel.split import split_parallelizer
+
+        cut = cut_point(cfg, model, name)
+        return split_parallelizer(devices_of, cut), {"local": local, "cut_point": cut}
+    from ..parallel.pipe import pipe_parallelizer
+
+    chunks, balance, checkpoint, sample = pipe_knobs(cfg, model, data, data["batch_size"] // processes, 2)
+    return pipe_parallelizer(devices_of, chunks, balance, checkpoint, sample), {"local": local, "chunks": str(chunks),
+                                                                                "balance": str(balance)}
+
+
+def device_pairs(cfg, processes: int, name: str) -> list:
+    """Two devices per process: ``auto`` gives GPUs 2i, 2i+1 when there are enough, else [cpu, cpu]."""
+    from ..parallel.devices import resolve_devices
+
+    flat = resolve_devices(cfg.get("devices"), 2 * processes, name)
+    return [flat[2 * i : 2 * i + 2] for i in range(processes)]
+
+
+class Mpi(StrategySpec):
+    name, config, order = "mpi", MpiConfig, 8
+    knob_tags = ("threads", "ranks", "nodes", "backend", "local", "cut_point", "chunks")
+    splits_batch = True
+
+    def plan(self, cfg, accelerator, model, data) -> StrategyPlan:
+        import torch
+        from lightning_fabric.plugins.environments import MPIEnvironment
+
+        from ..parallel.devices import gpu_count
+        from ..parallel.mpi import mpi_layout, set_rank_threads
+        from ..parallel.network import DataParallelNetworkStrategy
+
+        world, local_size, nodes = mpi_layout()
+        set_rank_threads(local_size)
+        if cfg.local in ("split", "pipe"):
+            pairs = device_pairs(cfg, local_size, self.name)
+            roots = [pair[0] for pair in pairs]
+            devices_of = lambda rank: pairs[rank]  # noqa: E731
+        else:
+            on_gpus = accelerator == "gpu" and gpu_count() >= local_size
+            roots = [torch.device(f"cuda:{i}") if on_gpus else torch.device("cpu") for i in range(local_size)]
+            devices_of = None
+        parallelize, local_tags = local_parallelizer(cfg, model, data, world, self.name, devices_of)
+        on_cpu = roots[0].type == "cpu"
+        backend = cfg.backend or ("gloo" if on_cpu else "nccl")
+        strategy = DataParallelNetworkStrategy(parallelize, roots, cluster_environment=MPIEnvironment(),
+                                               process_group_backend=backend, timeout=timedelta(seconds=cfg.timeout_s))
+        return StrategyPlan(
+            trainer_kwargs={"strategy": strategy, "devices": local_size, "num_nodes": nodes,
+                            "accelerator": "cpu" if on_cpu else "gpu"},
+            tags={"ranks": str(world), "nodes": str(nodes), "backend": backend, **local_tags},
+            data_parallel=world,
+            replicas_per_machine=local_size,
+        )
+
+    def setup_of_run(self, params, tags) -> Setup:
+        return Setup(self.name, (("ranks", int(tags.get("ranks", 1))), ("local", params.get("strategy.local", "sequential"))))
+
+    def candidates(self, hw, job) -> list[Setup]:
+        return [Setup(self.name, (("ranks", hw.total_devices), ("local", "sequential")))] if hw.nodes > 1 else []
+
+    def cost(self, setup, job, hw, profile, seq):
+        return data_parallel_cost(setup, setup.get("ranks"), job, hw, profile, seq)
+
+    def memory(self, setup, job, hw, profile):
+        return data_parallel_memory(setup.get("ranks"), job, hw, profile)
+
+
+SPECS = (Mpi(),)

@@ -1,66 +1,140 @@
-"""fairscale ``Pipe``: GPipe micro-batch pipelining over devices (source 004, chapter 6).
-
-The batch is split into ``chunks`` micro-batches that flow through the partitions, so the
-devices work at once on different micro-batches; gradients of all micro-batches are summed
-before the (synchronous) optimizer step, so the maths is the sequential step's. BatchNorm
-layers see micro-batch statistics. fairscale gives each distinct device one worker thread, so
-on [cpu, cpu] both stages share one worker: the pipeline runs, without overlap.
-"""
+"""A pipeline (GPipe, with fairscale's ``Pipe``): the batch in ``chunks`` micro-batches flowing
+through stages on several devices (source 004, chapter 6)."""
 from __future__ import annotations
 
-import copy
-import logging
-import warnings
-from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
-import torch
+from ..errors import ConfigError
+from ..knobs import knob
+from ..predict.costs import (FORWARD_SHARE, REPLICA_SHARE, cost, gpu_index, link, memory_need, stage_bytes,
+                             weight_traffic_s)
+from ..predict.perf_models import Link, gpipe_comm_s, gpipe_compute_s
+from .spec import Setup, StrategyPlan, StrategySpec, accelerator_of
 
-from ..models import LayeredModel
-from .split import DevicesOf
-
-log = logging.getLogger(__name__)
-
-
-def auto_balance(model: LayeredModel, partitions: int, sample: torch.Tensor, device: torch.device) -> list[int]:
-    """Partition sizes that roughly equalise profiled layer time (fairscale's balance_by_time)."""
-    from fairscale.nn.pipe.balance import balance_by_time
-
-    # fairscale profiles with a leaf input that requires grad, which in-place ReLUs reject:
-    # profile a copy with in-place ops turned off (same work, same timing).
-    profiled = copy.deepcopy(model)
-    for module in profiled.modules():
-        if getattr(module, "inplace", False):
-            module.inplace = False
-    balance = list(balance_by_time(partitions, profiled, sample, timeout=1.0, device=device))
-    log.info("pipe: balance by profiled layer time: %s", balance)
-    return balance
+PIPE_CHECKPOINT = ("never", "except_last", "always")
+CHUNKS = (2, 4, 8, 16)  # the micro-batch counts a user would try
 
 
-class PipeForward:
-    def __init__(self, model: LayeredModel, balance: list[int], devices: list[torch.device], chunks: int, checkpoint: str) -> None:
-        if checkpoint != "never":
-            # fairscale recomputes a checkpointed partition from a leaf input that requires
-            # grad, which an in-place first layer (ReLU) rejects: run partition heads out of place.
-            start = 0
-            for size in balance:
-                if getattr(model[start], "inplace", False):
-                    model[start].inplace = False
-                start += size
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)  # "upstreamed to torch": torch has since removed it
-            from fairscale.nn import Pipe
+@dataclass
+class PipeConfig:
+    """fairscale Pipe (GPipe): the batch in ``chunks`` micro-batches through the stages. balance:
+    null = two stages at the split point, auto = by profiled layer time, or layer counts per device."""
 
-            self.pipe = Pipe(model, balance=balance, devices=devices, chunks=chunks, checkpoint=checkpoint)
-        self.first = devices[0]
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.pipe(x.to(self.first)).to(self.first)
+    name: str = "pipe"
+    devices: Any = "auto"
+    chunks: int = knob(4, low=1)
+    balance: Any = None
+    checkpoint: str = knob("never", choices=PIPE_CHECKPOINT)  # recompute activations in backward
 
 
-def pipe_parallelizer(devices_of: DevicesOf, chunks: int, balance: Sequence[int] | str, checkpoint: str, sample_shape: tuple[int, ...]):
-    def parallelize(model: LayeredModel, local_rank: int) -> PipeForward:
-        devices = devices_of(local_rank)
-        sizes = auto_balance(model, len(devices), torch.randn(sample_shape), devices[0]) if balance == "auto" else list(balance)
-        return PipeForward(model, sizes, devices, chunks, checkpoint)
+def pipe_knobs(cfg, model, data, per_process_batch: int, stages: int):
+    """Checked (chunks, balance, checkpoint, micro-batch sample shape) of a pipelined network."""
+    chunks = cfg.chunks
+    if chunks > per_process_batch:
+        raise ConfigError(
+            f"strategy.chunks={chunks} is larger than the batch of {per_process_batch} each pipeline gets "
+            f"(data.batch_size={data['batch_size']}): every micro-batch needs a sample; use strategy.chunks<={per_process_batch}"
+        )
+    balance = cfg.get("balance")
+    layers = len(model)
+    if balance is None:
+        # Two stages cut at the model's own split point; more stages are balanced by profiling.
+        balance = [model.split_index, layers - model.split_index] if stages == 2 else "auto"
+    elif balance != "auto":
+        balance = list(balance)
+        if len(balance) != stages or any(not isinstance(b, int) or b < 1 for b in balance) or sum(balance) != layers:
+            raise ConfigError(
+                f"strategy.balance={balance} must give {stages} positive layer counts (one per device) summing to "
+                f"{model.arch}'s {layers} layers, e.g. strategy.balance=[{model.split_index},{layers - model.split_index}], "
+                f"or strategy.balance=auto to balance by profiled layer time"
+            )
+    sample = (max(1, per_process_batch // chunks), data["channels"], data["image_size"], data["image_size"])
+    return chunks, balance, cfg.checkpoint, sample
 
-    return parallelize
+
+def pipe_balance(setup: Setup, profile) -> list[int]:
+    stages = len(setup.get("devices"))
+    if stages == 2:
+        return [profile.split_index, len(profile.layers) - profile.split_index]
+    return profile.even_balance(stages)
+
+
+def chunk_counts(job) -> list[int]:
+    return [c for c in CHUNKS if c <= job.batch_size]
+
+
+class Pipe(StrategySpec):
+    name, config, order = "pipe", PipeConfig, 6
+    knob_tags = ("devices", "chunks", "checkpoint")
+    default_knob_tags = {"checkpoint": "never"}
+    label_params = ("strategy.balance",)  # the resolved default differs per model: shown only when set
+
+    def plan(self, cfg, accelerator, model, data) -> StrategyPlan:
+        from ..parallel.devices import resolve_devices
+        from ..parallel.network import NetworkStrategy
+        from ..parallel.pipe import pipe_parallelizer
+
+        devices = cfg.get("devices")
+        stages = 2 if devices in (None, "auto") or isinstance(devices, str) else len(devices)
+        devices = resolve_devices(devices, stages, self.name)
+        chunks, balance, checkpoint, sample = pipe_knobs(cfg, model, data, data["batch_size"], len(devices))
+        strategy = NetworkStrategy(devices[0], pipe_parallelizer(lambda rank: devices, chunks, balance, checkpoint, sample))
+        return StrategyPlan(
+            trainer_kwargs={"strategy": strategy, "devices": 1, "accelerator": accelerator_of(devices[0])},
+            tags={"devices": ",".join(map(str, devices)), "chunks": str(chunks), "balance": str(balance), "checkpoint": checkpoint},
+        )
+
+    def setup_of_run(self, params, tags) -> Setup:
+        knobs = (("chunks", int(params["strategy.chunks"])), ("devices", tuple(tags.get("devices", "cpu,cpu").split(","))))
+        checkpoint = params.get("strategy.checkpoint", "never")
+        return Setup(self.name, knobs + ((("checkpoint", checkpoint),) if checkpoint != "never" else ()))
+
+    def candidates(self, hw, job) -> list[Setup]:
+        n, chunks = hw.devices_per_node, chunk_counts(job)
+        if n < 2:
+            return []
+        if hw.device_kind == "cpu":
+            return [Setup(self.name, (("chunks", c), ("devices", ("cpu", "cpu")))) for c in chunks]
+        out = []
+        for stages in sorted({2, n}):
+            devices = tuple(f"cuda:{i}" for i in range(stages))
+            out += [Setup(self.name, (("chunks", c), ("devices", devices))) for c in chunks if c >= stages]
+        if chunks:  # when nothing else fits: recompute activations instead of keeping them
+            out.append(Setup(self.name, (("chunks", chunks[-1]), ("devices", devices), ("checkpoint", "always"))))
+        return out
+
+    def cost(self, setup, job, hw, profile, seq):
+        b, load = job.batch_size, job.batch_size * seq.load_per_sample_s
+        w, m = len(setup.get("devices")), setup.get("chunks")
+        return cost(gpipe_compute_s(m * max(1, b // m) * seq.per_sample_s, w, m) + load,
+                    self._batch_s(setup, hw, profile, seq, b) + load)
+
+    def _batch_s(self, setup, hw, profile, seq, b: int) -> float:
+        """Eq. 6.1 + Eq. 6.2, plus the weight traffic: every micro-batch reads its stage's weights
+        again; on GPUs each stage has its own memory, on CPU stages share the bus."""
+        devices = setup.get("devices")
+        w, m = len(devices), setup.get("chunks")
+        micro = max(1, b // m)
+        traffic = 1 + (m - 1) * REPLICA_SHARE
+        weights = weight_traffic_s(seq, hw, traffic, w) if hw.device_kind == "cpu" else seq.weight_s * traffic / w
+        recomputing = {"never": 0, "except_last": w - 1, "always": w}.get(setup.get("checkpoint", "never"), 0) / w
+        per_sample = seq.per_sample_s * (1 + recomputing * FORWARD_SHARE)  # the forward again in backward
+        compute = gpipe_compute_s(m * micro * per_sample, w, m) + weights
+        boundaries = [x / 1e6 for x in profile.boundary_bytes(pipe_balance(setup, profile))]
+        if all(d == "cpu" for d in devices):  # CPU stages: one memory, no link to cross
+            links = [Link(hw.intra_node.latency_us * 1e-6, hw.memory_bandwidth_gb_s * 1e3)] * (w - 1)
+        else:
+            links = [link(hw.link(gpu_index(devices[j]), gpu_index(devices[j + 1]))) for j in range(w - 1)]
+        return compute + gpipe_comm_s(micro, m, boundaries, links)
+
+    def memory(self, setup, job, hw, profile):
+        stages = stage_bytes(profile, pipe_balance(setup, profile), job.batch_size, setup.get("chunks", 1),
+                             setup.get("checkpoint", "never"))
+        return memory_need(hw, sum(stages) if hw.device_kind == "cpu" else max(stages))
+
+    def worker_batch(self, setup, job) -> int:
+        return max(1, job.batch_size // setup.get("chunks"))
+
+
+SPECS = (Pipe(),)

@@ -1,34 +1,71 @@
-"""The manual two-device model split without pipelining (source 003, section 2.4).
-
-The first part of the model, up to its named split point (AlexNet after its 4th convolution,
-VGG16 after its 8th), runs on the first device, the rest on the second; activations cross once
-per batch in each direction. No micro-batches: the devices take turns, so the result is the
-sequential computation exactly.
-"""
+"""The model cut at a named cut point over two devices, no pipelining (source 003, section 2.4)."""
 from __future__ import annotations
 
-from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Optional
 
-import torch
-
-from ..models import LayeredModel
-
-DevicesOf = Callable[[int], list[torch.device]]  # local rank -> that process's devices
-
-
-class SplitForward:
-    def __init__(self, model: LayeredModel, cut: int, devices: list[torch.device]) -> None:
-        self.head, self.tail = model[:cut].to(devices[0]), model[cut:].to(devices[1])
-        self.devices = devices
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = self.head(x.to(self.devices[0]))
-        out = self.tail(hidden.to(self.devices[1]))
-        return out.to(self.devices[0])  # the loss and metrics live with the first device
+from ..errors import ConfigError
+from ..predict.costs import cost, cut_mb, link, memory_need, stage_bytes
+from ..predict.perf_models import split_s
+from .spec import Setup, StrategyPlan, StrategySpec, accelerator_of
 
 
-def split_parallelizer(devices_of: DevicesOf, cut_point: str | None = None):
-    def parallelize(model: LayeredModel, local_rank: int) -> SplitForward:
-        return SplitForward(model, model.cut_points[cut_point or model.split_point], devices_of(local_rank))
+@dataclass
+class SplitConfig:
+    """The model cut at ``cut_point`` (null: the paper's split point) over two devices, no
+    pipelining (source 003, section 2.4). devices: auto = two GPUs when there are, else [cpu, cpu]."""
 
-    return parallelize
+    name: str = "split"
+    devices: Any = "auto"
+    cut_point: Optional[str] = None
+
+
+def cut_point(cfg, model, name: str) -> str:
+    """The knob ``cut_point`` (null: the model's own split point), checked against the model's cut points."""
+    cut = cfg.get("cut_point") or model.split_point
+    if cut not in model.cut_points:
+        raise ConfigError(
+            f"strategy.cut_point={cut!r} for strategy={name} is not a cut point of {model.arch}; "
+            f"expected one of {', '.join(model.cut_points)} (default: the paper's {model.split_point})"
+        )
+    return cut
+
+
+def halves_bytes(profile, hw, batch: int) -> float:
+    """The two halves' bytes at the model's split point: on GPUs the larger (one per device), on
+    CPU both (one memory)."""
+    halves = stage_bytes(profile, [profile.split_index, len(profile.layers) - profile.split_index], batch, 1, "never")
+    return sum(halves) if hw.device_kind == "cpu" else max(halves)
+
+
+class Split(StrategySpec):
+    name, config, order = "split", SplitConfig, 5
+    knob_tags = ("devices", "cut_point")
+
+    def plan(self, cfg, accelerator, model, data) -> StrategyPlan:
+        from ..parallel.devices import resolve_devices
+        from ..parallel.network import NetworkStrategy
+        from ..parallel.split import split_parallelizer
+
+        devices = resolve_devices(cfg.get("devices"), 2, self.name)
+        cut = cut_point(cfg, model, self.name)
+        strategy = NetworkStrategy(devices[0], split_parallelizer(lambda rank: devices, cut))
+        return StrategyPlan(trainer_kwargs={"strategy": strategy, "devices": 1, "accelerator": accelerator_of(devices[0])},
+                            tags={"devices": ",".join(map(str, devices)), "cut_point": cut})
+
+    def setup_of_run(self, params, tags) -> Setup:
+        return Setup(self.name, (("devices", tuple(tags.get("devices", "cpu,cpu").split(","))),))
+
+    def candidates(self, hw, job) -> list[Setup]:
+        return [Setup(self.name, (("devices", ("cuda:0", "cuda:1")),))] if hw.device_kind != "cpu" and hw.devices_per_node > 1 else []
+
+    def cost(self, setup, job, hw, profile, seq):
+        b = job.batch_size
+        between = link(hw.link(0, 1)) if hw.devices_per_node > 1 else link(hw.intra_node)
+        return cost(b * (seq.per_sample_s + seq.load_per_sample_s), split_s(seq.batch_s(b), b, cut_mb(profile), between))
+
+    def memory(self, setup, job, hw, profile):
+        return memory_need(hw, halves_bytes(profile, hw, job.batch_size))
+
+
+SPECS = (Split(),)

@@ -1,78 +1,58 @@
-"""The paper's single-process multi-threaded data parallelism on CPU (source 003, section 2.5).
-
-A batch of n is split into k sub-batches of n/k; k threads each run forward and backward of
-the network on their sub-batch. The replicas share one set of weights in memory, so they are
-identical by construction, and each thread's backward adds its share of the gradient into the
-shared ``.grad`` under autograd's per-parameter accumulation lock: the sum over sub-batches of
-the gradient of the full-batch mean loss, i.e. the sequential step's gradient (up to float
-summation order). PyTorch releases the GIL inside its kernels, so the threads run in
-parallel; intra-op threads are set to cores // k so they do not oversubscribe.
-
-Forward outputs are joined by an autograd function whose backward starts the k sub-batch
-backward passes in the same k threads, so the loss and metrics stay in the main thread.
-BatchNorm layers see sub-batch statistics, as under any data parallelism without SyncBatchNorm.
-"""
+"""One process, each batch split into ``threads`` sub-batches trained by ``threads`` threads on
+shared weights; gradients summed under autograd's lock (source 003, section 2.5)."""
 from __future__ import annotations
 
-import logging
-import os
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
-import torch
-
-from ..models import LayeredModel
-
-log = logging.getLogger(__name__)
+from ..knobs import knob
+from ..predict.costs import REPLICA_SHARE, cost, memory_need, replica_bytes, weight_traffic_s
+from ..predict.perf_models import threads_s
+from .spec import Setup, StrategyPlan, StrategySpec, require_cpu, warn_oversubscription
 
 
-class _JoinSubBatches(torch.autograd.Function):
-    """Concatenate sub-batch outputs; on backward, run each sub-batch's backward in its thread."""
+@dataclass
+class ThreadsConfig:
+    """One process: each batch split into ``threads`` sub-batches trained by ``threads`` threads on
+    shared weights (source 003, section 2.5)."""
 
-    @staticmethod
-    def forward(ctx, pool: ThreadPoolExecutor, graphs: list[torch.Tensor], *outputs: torch.Tensor) -> torch.Tensor:
-        ctx.pool, ctx.graphs = pool, graphs
-        ctx.sizes = [o.shape[0] for o in outputs]
-        return torch.cat(outputs)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grads = grad.split(ctx.sizes)
-        futures = [ctx.pool.submit(torch.autograd.backward, g, gr) for g, gr in zip(ctx.graphs, grads)]
-        for future in futures:
-            future.result()
-        ctx.graphs = None
-        return (None, None, *[None] * len(grads))
+    name: str = "threads"
+    threads: int = knob(2, low=1)
 
 
-class ThreadedForward:
-    """``forward`` of a LayeredModel that trains k sub-batches in k threads."""
+class Threads(StrategySpec):
+    name, config, order = "threads", ThreadsConfig, 1
+    knob_tags = ("threads",)
+    splits_batch = True
 
-    def __init__(self, model: LayeredModel, threads: int) -> None:
-        self.model = model
-        self.threads = threads
-        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="ddlx-dp")
+    def plan(self, cfg, accelerator, model, data) -> StrategyPlan:
+        import torch
 
-    def _run(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.enable_grad():
-            return self.model.sequential_forward(x)
+        from ..parallel.network import NetworkStrategy
+        from ..parallel.threads import threads_parallelizer
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if not torch.is_grad_enabled() or x.shape[0] < 2:
-            return self.model.sequential_forward(x)  # validation: no gradients to share out
-        chunks = x.tensor_split(min(self.threads, x.shape[0]))
-        graphs = list(self.pool.map(self._run, chunks))
-        leaves = [g.detach().requires_grad_() for g in graphs]
-        return _JoinSubBatches.apply(self.pool, graphs, *leaves)
+        require_cpu(self.name, accelerator)
+        warn_oversubscription(self.name, cfg.threads, "threads")
+        strategy = NetworkStrategy(torch.device("cpu"), threads_parallelizer(cfg.threads))
+        return StrategyPlan(trainer_kwargs={"strategy": strategy, "devices": 1, "accelerator": "cpu"},
+                            tags={"threads": str(cfg.threads)})
 
-    def close(self) -> None:
-        self.pool.shutdown(wait=True)
+    def setup_of_run(self, params, tags) -> Setup:
+        return Setup(self.name, (("threads", int(params["strategy.threads"])),))
+
+    def candidates(self, hw, job) -> list[Setup]:
+        n = hw.devices_per_node
+        return [Setup(self.name, (("threads", n),))] if hw.device_kind == "cpu" and n > 1 else []
+
+    def cost(self, setup, job, hw, profile, seq):
+        k = setup.get("threads")
+        compute, load = job.batch_size * seq.per_sample_s, job.batch_size * seq.load_per_sample_s
+        return cost(compute / k + load, threads_s(compute, k) + load + weight_traffic_s(seq, hw, 1 + (k - 1) * REPLICA_SHARE, k))
+
+    def memory(self, setup, job, hw, profile):
+        return memory_need(hw, replica_bytes(job, job.batch_size))
+
+    def worker_batch(self, setup, job) -> int:
+        return job.batch_size // setup.get("threads")
 
 
-def threads_parallelizer(threads: int):
-    def parallelize(model: LayeredModel, local_rank: int) -> ThreadedForward:
-        cores = len(os.sched_getaffinity(0))
-        torch.set_num_threads(max(1, cores // threads))
-        log.info("threads: %d sub-batch threads x %d intra-op threads", threads, torch.get_num_threads())
-        return ThreadedForward(model, threads)
-
-    return parallelize
+SPECS = (Threads(),)

@@ -1,0 +1,52 @@
+"""A config field with its range or choices (:func:`knob`): declared once, beside its type, in the
+schema's dataclasses (:mod:`ddlx.config`, each strategy's config); checked right after Hydra composes
+the config (:mod:`ddlx.config_check`)."""
+from __future__ import annotations
+
+from dataclasses import MISSING as NO_DEFAULT
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import MISSING
+
+
+@dataclass(frozen=True)
+class Bound:
+    """What a knob accepts beyond its type: a range (``low``/``high``, open or closed) or choices."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    choices: tuple[Any, ...] | None = None
+
+    def expected(self) -> str:
+        if self.choices is not None:
+            return "one of " + ", ".join(str(c) for c in self.choices)
+        parts = []
+        if self.low is not None and self.high is not None:
+            return f"a value in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+        if self.low is not None:
+            parts.append(f"{'>' if self.low_open else '>='} {self.low:g}")
+        if self.high is not None:
+            parts.append(f"{'<' if self.high_open else '<='} {self.high:g}")
+        return "a value " + " and ".join(parts)
+
+    def accepts(self, value: Any) -> bool:
+        if value is None:
+            return True  # Optional fields: None means "not set", their type says whether it may be
+        if self.choices is not None:
+            return value in self.choices
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return True  # a non-number in an Any field: its consumer checks it
+        if self.low is not None and (value < self.low or (self.low_open and value == self.low)):
+            return False
+        return not (self.high is not None and (value > self.high or (self.high_open and value == self.high)))
+
+
+def knob(default: Any = NO_DEFAULT, *, low=None, high=None, low_open=False, high_open=False, choices=None):
+    """A dataclass field with its :class:`Bound` (``default=MISSING``: the option's YAML gives it)."""
+    bound = Bound(low, high, low_open, high_open, tuple(choices) if choices is not None else None)
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"bound": bound})
+    return field(default=MISSING if default is NO_DEFAULT else default, metadata={"bound": bound})

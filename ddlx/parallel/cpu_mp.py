@@ -1,0 +1,89 @@
+"""Custom multi-process data parallelism on CPU: the paper's fastest CPU setup (source 000, 4.1).
+
+``processes`` ranks on one machine, each pinned to its own equal share of the cores with that
+many intra-op threads (so ranks never oversubscribe), its own data shard (Lightning's
+DistributedSampler) and its own loader workers (which inherit the pinning). Gradients are
+averaged after every backward through shared memory (:mod:`.shared_memory`) instead of DDP's
+socket allreduce. Processes start like DDP's (the script re-launched per rank); the process
+group carries only barriers, metric reductions and the initial weight broadcast.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from pytorch_lightning.overrides.distributed import _sync_module_states
+from .launch import RelaunchingDDPStrategy
+
+from .shared_memory import SharedMemoryGradientAverager
+
+log = logging.getLogger(__name__)
+
+
+def core_share(cores: list[int], processes: int, rank: int) -> list[int]:
+    """The cores of ``rank`` when ``cores`` are split evenly into ``processes`` contiguous shares."""
+    per = max(1, len(cores) // processes)
+    start = (rank * per) % len(cores)
+    return cores[start : start + per]
+
+
+class CpuMultiProcessStrategy(RelaunchingDDPStrategy):
+    strategy_name = "ddlx_cpu_mp"
+
+    def __init__(self, processes: int, pin_cores: bool = True, timeout_s: float = 300.0) -> None:
+        super().__init__(
+            accelerator=None,
+            parallel_devices=[torch.device("cpu")] * processes,
+            process_group_backend="gloo",
+            timeout=timedelta(seconds=timeout_s),
+        )
+        self.pin_cores = pin_cores
+        self._averager: SharedMemoryGradientAverager | None = None
+        self._restore: tuple[set[int], int] | None = None
+
+    def setup_environment(self) -> None:
+        # Before the process group and the model: threads and affinity are per process.
+        cores = sorted(os.sched_getaffinity(0))
+        mine = core_share(cores, self.num_processes, self.local_rank)
+        self._restore = (set(cores), torch.get_num_threads())  # the process may outlive the job (a sweep)
+        if self.pin_cores:
+            os.sched_setaffinity(0, mine)
+        torch.set_num_threads(len(mine))
+        log.info("cpu_mp rank %d: cores %s, %d threads", self.local_rank, mine, len(mine))
+        super().setup_environment()
+        if self.num_nodes > 1:
+            raise RuntimeError("cpu_mp averages through shared memory and runs on one machine; use strategy=mpi for several")
+
+    def configure_ddp(self) -> None:
+        # No DDP wrapper: same start weights everywhere, then shared-memory averaging after backward.
+        _sync_module_states(self.model)
+        self._averager = SharedMemoryGradientAverager(
+            list(self.model.parameters()),
+            rank=self.global_rank,
+            world_size=self.world_size,
+            barrier=dist.barrier,
+            broadcast_name=self._broadcast_name,
+        )
+
+    @staticmethod
+    def _broadcast_name(name: str | None) -> str:
+        holder = [name]
+        dist.broadcast_object_list(holder, src=0)
+        return holder[0]
+
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        if self._averager is not None and self.lightning_module.training:
+            self._averager.average()
+
+    def teardown(self) -> None:
+        self._averager = None
+        if self._restore is not None:
+            cores, threads = self._restore
+            if self.pin_cores:
+                os.sched_setaffinity(0, cores)
+            torch.set_num_threads(threads)
+            self._restore = None
+        super().teardown()

@@ -1,0 +1,42 @@
+"""MPI launch: ``mpirun`` starts every rank; Lightning's MPIEnvironment reads the ranks from mpi4py.
+
+Each rank runs a local strategy on its own share of the machine (source 003, section 2.6 and
+its Figure 1: MPI between nodes, local parallelism inside each) and gradients are averaged
+across all ranks by DDP over gloo (CPU) or NCCL (GPU).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..errors import ConfigError
+
+INSTALL_HINT = (
+    "install OpenMPI (apt-get install -y openmpi-bin libopenmpi-dev) and mpi4py (pip install -e '.[mpi]'), "
+    "then start with: mpirun -np 2 python train.py strategy=mpi"
+)
+
+
+def mpi_layout() -> tuple[int, int, int]:
+    """(world size, ranks on this node, nodes) of the running MPI job."""
+    try:
+        from mpi4py import MPI
+    except ImportError as err:
+        raise ConfigError(f"strategy=mpi needs mpi4py, which is not importable here ({err}); {INSTALL_HINT}") from err
+    world = MPI.COMM_WORLD
+    node = world.Split_type(MPI.COMM_TYPE_SHARED)
+    local_size = node.Get_size()
+    sizes = set(world.allgather(local_size))
+    node.Free()
+    if len(sizes) != 1:
+        raise ConfigError(f"strategy=mpi needs the same number of ranks on every node, got {sorted(sizes)}; use mpirun --map-by ppr:N:node")
+    return world.Get_size(), local_size, world.Get_size() // local_size
+
+
+def set_rank_threads(local_size: int) -> int:
+    """Intra-op threads of one MPI rank: its bound cores, or an equal share when mpirun did not bind."""
+    cores = len(os.sched_getaffinity(0))
+    threads = max(1, cores // local_size) if cores == os.cpu_count() else cores
+    torch.set_num_threads(threads)
+    return threads

@@ -1,0 +1,78 @@
+"""The paper's single-process multi-threaded data parallelism on CPU (source 003, section 2.5).
+
+A batch of n is split into k sub-batches of n/k; k threads each run forward and backward of
+the network on their sub-batch. The replicas share one set of weights in memory, so they are
+identical by construction, and each thread's backward adds its share of the gradient into the
+shared ``.grad`` under autograd's per-parameter accumulation lock: the sum over sub-batches of
+the gradient of the full-batch mean loss, i.e. the sequential step's gradient (up to float
+summation order). PyTorch releases the GIL inside its kernels, so the threads run in
+parallel; intra-op threads are set to cores // k so they do not oversubscribe.
+
+Forward outputs are joined by an autograd function whose backward starts the k sub-batch
+backward passes in the same k threads, so the loss and metrics stay in the main thread.
+BatchNorm layers see sub-batch statistics, as under any data parallelism without SyncBatchNorm.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from ..models import LayeredModel
+
+log = logging.getLogger(__name__)
+
+
+class _JoinSubBatches(torch.autograd.Function):
+    """Concatenate sub-batch outputs; on backward, run each sub-batch's backward in its thread."""
+
+    @staticmethod
+    def forward(ctx, pool: ThreadPoolExecutor, graphs: list[torch.Tensor], *outputs: torch.Tensor) -> torch.Tensor:
+        ctx.pool, ctx.graphs = pool, graphs
+        ctx.sizes = [o.shape[0] for o in outputs]
+        return torch.cat(outputs)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grads = grad.split(ctx.sizes)
+        futures = [ctx.pool.submit(torch.autograd.backward, g, gr) for g, gr in zip(ctx.graphs, grads)]
+        for future in futures:
+            future.result()
+        ctx.graphs = None
+        return (None, None, *[None] * len(grads))
+
+
+class ThreadedForward:
+    """``forward`` of a LayeredModel that trains k sub-batches in k threads."""
+
+    def __init__(self, model: LayeredModel, threads: int) -> None:
+        self.model = model
+        self.threads = threads
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="ddlx-dp")
+
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():
+            return self.model.sequential_forward(x)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled() or x.shape[0] < 2:
+            return self.model.sequential_forward(x)  # validation: no gradients to share out
+        chunks = x.tensor_split(min(self.threads, x.shape[0]))
+        graphs = list(self.pool.map(self._run, chunks))
+        leaves = [g.detach().requires_grad_() for g in graphs]
+        return _JoinSubBatches.apply(self.pool, graphs, *leaves)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
+def threads_parallelizer(threads: int):
+    def parallelize(model: LayeredModel, local_rank: int) -> ThreadedForward:
+        cores = len(os.sched_getaffinity(0))
+        torch.set_num_threads(max(1, cores // threads))
+        log.info("threads: %d sub-batch threads x %d intra-op threads", threads, torch.get_num_threads())
+        return ThreadedForward(model, threads)
+
+    return parallelize

@@ -1,0 +1,167 @@
+"""What every strategy's time and memory models are made of (each strategy's spec, in
+:mod:`ddlx.strategies`, says which apply to it).
+
+The time of one global batch is modelled from the sequential time split as
+
+    t_seq(b) = b * (per_sample_s + load_per_sample_s) + weight_s
+
+``weight_s`` is the per-step traffic over the parameters that does not shrink with the batch:
+the optimizer step and gradient reset, the forward and backward passes' weight reads and the
+gradient writes (``WEIGHT_PASSES`` passes over the parameters at the memory bandwidth). Every
+data-parallel replica pays it in full, and on a CPU node all replicas share one memory bus, so
+there it adds up: why FC-heavy networks scale worse than convolutional ones under data
+parallelism on CPU. The thesis' models have no such term; they were built for GPUs, where each
+replica has its own memory. ``load_per_sample_s`` is the training process's own data loading
+(its measured data wait): intra-op threads and the threads strategy leave it to one thread,
+data-parallel processes each load their share.
+
+No torch here: the strategy specs import this when the config is composed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from .hardware import GB, HardwareSpec, LinkSpec
+from .perf_models import Link
+
+if TYPE_CHECKING:
+    from .job import Job
+    from .profile import ModelProfile
+
+FLOAT_BYTES = 4
+# Passes over the parameters per step (x 4 bytes each): SGD with momentum reads param, grad and
+# momentum and writes param and momentum, the gradient reset writes, forward and backward read
+# the weights and backward writes the gradient: 8; 12 fits measured CPU baselines (solved for
+# the compute rate and this) and covers cache misses.
+WEIGHT_PASSES = 12
+# Share of those passes each extra replica on the same weights repeats (its own forward and
+# backward weight reads and gradient accumulation; the optimizer step is done once).
+REPLICA_SHARE = 0.5
+FORWARD_SHARE = 1 / 3  # of a training step's FLOPs (backward = 2 x forward): what checkpointing recomputes
+MEMORY_HEADROOM = 0.9  # of a device's memory usable for training
+DEFAULT_BUCKET_MB = 25.0
+
+
+@dataclass
+class SequentialTime:
+    """One device's time for a global batch: (``per_sample_s`` + ``load_per_sample_s``) x b +
+    ``weight_s``, and its basis. ``load_per_sample_s``: the training process's own data loading
+    (its measured data wait), which intra-op threads do not share out and data-parallel
+    processes split; 0 where it was not measured apart (a probe, a FLOPs estimate)."""
+
+    per_sample_s: float
+    weight_s: float
+    basis: str
+    load_per_sample_s: float = 0.0
+
+    def batch_s(self, batch: int) -> float:
+        return batch * (self.per_sample_s + self.load_per_sample_s) + self.weight_s
+
+
+@dataclass(frozen=True)
+class Cost:
+    """A modelled batch time in two parts that calibration may weigh apart: ``compute`` (the
+    forward/backward work each worker does on its share) and ``overhead`` (weight traffic,
+    communication, synchronisation)."""
+
+    compute_s: float
+    overhead_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.overhead_s
+
+
+def cost(compute_s: float, total_s: float) -> Cost:
+    """``total_s`` split into its compute part (at most all of it) and the rest."""
+    compute = min(total_s, compute_s)
+    return Cost(compute, total_s - compute)
+
+
+def weight_seconds(params: int, hw: HardwareSpec) -> float:
+    """One replica's weight traffic moved by one core (one device)."""
+    return WEIGHT_PASSES * params * FLOAT_BYTES / (hw.memory_bandwidth_gb_s * GB)
+
+
+def weight_traffic_s(seq: SequentialTime, hw: HardwareSpec, replicas: float, cores: int) -> float:
+    """``replicas`` x one replica's weight traffic moved by ``cores`` cores of one CPU node: each
+    core moves ``memory_bandwidth_gb_s``, all of them together at most the node's
+    ``node_memory_bandwidth_gb_s``. On GPUs every device has its own memory: the caller passes
+    one device's share."""
+    if hw.device_kind != "cpu":
+        return seq.weight_s * replicas
+    per_core = hw.memory_bandwidth_gb_s
+    together = min(hw.node_memory_bandwidth_gb_s or per_core * cores, per_core * max(1, cores))
+    return seq.weight_s * replicas * per_core / together
+
+
+def link(spec: LinkSpec) -> Link:
+    return Link(spec.latency_us * 1e-6, spec.bandwidth_gb_s * 1e3)
+
+
+def ring(hw: HardwareSpec, workers: int) -> list[Link]:
+    """Workers fill nodes in order (device d of node n is global n * devices_per_node + d)."""
+    return [link(spec) for spec in hw.ring_links(list(range(workers)))]
+
+
+def gpu_index(device: str) -> int:
+    return int(device.split(":")[1])
+
+
+def cut_mb(profile: ModelProfile) -> float:
+    """The activations crossing the model's own split point, per sample (MB)."""
+    return profile.layers[profile.split_index - 1].output_bytes / 1e6
+
+
+# ---- memory -----------------------------------------------------------------------------
+
+
+@dataclass
+class MemoryNeed:
+    per_device_gb: float
+    limit_gb: float
+    what: str = ""  # the limit compared against
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return self.per_device_gb <= self.limit_gb
+
+
+def state_bytes(params: int) -> int:
+    return 3 * params * FLOAT_BYTES  # weights, gradients, momentum
+
+
+def replica_bytes(job: Job, batch: int) -> int:
+    """A whole replica (the estimate train.py checks before training)."""
+    from .memory import estimate_training_memory
+
+    estimate, _ = estimate_training_memory(job.model, job.num_classes, job.channels, job.image_size, batch)
+    return estimate.total_bytes
+
+
+def stage_bytes(profile: ModelProfile, balance: list[int], batch: int, chunks: int, checkpoint: str) -> list[int]:
+    """Bytes each stage of a model cut by ``balance`` keeps while training ``batch`` samples in
+    ``chunks`` micro-batches: its weights, gradients and momentum, and its activations; a stage
+    that recomputes (``checkpoint``) keeps only each micro-batch's input, and one micro-batch's
+    activations while it recomputes them in backward."""
+    micro = max(1, batch // chunks)
+    parts = profile.partitions(balance)
+    inputs = [profile.input_bytes] + profile.boundary_bytes(balance)
+    out = []
+    for i, part in enumerate(parts):
+        acts = sum(layer.activation_bytes for layer in part) + (profile.input_bytes if i == 0 else 0)
+        recomputes = checkpoint == "always" or (checkpoint == "except_last" and i < len(parts) - 1)
+        kept = batch * inputs[i] + micro * acts if recomputes else batch * acts
+        out.append(state_bytes(sum(layer.params for layer in part)) + kept)
+    return out
+
+
+def memory_need(hw: HardwareSpec, per_process_bytes: float, processes_per_node: int = 1) -> MemoryNeed:
+    """Against a GPU's memory, one device's bytes; against a CPU node's RAM, all its processes'."""
+    if hw.device_kind == "cpu":
+        need = per_process_bytes * processes_per_node / GB
+        return MemoryNeed(need, MEMORY_HEADROOM * hw.ram_per_node_gb, f"{hw.ram_per_node_gb:.0f} GB RAM per node")
+    return MemoryNeed(per_process_bytes / GB, MEMORY_HEADROOM * hw.memory_per_device_gb,
+                      f"{hw.memory_per_device_gb:.0f} GB per device")

@@ -1,0 +1,291 @@
+"""Predict every setup of a job on a machine, calibrated against the measured runs, and rank them.
+
+Runs are taken from the target hardware when it has any, else from this machine when it is the
+same device kind; otherwise the models stand uncalibrated and say so.
+"""
+from __future__ import annotations
+
+import socket
+import statistics
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import TypeVar
+
+import yaml
+from omegaconf import OmegaConf
+
+from ..allocator import MMAP_CEILING_BYTES, SYSTEM, keep_freed_possible
+from ..records import MeasuredRun
+from .calibration import Calibration, fit_group_calibrations, workload_ratios
+from .hardware import HardwareSpec
+from .job import Job, measured_per_batch_s, on_hardware, usable
+from .profile import ModelProfile, mapped_bytes, profile_model
+from .setups import (MemoryNeed, SequentialTime, Setup, Cost, calibration_group, candidates, loader_bound_s, memory_need,
+                     model_cost, setup_of_run, worker_batch)
+from .tseq import ProbedBatch, baselines_on, efficiency_from_runs, from_flops, from_probe, from_runs, rescaled
+
+Probe = Callable[[Job], Callable[[int], list[ProbedBatch]]]
+LoadingProbe = Callable[[Job], Callable[[], float]]
+T = TypeVar("T")
+
+
+@dataclass
+class Prediction:
+    setup: Setup
+    epoch_s: float
+    speedup: float
+    memory: MemoryNeed
+    basis: str
+
+    def as_dict(self) -> dict:
+        return {
+            "strategy": self.setup.strategy,
+            "knobs": {k: list(v) if isinstance(v, tuple) else v for k, v in self.setup.knobs},
+            "setup": self.setup.label,
+            "overrides": self.setup.overrides,
+            "predicted_epoch_s": round(self.epoch_s, 4),
+            "speedup": round(self.speedup, 3),
+            "memory_per_device_gb": round(self.memory.per_device_gb, 3),
+            "memory_limit_gb": round(self.memory.limit_gb, 3),
+            "fits": self.memory.fits,
+            "basis": self.basis,
+        }
+
+
+def choose(options: Sequence[T], seconds: Callable[[T], float], sequential: Callable[[T], bool],
+           prefer_sequential_within: float) -> T:
+    """The option to recommend: the fastest, unless a sequential one (one process on the whole
+    batch: the baseline's training exactly, BatchNorm over the whole batch, no extra memory) is
+    predicted within ``prefer_sequential_within`` (a fraction) of it. A parallel setup must be
+    predicted to gain more than the predictions resolve before it is worth its costs."""
+    fastest = min(options, key=seconds)
+    plain = [o for o in options if sequential(o)]
+    if plain:
+        best_plain = min(plain, key=seconds)
+        if seconds(best_plain) <= seconds(fastest) * (1 + prefer_sequential_within):
+            return best_plain
+    return fastest
+
+
+@dataclass
+class Recommendation:
+    job: Job
+    hw: HardwareSpec
+    sequential: SequentialTime
+    predictions: list[Prediction]  # fastest first; those that do not fit last
+    runs_used: int
+    prefer_sequential_within: float = 0.0  # see :func:`choose`
+
+    @property
+    def fitting(self) -> list[Prediction]:
+        """The setups that fit, fastest first."""
+        return [p for p in self.predictions if p.memory.fits]
+
+    @property
+    def fastest(self) -> Prediction | None:
+        """The setup predicted fastest among those that fit."""
+        return next(iter(self.fitting), None)
+
+    @property
+    def best(self) -> Prediction | None:
+        """The recommended setup (:func:`choose` among those that fit)."""
+        fitting = self.fitting
+        if not fitting:
+            return None
+        return choose(fitting, lambda p: p.epoch_s, lambda p: p.setup.strategy == "sequential", self.prefer_sequential_within)
+
+    def close_calls(self, band: float) -> list[Prediction]:
+        """The other setups that fit and are predicted within ``band`` (a fraction) of the best:
+        inside the models' error, so the ranking among them is not settled by prediction."""
+        best = self.best
+        if best is None:
+            return []
+        return [p for p in self.fitting if p is not best and p.epoch_s <= best.epoch_s * (1 + band)]
+
+
+def allocator_advice(rec: Recommendation) -> str | None:
+    """When glibc's default allocator maps some of the recommended setup's tensors afresh every
+    step (those of 32 MiB or more, which its adaptive threshold never covers), say so and what
+    ``cpu_allocator=keep_freed`` would change; None otherwise (GPUs, keep_freed or a preloaded
+    malloc, small tensors, or this machine as the target when keep_freed cannot run here).
+    Advice, not a prediction: the time it saves was measured on one workload, not modelled."""
+    best, job = rec.best, rec.job
+    if best is None or rec.hw.device_kind != "cpu" or job.cpu_allocator != SYSTEM:
+        return None
+    if rec.hw.host == socket.gethostname() and not keep_freed_possible():  # train.py here would refuse the command
+        return None
+    mapped = mapped_bytes(job.model, job.num_classes, job.channels, job.image_size, worker_batch(best.setup, job), MMAP_CEILING_BYTES)
+    if not mapped:
+        return None
+    return (f"with cpu_allocator={SYSTEM} (glibc's default), each worker of {best.setup.label} maps "
+            f"{mapped / 1e6:.0f} MB of its tensors afresh every step (those of {MMAP_CEILING_BYTES // 2**20} MiB or more) "
+            f"and page-faults them in "
+            f"again; cpu_allocator=keep_freed reuses freed memory instead: 1.07-1.37x faster for threads, ddp_gloo and "
+            f"cpu_mp on MobileNetV2 at 192 px, 5-17% more peak RAM (benchmarks/allocator.sh). Predictions for it come "
+            f"only from runs with it, so measure it")
+
+
+def profile_of_job(job: Job) -> ModelProfile:
+    return profile_model(job.model, job.num_classes, job.channels, job.image_size)
+
+
+class Predictor:
+    """Predictions for one target machine from a fixed set of measured runs."""
+
+    def __init__(self, hw: HardwareSpec, runs: Sequence[MeasuredRun], local: HardwareSpec | None = None,
+                 probe: Probe | None = None, prefer_sequential_within: float = 0.0,
+                 loading: LoadingProbe | None = None) -> None:
+        """``loading``: times one sample's data loading on one core of this machine (for GPU
+        targets, whose loaders run on the host's cores: see :func:`~.setups.loader_bound_s`)."""
+        self.hw, self.local, self.probe, self.loading = hw, local, probe, loading
+        self.prefer_sequential_within = prefer_sequential_within
+        self.runs = [r for r in runs if usable(r)]
+        self._probed: dict[Job, SequentialTime] = {}
+        self._loading: dict[Job, float] = {}
+
+    # -- sequential time ------------------------------------------------------------------
+    def sequential(self, job: Job, hw: HardwareSpec, runs: Sequence[MeasuredRun],
+                   probe_on_runs_footing: bool = False) -> SequentialTime:
+        """``probe_on_runs_footing``: rescale a probe to the stored runs' sittings (validation
+        compares with runs taken then); otherwise a probe stands as measured now, for a run now."""
+        profile = profile_of_job(job)
+        can_probe = self.probe is not None and self.local is not None and hw is self.local
+        measured = from_runs(job, hw, runs, profile, other_batch=not can_probe)
+        if measured is not None:
+            return measured
+        if can_probe:
+            return self._referenced_probe(job, hw, runs) if probe_on_runs_footing else self._probed_time(job, hw)
+        effs = efficiency_from_runs(runs, self._hw_of_run, lambda r: profile_of_job(Job.from_run(r)), hw.device_kind)
+        return from_flops(job, hw, profile, effs)
+
+    def _probed_time(self, job: Job, hw: HardwareSpec) -> SequentialTime:
+        if job not in self._probed:
+            self._probed[job] = from_probe(job, hw, profile_of_job(job), self.probe(job))
+        return self._probed[job]
+
+    def _referenced_probe(self, job: Job, hw: HardwareSpec, runs: Sequence[MeasuredRun]) -> SequentialTime:
+        """The probe of ``job``, put on the footing of the measured runs: this machine's speed drifts
+        by 10-25% between sittings, so to compare a probe taken now with held-out runs taken then,
+        the job's probe is multiplied by the median measured/probed ratio of every other workload
+        with measured one-device runs, probed in the same sitting (validation probes each of them
+        anyway, when it holds it out). Fewer references track the sittings they were measured in:
+        with the 3 most-measured workloads, the baselines' median error moved from 5% to 9% when
+        those three were re-measured in one evening; with all of them it was 2-5%."""
+        probed = self._probed_time(job, hw)
+        measured: dict[Job, list[float]] = defaultdict(list)
+        for run in baselines_on(hw, runs):
+            measured[Job.from_run(run)].append(measured_per_batch_s(run))
+        measured.pop(job, None)
+        if not measured:
+            return probed
+        ratio = statistics.median(statistics.median(times) / self._probed_time(ref, hw).batch_s(ref.batch_size)
+                                  for ref, times in measured.items())
+        return rescaled(probed, job.batch_size, ratio, f"median measured/probed ratio of {len(measured)} other "
+                        f"workload(s) with measured one-device runs, probed in the same sitting")
+
+    def _hw_of_run(self, run: MeasuredRun) -> HardwareSpec | None:
+        for hw in (self.hw, self.local):
+            if hw is not None and on_hardware(run, hw):
+                return hw
+        return None
+
+    # -- calibration ----------------------------------------------------------------------
+    def calibration(self, runs: Sequence[MeasuredRun]) -> tuple[dict[str, Calibration], str]:
+        """Calibration per strategy group, and where its runs came from."""
+        source, source_hw = self._calibration_source(runs)
+        samples: dict[str, list[tuple[Cost, float]]] = defaultdict(list)
+        jobs: dict[str, list[Job]] = defaultdict(list)  # each sample's workload
+        seqs: dict[Job, SequentialTime | None] = {}  # one T_seq per workload, not per run
+        for run in source:
+            setup = setup_of_run(run.params, run.tags)
+            group = calibration_group(setup)
+            if group == "sequential":
+                continue
+            job = Job.from_run(run)
+            if job not in seqs:
+                seqs[job] = from_runs(job, source_hw, runs, profile_of_job(job))
+            seq = seqs[job]
+            if seq is None:
+                continue
+            cost = model_cost(setup, job, source_hw, profile_of_job(job), seq)
+            samples[group].append((cost, measured_per_batch_s(run)))
+            jobs[group].append(job)
+        fits = fit_group_calibrations(samples)
+        fits = {g: replace(c, workloads=workload_ratios(c, samples[g], jobs[g])) for g, c in fits.items()}
+        return fits, (source_hw.name if source else "")
+
+    def _calibration_source(self, runs: Sequence[MeasuredRun]) -> tuple[list[MeasuredRun], HardwareSpec]:
+        on_target = [r for r in runs if on_hardware(r, self.hw)]
+        if on_target:
+            return on_target, self.hw
+        if self.local is not None and self.local.device_kind == self.hw.device_kind:
+            return [r for r in runs if on_hardware(r, self.local)], self.local
+        return [], self.hw
+
+    # -- prediction -----------------------------------------------------------------------
+    def recommend(self, job: Job, setups: Sequence[Setup] | None = None,
+                  exclude: Callable[[MeasuredRun], bool] | None = None, probe_on_runs_footing: bool = False) -> Recommendation:
+        # Another allocator changes every CPU timing (1.05-1.37x on large activations): not this job's runs.
+        runs = [r for r in self.runs if r.workload.cpu_allocator == job.cpu_allocator and not (exclude and exclude(r))]
+        profile = profile_of_job(job)
+        seq = self.sequential(job, self.hw, runs, probe_on_runs_footing)
+        # Timed only where it is used: as a bound beside the training, or as T_seq's missing loading.
+        load_core = self._load_core_s(job) if job.num_workers > 0 or seq.load_per_sample_s == 0 else None
+        if load_core is not None and job.num_workers == 0:
+            seq = replace(seq, load_per_sample_s=load_core, basis=f"{seq.basis}; plus the loading in the training "
+                          f"process (data.num_workers=0), {1e3 * load_core:.1f} ms/sample timed on this machine's core")
+        calibrations, source = self.calibration(runs)
+        baseline = seq.batch_s(job.batch_size)
+        if load_core is not None:
+            baseline = max(baseline, loader_bound_s(Setup("sequential"), job, self.hw, load_core))
+        predictions = []
+        for setup in setups if setups is not None else candidates(self.hw, job):
+            group = calibration_group(setup)
+            cost = model_cost(setup, job, self.hw, profile, seq)
+            if group == "sequential":
+                batch_s, how = cost.total_s, ""
+            elif group in calibrations:
+                calibration = calibrations[group]
+                batch_s, how = calibration.apply(cost, job), "; " + calibration.describe(source, job)
+            else:
+                batch_s = cost.total_s
+                how = f"; model uncalibrated (no measured {group} run on {self.hw.device_kind} hardware)"
+            bound = loader_bound_s(setup, job, self.hw, load_core) if load_core is not None else 0.0
+            if bound > batch_s:
+                batch_s = bound
+                how += (f"; bound by data loading: {job.num_workers} worker(s) per process at {1e3 * load_core:.1f} "
+                        f"ms/sample (timed on this machine's core) cannot keep up")
+            epoch = batch_s * job.steps
+            predictions.append(Prediction(setup, epoch, baseline * job.steps / epoch, memory_need(setup, job, self.hw, profile),
+                                          f"T_seq {seq.basis}{how}"))
+        predictions.sort(key=lambda p: (not p.memory.fits, p.epoch_s))
+        return Recommendation(job, self.hw, seq, predictions, len(runs), self.prefer_sequential_within)
+
+    def _load_core_s(self, job: Job) -> float | None:
+        """One sample's loading on one core, for GPU targets (their loaders run on host cores,
+        which the GPU's T_seq does not include); None for CPU targets, whose T_seq is measured
+        with the loading in it, or when nothing may be timed."""
+        if self.hw.device_kind != "gpu" or self.loading is None:
+            return None
+        if job not in self._loading:
+            self._loading[job] = self.loading(job)()
+        return self._loading[job]
+
+
+def data_config_of_job(job: Job, runs: Sequence[MeasuredRun]):
+    """The ``data`` config of a measured run of exactly ``job`` (to probe it as it was measured),
+    or None."""
+    for run in runs:
+        if usable(run) and Job.from_run(run) == job:
+            return data_config_from_params(run.params)
+    return None
+
+
+def data_config_from_params(params: dict[str, str]):
+    """The ``data`` config of a run, rebuilt from its flattened params (for a probe)."""
+    data = {}
+    for key, value in params.items():
+        if key.startswith("data."):
+            data[key[5:]] = None if value == "None" else yaml.safe_load(value)
+    return OmegaConf.create(data)

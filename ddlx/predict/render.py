@@ -1,0 +1,147 @@
+"""What recommend.py prints: the ranked table or JSON of a recommendation, the train.py commands
+that run its setups, and the validation's tables and plot."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..allocator import KEEP_FREED
+from .prediction import Prediction, Recommendation, allocator_advice
+
+
+def train_command(rec: Recommendation, prediction: Prediction, job_overrides: list[str]) -> str:
+    """The train.py command that runs ``prediction``'s setup on the job: model and data, the
+    user's own model/data overrides (the later of two for one key wins, as in Hydra), the setup."""
+    parts = {"model": f"model={rec.job.model}", "data": f"data={rec.job.data}"}
+    for override in job_overrides:
+        parts[override.split("=")[0]] = override
+    return " ".join(["python train.py", *parts.values(), prediction.setup.overrides])
+
+
+def recommendation_dict(rec: Recommendation, note: str, elapsed: float, close_call: float, job_overrides: list[str]) -> dict:
+    best = rec.best
+
+    def with_command(p: Prediction) -> dict:
+        return p.as_dict() | {"command": train_command(rec, p, job_overrides)}
+
+    return {
+        "hw": rec.hw.name,
+        "job": vars(rec.job) | {"steps_per_epoch": rec.job.steps},
+        "runs": note,
+        "sequential_basis": rec.sequential.basis,
+        "predictions": [p.as_dict() for p in rec.predictions],
+        "recommended": with_command(best) if best else None,
+        "predicted_fastest": rec.fastest.setup.label if rec.fastest else None,
+        "prefer_sequential_within": rec.prefer_sequential_within,
+        "close_call_band": close_call,
+        "close_calls": [with_command(p) for p in rec.close_calls(close_call)],
+        "allocator_advice": allocator_advice_dict(rec, job_overrides),
+        "seconds": round(elapsed, 2),
+    }
+
+
+def allocator_advice_dict(rec: Recommendation, job_overrides: list[str]) -> dict | None:
+    why = allocator_advice(rec)
+    if why is None:
+        return None
+    overrides = [o for o in job_overrides if not o.startswith("cpu_allocator=")]  # the user's, replaced
+    return {"why": why, "command": train_command(rec, rec.best, [*overrides, f"cpu_allocator={KEEP_FREED}"])}
+
+
+def recommendation_table(rec: Recommendation, note: str, elapsed: float, close_call: float, job_overrides: list[str]) -> str:
+    j = rec.job
+    lines = [f"{j.model} on {j.data} ({j.image_size}px, global batch {j.batch_size}, {j.train_samples} training images) "
+             f"on hw={rec.hw.name}: {rec.hw.nodes} node(s) x {rec.hw.devices_per_node} {rec.hw.device_kind}"
+             f"{' cores' if rec.hw.device_kind == 'cpu' else 's'} ({rec.hw.device_name})",
+             f"measured runs: {note}" + ("" if rec.runs_used else "; none usable: every figure below is a model estimate"),
+             f"T_seq basis: {rec.sequential.basis}", ""]
+    header = ["#", "setup", "epoch s", "speedup", "memory/device", "fits", "basis"]
+    rows = []
+    for i, p in enumerate(rec.predictions, 1):
+        fits = "yes" if p.memory.fits else f"no (> {p.memory.limit_gb:.1f} GB of {p.memory.what})"
+        rows.append([str(i), p.setup.label, f"{p.epoch_s:.2f}", f"{p.speedup:.2f}x", f"{p.memory.per_device_gb:.2f} GB",
+                     fits, p.basis.replace(f"T_seq {rec.sequential.basis}", "T_seq").lstrip("; ") or "T_seq"])
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
+    best = rec.best
+    lines.append("")
+    if best is None:
+        lines.append("recommendation: none of these setups fits in memory; lower data.batch_size or use more devices")
+    else:
+        lines.append(f"recommendation: {best.setup.label}: {best.epoch_s:.2f} s/epoch predicted, {best.speedup:.2f}x one device")
+        fastest = rec.fastest
+        if fastest is not best:
+            lines.append(f"  over {fastest.setup.label}, predicted {100 * (1 - fastest.epoch_s / best.epoch_s):.1f}% "
+                         f"faster: less than prefer_sequential_within={rec.prefer_sequential_within:g}, so not worth "
+                         f"splitting the batch (the sequential run trains exactly as the baseline, in one process)")
+        lines.append(f"  {train_command(rec, best, job_overrides)}")
+        close = rec.close_calls(close_call)
+        if close:
+            lines.append(f"close calls: predicted within {100 * close_call:.0f}% of it, inside the models' error, so "
+                         f"measure them too before settling:")
+            for p in close:
+                lines.append(f"  {p.setup.label} ({100 * (p.epoch_s / best.epoch_s - 1):+.1f}%): "
+                             f"{train_command(rec, p, job_overrides)}")
+        advice = allocator_advice_dict(rec, job_overrides)
+        if advice:
+            lines.append(f"allocator: {advice['why']}:")
+            lines.append(f"  {advice['command']}")
+    lines.append(f"({elapsed:.1f} s)")
+    return "\n".join(lines)
+
+
+def validation_text(hw_name: str, note: str, rows, summary: dict, picks: dict, result: dict,
+                    prefer_sequential_within: float) -> str:
+    """The validation's tables: every configuration, each strategy's errors, each workload's pick."""
+    out: list[str] = []
+    out.append(f"leave-one-configuration-out on hw={hw_name}: {note}\n")
+    out.append("| workload | setup | measured s | predicted s | error |\n|---|---|---|---|---|")
+    for r in sorted(rows, key=lambda r: (r.workload, r.measured_s)):
+        out.append(f"| {r.workload} | {r.setup} | {r.measured_s:.2f} | {r.predicted_s:.2f} | {100 * r.error:+.1f}% |")
+    out.append("\n| strategy | runs | median abs. error | mean abs. error |\n|---|---|---|---|")
+    for g, s in sorted(summary.items()):
+        out.append(f"| {g} | {s['runs']} | {100 * s['median_ape']:.1f}% | {100 * s['mape']:.1f}% |")
+    out.append("\n| workload | recommended | measured fastest | recommended measured slower by | correct "
+               "| resamples: fastest again / recommended fastest |\n|---|---|---|---|---|---|")
+    for w, p in sorted(picks.items()):
+        verdict = "T" if p.correct else "F, runs overlap" if p.overlapping else "F"
+        out.append(f"| {w} | {p.recommended} | {p.fastest} | {100 * p.slowdown:.1f}% | {verdict} "
+                   f"| {100 * p.fastest_reproduced:.0f}% / {100 * p.recommended_fastest:.0f}% |")
+    if picks:
+        n = len(picks)
+        correct, near, plain = (round(n * result[k]) for k in
+                                ("correct_fraction", "correct_or_overlapping_fraction", "predicted_fastest_correct_fraction"))
+        out.append(f"\ncorrect recommendations: {correct}/{n} = {100 * correct / n:.0f}%; "
+                   f"correct or with runs overlapping the fastest's (repeats do not tell them apart): "
+                   f"{near}/{n} = {100 * near / n:.0f}%; the recommended setups measured "
+                   f"{100 * result['mean_slowdown']:.1f}% slower than the fastest on average, at most "
+                   f"{100 * result['max_slowdown']:.1f}%")
+        out.append(f"with prefer_sequential_within={prefer_sequential_within:g}; always the predicted fastest "
+                   f"(prefer_sequential_within=0): {plain}/{n} = {100 * plain / n:.0f}% correct")
+        out.append(f"resampling each setup's runs: the measured fastest is the fastest again in "
+                   f"{100 * result['fastest_reproduced_fraction']:.0f}% of resamples (mean over workloads: what naming the "
+                   f"measured fastest could expect against a re-measurement in the same sittings), the recommended setup in "
+                   f"{100 * result['recommended_fastest_fraction']:.0f}%")
+    return "\n".join(out)
+
+
+def validation_plot(rows, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    for group in sorted({r.group for r in rows}):
+        pts = [r for r in rows if r.group == group]
+        ax.scatter([r.measured_s for r in pts], [r.predicted_s for r in pts], label=group)
+    top = max(max(r.measured_s, r.predicted_s) for r in rows) * 1.1
+    ax.plot([0, top], [0, top], color="grey", linewidth=0.8)
+    ax.plot([0, top], [0, 1.1 * top], color="grey", linewidth=0.5, linestyle=":")
+    ax.plot([0, top], [0, 0.9 * top], color="grey", linewidth=0.5, linestyle=":")
+    ax.set_xlabel("measured s/epoch")
+    ax.set_ylabel("predicted s/epoch (leave-one-out)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,128 @@
+"""What a ddlx run is, as training, the report and the recommender read it: the names of the
+contract (the params, tags and metrics every run logs) and the record types built from them.
+Nothing here talks to MLflow (:mod:`ddlx.tracking` does) or imports torch."""
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from .allocator import SYSTEM
+
+# The workload: runs that differ in any of these are not comparable.
+WORKLOAD_PARAMS = (
+    "model.name", "data.name", "data.image_size", "data.batch_size", "data.num_images",
+    "data.num_workers", "data.root", "trainer.limit_train_batches",
+)
+BASELINE_LABEL = {"cpu": "sequential threads=1 (one core)", "gpu": "sequential (one GPU)"}
+
+
+@dataclass(frozen=True)
+class Workload:
+    host: str
+    model: str
+    data: str
+    image_size: str
+    batch_size: str
+    num_images: str
+    num_workers: str
+    root: str
+    limit_train_batches: str
+    use_case: str = ""
+    cpu_allocator: str = SYSTEM
+
+    @property
+    def label(self) -> str:
+        name = self.use_case or f"{self.model}/{self.data}"
+        allocator = f" cpu_allocator={self.cpu_allocator}" if self.cpu_allocator != SYSTEM else ""
+        return f"{name} {self.image_size}px b{self.batch_size}{allocator}"
+
+    def baseline_command(self, device: str) -> str:
+        over = [f"model={self.model}", f"data={self.data}", f"data.image_size={self.image_size}",
+                f"data.batch_size={self.batch_size}", f"data.num_images={self.num_images}",
+                f"data.num_workers={self.num_workers}", f"trainer.limit_train_batches={self.limit_train_batches}"]
+        if self.root not in ("None", ""):
+            over.append(f"data.root={self.root}")
+        if self.cpu_allocator != SYSTEM:
+            over.append(f"cpu_allocator={self.cpu_allocator}")
+        over += ["strategy=sequential", "strategy.threads=1"] if device == "cpu" else ["strategy=sequential", "trainer=gpu"]
+        return "python train.py " + " ".join(over)
+
+
+@dataclass
+class MeasuredRun:
+    run_id: str
+    status: str
+    workload: Workload
+    device: str
+    strategy: str
+    setup: str
+    mean_epoch_time_s: float | None
+    sweep_id: str = ""
+    error: str = ""
+    params: dict[str, str] = field(default_factory=dict)
+    tags: dict[str, str] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def is_baseline(self) -> bool:
+        return self.strategy == "sequential" and (self.device != "cpu" or self.setup == "sequential threads=1")
+
+
+# What tells apart workloads whose short labels (model/data, size, batch) coincide.
+DISTINGUISHING_FIELDS = ("num_images", "num_workers", "limit_train_batches", "root", "host")
+
+
+def distinct_labels(workloads: Iterable[Workload]) -> dict[Workload, str]:
+    """Each workload's short label, followed by the fields whose values differ among the
+    workloads sharing it (``alexnet/firesmall 64px b32 num_images=400``), so no two coincide."""
+    by_label: dict[str, set[Workload]] = defaultdict(set)
+    for workload in workloads:
+        by_label[workload.label].add(workload)
+    labels = {}
+    for label, group in by_label.items():
+        differing = [f for f in DISTINGUISHING_FIELDS if len({getattr(w, f) for w in group}) > 1]
+        for workload in group:
+            labels[workload] = label + "".join(f" {f}={getattr(workload, f)}" for f in differing)
+    return labels
+
+
+def setup_label(tags: dict[str, str], params: dict[str, str] | None = None) -> str:
+    """Strategy and knobs, as its spec names them (its knob tags, but those at their defaults,
+    and the params it shows only when the user set them)."""
+    from .strategies import STRATEGIES
+
+    name = tags.get("strategy", "?")
+    spec = STRATEGIES.get(name)
+    if spec is None:
+        return name
+    knobs = [f"{k}={tags[k]}" for k in spec.knob_tags if tags.get(k) not in (None, "", "None", spec.default_knob_tags.get(k))]
+    for param in spec.label_params:
+        value = (params or {}).get(param)
+        if value not in (None, "None"):
+            knobs.append(f"{param.rpartition('.')[2]}={value}")
+    return " ".join([name, *knobs])
+
+
+def workload_of(params: dict[str, str], tags: dict[str, str]) -> Workload:
+    return Workload(tags.get("host", "?"), *(str(params.get(k, "")) for k in WORKLOAD_PARAMS),
+                    use_case=tags.get("use_case", ""), cpu_allocator=params.get("cpu_allocator", SYSTEM))
+
+
+def to_measured_run(run) -> MeasuredRun:
+    """One MLflow run (``mlflow.entities.Run``) as the report and the recommender see it."""
+    p, t, m = run.data.params, run.data.tags, run.data.metrics
+    return MeasuredRun(
+        run_id=run.info.run_id,
+        status=run.info.status,
+        workload=workload_of(p, t),
+        device=t.get("accelerator", p.get("trainer.accelerator", "cpu")),
+        strategy=t.get("strategy", "?"),
+        setup=setup_label(t, p),
+        mean_epoch_time_s=m.get("mean_epoch_time_s"),
+        sweep_id=t.get("sweep_id", ""),
+        error=t.get("error", ""),
+        params=dict(p),
+        tags=dict(t),
+        metrics=dict(m),
+    )

@@ -1,0 +1,133 @@
+"""Lightning DDP: ``processes`` ranks (one per CPU share over gloo, one per GPU over NCCL),
+gradients allreduced in buckets while the backward pass goes on."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+from omegaconf import MISSING
+
+from ..errors import ConfigError
+from ..knobs import knob
+from ..predict.costs import DEFAULT_BUCKET_MB, FLOAT_BYTES, cost, memory_need, replica_bytes, ring, weight_traffic_s
+from ..predict.perf_models import data_parallel_s
+from .cpu_mp import TIMEOUT_S
+from .spec import Setup, StrategyPlan, StrategySpec, warn_oversubscription
+
+COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
+
+
+@dataclass
+class DdpConfig:
+    """Lightning DDP: ``processes`` ranks, gradients allreduced (gloo over sockets on CPU, NCCL on GPUs)."""
+
+    name: str = MISSING
+    processes: int = knob(2, low=1)
+    bucket_cap_mb: float = knob(DEFAULT_BUCKET_MB, low=0, low_open=True)  # DDP's fusion threshold (source 004 Eq. 5.1's th)
+    comm_hook: str = knob("none", choices=COMM_HOOKS)  # gradient compression (source 002, section 4)
+    timeout_s: float = knob(TIMEOUT_S, low=0, low_open=True)
+
+
+@dataclass
+class DdpGlooConfig(DdpConfig):
+    name: str = "ddp_gloo"
+
+
+@dataclass
+class DdpNcclConfig(DdpConfig):
+    name: str = "ddp_nccl"
+    processes: int = knob(1, low=1)
+
+
+def comm_hook(name: str) -> dict:
+    """DDP's communication hook (source 002, section 4: gradient compression)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if name == "fp16":
+        return {"ddp_comm_hook": default_hooks.fp16_compress_hook}
+    if name == "bf16":
+        return {"ddp_comm_hook": default_hooks.bf16_compress_hook}
+    if name == "powersgd":
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+        return {"ddp_comm_state": state, "ddp_comm_hook": powerSGD_hook.powerSGD_hook}
+    return {}
+
+
+def data_parallel_cost(setup: Setup, workers: int, job, hw, profile, seq):
+    """Eq. 5.1 (ring allreduce over the slowest link, the bucket as ``th``) plus a fixed cost per
+    allreduce; only the last bucket is exposed on GPUs, every bucket on CPU (gloo and the
+    backward pass share the cores), where the replicas of a node also share its memory bus."""
+    shared_bus = hw.device_kind == "cpu"
+    work = job.batch_size * (seq.per_sample_s + seq.load_per_sample_s)
+    local = min(workers, hw.devices_per_node) if shared_bus else 1
+    bucket = float(setup.get("bucket_cap_mb", DEFAULT_BUCKET_MB))
+    total = data_parallel_s(work, workers, profile.gradient_mb, bucket, ring(hw, workers), hw.allreduce_fixed_us * 1e-6,
+                            overlap=not shared_bus) + weight_traffic_s(seq, hw, local, local)
+    return cost(work / workers, total)
+
+
+def data_parallel_memory(workers: int, job, hw, profile):
+    """A replica on each worker's share of the batch, plus DDP's gradient buckets (a copy of the gradients)."""
+    per = replica_bytes(job, job.batch_size // workers) + profile.params * FLOAT_BYTES
+    return memory_need(hw, per, min(workers, hw.devices_per_node))
+
+
+class Ddp(StrategySpec):
+    knob_tags = ("processes", "backend", "comm_hook", "bucket_cap_mb")
+    default_knob_tags = {"comm_hook": "none"}
+    splits_batch = True
+    backend: str
+
+    def plan(self, cfg, accelerator, model, data) -> StrategyPlan:
+        from ..parallel.devices import gpu_count
+        from ..parallel.launch import RelaunchingDDPStrategy
+
+        processes = cfg.processes
+        if self.backend == "nccl":
+            gpus = gpu_count()
+            if gpus < processes:
+                raise ConfigError(
+                    f"strategy=ddp_nccl asks for {processes} CUDA GPU(s) (NCCL runs only on GPUs), but this machine has "
+                    f"{gpus}; use strategy=ddp_gloo (CPU) or strategy.processes={gpus}" if gpus else
+                    f"strategy=ddp_nccl needs CUDA GPUs (NCCL runs only on GPUs), but this machine has none "
+                    f"(devices: cpu); use strategy=ddp_gloo strategy.processes={processes}"
+                )
+            device_accelerator = "gpu"
+        else:
+            device_accelerator = "cpu" if accelerator in ("cpu", "auto") else accelerator
+            if device_accelerator == "cpu":
+                warn_oversubscription(self.name, processes, "processes")
+        strategy = RelaunchingDDPStrategy(process_group_backend=self.backend, bucket_cap_mb=cfg.bucket_cap_mb,
+                                          timeout=timedelta(seconds=cfg.timeout_s), **comm_hook(cfg.comm_hook))
+        return StrategyPlan(
+            trainer_kwargs={"strategy": strategy, "devices": processes, "accelerator": device_accelerator},
+            tags={"processes": str(processes), "backend": self.backend, "bucket_cap_mb": f"{cfg.bucket_cap_mb:g}",
+                  "comm_hook": cfg.comm_hook},
+            data_parallel=processes,
+            replicas_per_machine=processes,
+        )
+
+    def setup_of_run(self, params, tags) -> Setup:
+        return Setup(self.name, (("processes", int(params["strategy.processes"])),))
+
+    def candidates(self, hw, job) -> list[Setup]:
+        n = hw.devices_per_node
+        on_its_devices = (hw.device_kind == "cpu") == (self.backend == "gloo")
+        return [Setup(self.name, (("processes", n),))] if on_its_devices and n > 1 else []
+
+    def cost(self, setup, job, hw, profile, seq):
+        return data_parallel_cost(setup, setup.get("processes"), job, hw, profile, seq)
+
+    def memory(self, setup, job, hw, profile):
+        return data_parallel_memory(setup.get("processes"), job, hw, profile)
+
+
+class DdpGloo(Ddp):
+    name, config, order, backend = "ddp_gloo", DdpGlooConfig, 3, "gloo"
+
+
+class DdpNccl(Ddp):
+    name, config, order, backend = "ddp_nccl", DdpNcclConfig, 4, "nccl"
+
+
+SPECS = (DdpGloo(), DdpNccl())

@@ -1,0 +1,77 @@
+"""Data and model parallelism (source 000 Table 2, source 003 Figure 1): DDP across
+``processes``, each splitting or piping the model over its own pair of devices."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Optional
+
+from ..knobs import knob
+from ..predict.costs import DEFAULT_BUCKET_MB, cost, cut_mb, link, memory_need
+from ..predict.perf_models import hybrid_s, split_s
+from .cpu_mp import TIMEOUT_S
+from .mpi import device_pairs, local_parallelizer
+from .pipe import PIPE_CHECKPOINT
+from .spec import Setup, StrategyPlan, StrategySpec, warn_oversubscription
+from .split import halves_bytes
+
+
+@dataclass
+class HybridConfig:
+    """DDP across ``processes``, each splitting (local: split) or piping (local: pipe) the model
+    over its own pair of devices (source 000 Table 2, source 003 Figure 1)."""
+
+    name: str = "hybrid"
+    processes: int = knob(2, low=1)
+    local: str = knob("split", choices=("split", "pipe"))
+    devices: Any = "auto"
+    cut_point: Optional[str] = None
+    chunks: int = knob(4, low=1)  # local: pipe
+    balance: Any = None  # local: pipe
+    checkpoint: str = knob("never", choices=PIPE_CHECKPOINT)  # local: pipe
+    timeout_s: float = knob(TIMEOUT_S, low=0, low_open=True)
+
+
+class Hybrid(StrategySpec):
+    name, config, order = "hybrid", HybridConfig, 7
+    knob_tags = ("processes", "local", "devices", "cut_point", "chunks")
+
+    def plan(self, cfg, accelerator, model, data) -> StrategyPlan:
+        from ..parallel.network import DataParallelNetworkStrategy
+
+        processes = cfg.processes
+        pairs = device_pairs(cfg, processes, self.name)
+        on_cpu = pairs[0][0].type == "cpu"
+        if on_cpu:
+            warn_oversubscription(self.name, processes, "processes")
+        parallelize, local_tags = local_parallelizer(cfg, model, data, processes, self.name, lambda rank: pairs[rank])
+        strategy = DataParallelNetworkStrategy(parallelize, [pair[0] for pair in pairs],
+                                               process_group_backend="gloo" if on_cpu else "nccl",
+                                               timeout=timedelta(seconds=cfg.timeout_s))
+        return StrategyPlan(
+            trainer_kwargs={"strategy": strategy, "devices": processes, "accelerator": "cpu" if on_cpu else "gpu"},
+            tags={"processes": str(processes), "devices": ";".join(",".join(map(str, p)) for p in pairs), **local_tags},
+            data_parallel=processes,
+            replicas_per_machine=processes,
+        )
+
+    def setup_of_run(self, params, tags) -> Setup:
+        return Setup(self.name, (("processes", int(params["strategy.processes"])), ("local", params.get("strategy.local", "split"))))
+
+    def candidates(self, hw, job) -> list[Setup]:
+        n = hw.devices_per_node
+        return [Setup(self.name, (("processes", n // 2), ("local", "split")))] if hw.device_kind != "cpu" and n >= 4 else []
+
+    def cost(self, setup, job, hw, profile, seq):
+        p, b = setup.get("processes"), job.batch_size
+        local = split_s(seq.batch_s(b // p), b // p, cut_mb(profile), link(hw.link(0, 1)))
+        ring = [link(hw.link(2 * i, 2 * ((i + 1) % p))) for i in range(p)]
+        bucket = float(setup.get("bucket_cap_mb", DEFAULT_BUCKET_MB))
+        work = b * (seq.per_sample_s + seq.load_per_sample_s)
+        return cost(work / p, hybrid_s(local, p, profile.gradient_mb, bucket, ring, hw.allreduce_fixed_us * 1e-6))
+
+    def memory(self, setup, job, hw, profile):
+        return memory_need(hw, halves_bytes(profile, hw, job.batch_size // setup.get("processes")))
+
+
+SPECS = (Hybrid(),)

@@ -1,0 +1,57 @@
+"""One device: on CPU ``threads`` intra-op threads (1 is the paper's one-core baseline, the
+speedups' reference); with trainer=gpu, one GPU."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..knobs import knob
+from ..predict.costs import cost, memory_need, replica_bytes, weight_traffic_s
+from .spec import Setup, StrategyPlan, StrategySpec, warn_oversubscription
+
+
+@dataclass
+class SequentialConfig:
+    """One device. On CPU, ``threads`` intra-op threads (1 = the paper's one-core baseline); with
+    trainer=gpu, one GPU."""
+
+    name: str = "sequential"
+    threads: int = knob(1, low=1)
+
+
+class Sequential(StrategySpec):
+    name, config, order = "sequential", SequentialConfig, 0
+    knob_tags = ("threads",)
+
+    def plan(self, cfg, accelerator, model, data) -> StrategyPlan:
+        import torch
+
+        warn_oversubscription(self.name, cfg.threads, "threads")
+        torch.set_num_threads(cfg.threads)
+        return StrategyPlan(trainer_kwargs={"strategy": "auto", "devices": 1}, tags={"threads": str(cfg.threads)})
+
+    def setup_of_run(self, params, tags) -> Setup:
+        if tags.get("accelerator") == "gpu":
+            return Setup(self.name, (("trainer", "gpu"),))
+        return Setup(self.name, (("threads", int(params.get("strategy.threads", 1))),))
+
+    def candidates(self, hw, job) -> list[Setup]:
+        if hw.device_kind != "cpu":
+            return [Setup(self.name, (("trainer", "gpu"),))]
+        out = [Setup(self.name, (("threads", 1),))]
+        if hw.devices_per_node > 1:
+            out.append(Setup(self.name, (("threads", hw.devices_per_node),)))
+        return out
+
+    def cost(self, setup, job, hw, profile, seq):
+        threads = setup.get("threads", 1)
+        compute = job.batch_size * seq.per_sample_s / threads + job.batch_size * seq.load_per_sample_s
+        return cost(compute, compute + weight_traffic_s(seq, hw, 1, threads))
+
+    def memory(self, setup, job, hw, profile):
+        return memory_need(hw, replica_bytes(job, job.batch_size))
+
+    def calibration_group(self, setup) -> str:
+        return self.name if setup.get("threads", 1) == 1 else "sequential-threads"
+
+
+SPECS = (Sequential(),)

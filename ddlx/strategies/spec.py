@@ -1,0 +1,132 @@
+"""What ddlx knows about a strategy, in one object: :class:`StrategySpec`.
+
+Each ``ddlx/strategies/<name>.py`` defines the spec of its strategy (``SPECS``): its knobs (a
+dataclass: the schema of the ``strategy`` option of that name), how it builds the Trainer's
+arguments, how its setup is read back from a run, its candidate setups on a described machine,
+and its time and memory models (built from :mod:`ddlx.predict.costs` and
+:mod:`ddlx.predict.perf_models`). Nothing outside a spec switches on a strategy's name.
+
+Nothing here imports torch at import time: the specs are read when the config is composed.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from ..models import LayeredModel
+    from ..predict.costs import Cost, MemoryNeed, SequentialTime
+    from ..predict.hardware import HardwareSpec
+    from ..predict.job import Job
+    from ..predict.profile import ModelProfile
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StrategyPlan:
+    """What the Trainer needs to run a strategy, and what the run is tagged with."""
+
+    trainer_kwargs: dict[str, Any]
+    tags: dict[str, str] = field(default_factory=dict)
+    data_parallel: int = 1  # processes sharing the global batch (data.batch_size)
+    replicas_per_machine: int = 1  # model copies in this machine's memory, for the memory check
+
+
+@dataclass(frozen=True)
+class Setup:
+    """A strategy with the knob values a prediction or a measured run used."""
+
+    strategy: str
+    knobs: tuple[tuple[str, object], ...] = ()
+
+    def get(self, key: str, default=None):
+        return dict(self.knobs).get(key, default)
+
+    @property
+    def label(self) -> str:
+        return " ".join([self.strategy, *(f"{k}={_render(v)}" for k, v in self.knobs)])
+
+    @property
+    def overrides(self) -> str:
+        """The train.py overrides that run this setup."""
+        parts = [f"strategy={self.strategy}"]
+        for key, value in self.knobs:
+            parts.append(f"trainer={value}" if key == "trainer" else f"strategy.{key}={_render(value)}")
+        return " ".join(parts)
+
+
+def _render(value) -> str:
+    return f"[{','.join(map(str, value))}]" if isinstance(value, (list, tuple)) else str(value)
+
+
+class StrategySpec:
+    """One strategy. A subclass sets the class attributes and implements the methods below."""
+
+    name: ClassVar[str]
+    config: ClassVar[type]  # its knobs: a dataclass with :func:`ddlx.knobs.knob` fields
+    order: ClassVar[int]  # its place in lists of setups (candidates, tables)
+    knob_tags: ClassVar[tuple[str, ...]] = ()  # run tags naming its setup's knobs, in a label's order
+    default_knob_tags: ClassVar[dict[str, str]] = {}  # tag values a label leaves out
+    label_params: ClassVar[tuple[str, ...]] = ()  # params a label shows when the user set them
+    splits_batch: ClassVar[bool] = False  # its workers each train a share of every batch (one calibration)
+
+    def plan(self, cfg, accelerator: str, model: LayeredModel, data) -> StrategyPlan:
+        """The Trainer's arguments for ``cfg`` (its knobs, checked), on ``model`` (the meta device is enough)."""
+        raise NotImplementedError
+
+    def setup_of_run(self, params: dict[str, str], tags: dict[str, str]) -> Setup:
+        """The setup a measured run of this strategy used, in the terms of :meth:`candidates`."""
+        return Setup(self.name)
+
+    def candidates(self, hw: HardwareSpec, job: Job) -> list[Setup]:
+        """The setups of it worth predicting on ``hw``, with the knobs a user would try."""
+        return []
+
+    def cost(self, setup: Setup, job: Job, hw: HardwareSpec, profile: ModelProfile, seq: SequentialTime) -> Cost:
+        """Modelled seconds of one global batch, before calibration."""
+        raise NotImplementedError(f"no performance model for strategy {self.name!r}")
+
+    def memory(self, setup: Setup, job: Job, hw: HardwareSpec, profile: ModelProfile) -> MemoryNeed:
+        """Memory per device (per node's RAM on CPU, where its processes share it)."""
+        raise NotImplementedError(f"no memory model for strategy {self.name!r}")
+
+    def processes(self, setup: Setup) -> int:
+        """Training processes (each with its own data loader)."""
+        return setup.get("processes") or setup.get("ranks") or 1
+
+    def worker_batch(self, setup: Setup, job: Job) -> int:
+        """Samples one worker allocates activations for in a step."""
+        return job.batch_size // self.processes(setup)
+
+    def calibration_group(self, setup: Setup) -> str:
+        """Setups whose measured/modelled ratios are pooled for calibration."""
+        return self.name
+
+
+# ---- helpers the specs' plans share -----------------------------------------------------------
+
+
+def cores() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+def require_cpu(name: str, accelerator: str) -> None:
+    if accelerator not in ("cpu", "auto"):
+        raise ConfigError(f"strategy={name} runs on CPU, but trainer.accelerator={accelerator}; use trainer.accelerator=cpu")
+
+
+def warn_oversubscription(name: str, workers: int, what: str) -> None:
+    if workers > cores():
+        log.warning(
+            "strategy=%s asks for %d %s but only %d cores are available: they will oversubscribe and run slower",
+            name, workers, what, cores(),
+        )
+
+
+def accelerator_of(device) -> str:
+    return "gpu" if device.type == "cuda" else "cpu"

@@ -44,7 +44,7 @@ def main() -> None:
     from ddlx.allocator import apply_allocator, resolve_allocator
     from ddlx.tracking import load_runs
     from ddlx.predict.cli import hardware, load_hw_file
-    from ddlx.predict.job import Job
+    from ddlx.records import job_of_run
     from ddlx.predict.prediction import Predictor, data_config_of_job
     from ddlx.predict.validation import ValidationRow, pick, pick_figures
     from ddlx.predict.setups import calibration_group, setup_of_run
@@ -73,7 +73,7 @@ def main() -> None:
         measured: dict[str, list[float]] = {}
         for r in mine:
             measured.setdefault(setup_of_run(r.params, r.tags).label, []).append(r.metrics["mean_epoch_time_s"])
-        rec = predictor.recommend(Job.from_run(mine[0]))
+        rec = predictor.recommend(job_of_run(mine[0]))
         print(f"\n{model} {size}px (T_seq {rec.sequential.basis})")
         rows = []  # the measured setups, as validation sees them
         for p in rec.predictions:

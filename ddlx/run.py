@@ -20,6 +20,7 @@ from .allocator import apply_allocator, check_allocator, resolve_allocator
 from .checkpoints import LAST, AtomicCheckpointIO, RunInCheckpoint, check_resumable, checkpoint_callbacks, read_saved_run
 from .config import TrainerConfig
 from .config_check import check_config
+from .machine import machine_tags
 from .data import ImageFolderDataModule
 from .errors import ConfigError
 from .measure.resources import ResourceMonitor
@@ -36,7 +37,6 @@ from .tracking import (
     check_tracking_uri,
     close_vanished_runs,
     flatten_config,
-    machine_tags,
     make_logger,
     prepare_store,
     record_rejected_run,

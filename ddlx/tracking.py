@@ -4,7 +4,6 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
-import platform
 import socket
 import sqlite3
 import threading
@@ -31,27 +30,6 @@ log = logging.getLogger(__name__)
 
 def use_case(model: str, data: str) -> str | None:
     return USE_CASES.get((model, data))
-
-
-def machine_tags() -> dict[str, str]:
-    """Where a run was measured: the report compares runs of one host only."""
-    import torch
-
-    tags = {"host": socket.gethostname(), "cpu_cores": str(len(os.sched_getaffinity(0))), "cpu_model": cpu_model()}
-    if torch.cuda.is_available():
-        tags["gpus"] = str(torch.cuda.device_count())
-        tags["gpu_name"] = torch.cuda.get_device_name(0)
-    return tags
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def sqlite_path(tracking_uri: str) -> Path | None:

@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 
 from conftest import CONF_DIR, PROJECT_DIR, subprocess_env
 from ddlx.errors import ConfigError
-from ddlx.records import MeasuredRun, workload_of
+from ddlx.records import MeasuredRun, job_of_run, workload_of
 from ddlx.predict import perf_models as pm
 from ddlx.predict.cli import hardware, load_hw_file
 from ddlx.predict.hardware import HardwareSpec, LinkSpec
@@ -660,9 +660,9 @@ def test_a_held_out_workload_is_probed_with_its_own_runs_data(tiny_config):
     small, large = _workload_params("resnet18", 64), _workload_params("resnet18", 64)
     large.update({"data.num_images": "800", "train": "640"})
     runs = [_run(f"r{n}", SETUPS[0], p, 3.0) for n, p in (("small", small), ("large", large))]
-    job = Job.from_run(runs[1])
+    job = job_of_run(runs[1])
     assert _probe_data(cfg, job, runs).num_images == 800, "the run of this job, not one of the same network and batch"
-    assert _probe_data(cfg, Job.from_run(runs[0]), runs).num_images == 400
+    assert _probe_data(cfg, job_of_run(runs[0]), runs).num_images == 400
 
 
 def test_recommend_py_validate_reports_errors_and_picks(tmp_path):

@@ -125,7 +125,7 @@ def detect_local(spec: HardwareSpec, cache_dir: Path | None = None, refresh: boo
     import psutil
     import torch
 
-    from ..tracking import cpu_model
+    from ..machine import cpu_model
 
     spec.host = socket.gethostname()
     spec.cores_per_node = len(os.sched_getaffinity(0))

@@ -19,7 +19,8 @@ from ..allocator import MMAP_CEILING_BYTES, SYSTEM, keep_freed_possible
 from ..records import MeasuredRun
 from .calibration import Calibration, fit_group_calibrations, workload_ratios
 from .hardware import HardwareSpec
-from .job import Job, measured_per_batch_s, on_hardware, usable
+from ..records import job_of_run, measured_per_batch_s, on_hardware, usable
+from .job import Job
 from .profile import ModelProfile, mapped_bytes, profile_model
 from .setups import (MemoryNeed, SequentialTime, Setup, Cost, calibration_group, candidates, loader_bound_s, memory_need,
                      model_cost, setup_of_run, worker_batch)
@@ -156,7 +157,7 @@ class Predictor:
             return measured
         if can_probe:
             return self._referenced_probe(job, hw, runs) if probe_on_runs_footing else self._probed_time(job, hw)
-        effs = efficiency_from_runs(runs, self._hw_of_run, lambda r: profile_of_job(Job.from_run(r)), hw.device_kind)
+        effs = efficiency_from_runs(runs, self._hw_of_run, lambda r: profile_of_job(job_of_run(r)), hw.device_kind)
         return from_flops(job, hw, profile, effs)
 
     def _probed_time(self, job: Job, hw: HardwareSpec) -> SequentialTime:
@@ -175,7 +176,7 @@ class Predictor:
         probed = self._probed_time(job, hw)
         measured: dict[Job, list[float]] = defaultdict(list)
         for run in baselines_on(hw, runs):
-            measured[Job.from_run(run)].append(measured_per_batch_s(run))
+            measured[job_of_run(run)].append(measured_per_batch_s(run))
         measured.pop(job, None)
         if not measured:
             return probed
@@ -202,7 +203,7 @@ class Predictor:
             group = calibration_group(setup)
             if group == "sequential":
                 continue
-            job = Job.from_run(run)
+            job = job_of_run(run)
             if job not in seqs:
                 seqs[job] = from_runs(job, source_hw, runs, profile_of_job(job))
             seq = seqs[job]
@@ -277,7 +278,7 @@ def data_config_of_job(job: Job, runs: Sequence[MeasuredRun]):
     """The ``data`` config of a measured run of exactly ``job`` (to probe it as it was measured),
     or None."""
     for run in runs:
-        if usable(run) and Job.from_run(run) == job:
+        if usable(run) and job_of_run(run) == job:
             return data_config_from_params(run.params)
     return None
 

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 from ..records import MeasuredRun
 from .hardware import HardwareSpec, intra_op_threads
-from .job import Job, measured_per_batch_s, on_hardware, same_network, usable
+from ..records import job_of_run, measured_per_batch_s, on_hardware, same_network, usable
+from .job import Job
 from .profile import ModelProfile
 from .setups import SequentialTime, calibration_group, setup_of_run, weight_seconds
 
@@ -59,7 +60,7 @@ def from_runs(job: Job, hw: HardwareSpec, runs: Sequence[MeasuredRun], profile: 
 def _load_per_sample_s(run: MeasuredRun) -> float:
     """The run's last measured epoch's data wait, per training sample (0 if it has none)."""
     wait = run.metrics.get("data_wait_s")
-    return 0.0 if wait is None else wait / Job.from_run(run).train_samples
+    return 0.0 if wait is None else wait / job_of_run(run).train_samples
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import numpy as np
 
 from ..allocator import SYSTEM
 from ..records import MeasuredRun, distinct_labels
-from .job import Job, on_hardware
+from ..records import job_of_run, on_hardware
 from .prediction import Predictor, choose
 from .setups import calibration_group, setup_of_run
 
@@ -83,7 +83,7 @@ def validate(predictor: Predictor, cpu_allocator: str = SYSTEM) -> tuple[list[Va
     for (workload, label), group in sorted(configs.items()):
         ids = {r.run_id for r in group}
         setup = setup_of_run(group[0].params, group[0].tags)
-        job = Job.from_run(group[0])
+        job = job_of_run(group[0])
         # The held-out runs were taken in their own sittings: a probe is put on their footing.
         rec = predictor.recommend(job, [setup], exclude=lambda r, ids=ids: r.run_id in ids, probe_on_runs_footing=True)
         (pred,) = rec.predictions

@@ -5,8 +5,7 @@ glibc's default ("system") serves each block above its mmap threshold (which ada
 page-faults them in again every step. "keep_freed" serves every block from the heap and never
 trims it (``mallopt(M_MMAP_MAX, 0)`` and a trim threshold of 2 GiB, and the same as
 ``MALLOC_MMAP_MAX_`` / ``MALLOC_TRIM_THRESHOLD_`` for the processes it starts): freed memory is
-reused, at the price of a higher peak RSS. On MobileNetV2 at 192 px (16 samples per process)
-it made cpu_mp 1.37x and ddp_gloo 1.24x faster, threads 1.05x (``benchmarks/allocator.sh``).
+reused, at the price of a higher peak RSS (measurements: docs/allocator.md).
 
 glibc cannot go back to its adaptive default within a process, so a process that set
 "keep_freed" refuses a later "system" job (a Hydra sweep runs its jobs in one process).
@@ -39,8 +38,8 @@ REPLACEMENTS = {"jemalloc": ("libjemalloc", "libjemalloc.so.2", "libjemalloc2"),
                 "tcmalloc": ("libtcmalloc", "libtcmalloc_minimal.so.4", "libtcmalloc-minimal4"),
                 "mimalloc": ("libmimalloc", "libmimalloc.so.2", "libmimalloc2.0")}
 # The environment each replacement reads its tuning from (variables starting so). Not recorded
-# with a run, and it changes the timings (jemalloc with dirty_decay_ms:-1 ran 1.7x faster than
-# with its defaults here), so a run with it set is refused rather than mixed with the default's.
+# with a run, and it changes the timings (docs/allocator.md), so a run with it set is refused
+# rather than mixed with the default's.
 TUNING_ENV = {"jemalloc": "MALLOC_CONF", "tcmalloc": "TCMALLOC_", "mimalloc": "MIMALLOC_"}
 CHOICES = (SYSTEM, KEEP_FREED, *REPLACEMENTS)  # what a run records
 # mallopt's parameters (malloc.h) and the values "keep_freed" sets.
@@ -120,6 +119,17 @@ def resolve_allocator(choice: str) -> str:
         raise ConfigError(f"cpu_allocator=auto, but malloc in this process comes from {_served_from(library)}, which "
                           f"ddlx cannot name: its runs would be recorded under an allocator they did not use; {UNNAMED_FIX}")
     return KEEP_FREED if _glibc() is not None else SYSTEM
+
+
+def explain(requested: str, resolved: str) -> str:
+    """What a run's heap is set to and why, for its first log lines."""
+    why = {SYSTEM: "glibc's default: blocks of 32 MiB or more are mapped afresh at every allocation",
+           KEEP_FREED: "glibc keeping freed memory for reuse (no fresh mappings per step, a higher peak RSS)"}
+    how = why.get(resolved, f"the malloc preloaded with LD_PRELOAD ({resolved})")
+    chosen = (f"cpu_allocator={AUTO} (the default) resolved to {resolved}" if requested == AUTO
+              else f"cpu_allocator={resolved}")
+    return (f"{chosen}: {how}; runs are compared only with runs of the same allocator "
+            f"(cpu_allocator=system for glibc's default; docs/allocator.md)")
 
 
 def check_allocator(choice: str) -> None:

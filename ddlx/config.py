@@ -13,10 +13,10 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
-from .allocator import AUTO, CHOICES as ALLOCATORS
+from .allocator import AUTO
+from .allocator import CHOICES as ALLOCATORS
 from .knobs import knob
 from .strategies import STRATEGIES
-
 
 # ---- the train config ------------------------------------------------------------------------
 
@@ -161,7 +161,7 @@ class TrainConfig:
     seed: int = 42
     ckpt_path: Optional[str] = None  # resume from this checkpoint, into the MLflow run it belongs to
     paths: PathsConfig = field(default_factory=PathsConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
+    optim: OptimConfig = MISSING
     measure: MeasureConfig = field(default_factory=MeasureConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     memory_check: bool = True  # refuse a model/data/batch that cannot fit before training starts
@@ -184,7 +184,8 @@ def register_schemas() -> None:
 
     store = ConfigStore.instance()
     store.store(name="train_schema", node=TrainConfig)
-    for group, node in (("model", ModelConfig), ("data", DataConfig), ("trainer", TrainerConfig), ("logger", LoggerConfig)):
+    for group, node in (("model", ModelConfig), ("data", DataConfig), ("optim", OptimConfig), ("trainer", TrainerConfig),
+                        ("logger", LoggerConfig)):
         store.store(group=f"schema/{group}", name=group, node=node)
     for name, node in STRATEGY_CONFIGS.items():
         store.store(group="strategy", name=name, node=node)

@@ -21,7 +21,13 @@ from omegaconf.errors import (
     ValidationError,
 )
 
-from .config import STRATEGY_CONFIGS, TRAINER_ARGS_SET_BY_DDLX, TrainConfig, TrainerConfig
+from .config import (
+    STRATEGY_CONFIGS,
+    TRAINER_ARGS_SET_BY_DDLX,
+    OptimConfig,
+    TrainConfig,
+    TrainerConfig,
+)
 from .errors import ConfigError
 
 TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
@@ -165,7 +171,7 @@ def _dataclass_of(f) -> Any:
     default = f.default_factory() if callable(f.default_factory) else None  # type: ignore[misc]
     if is_dataclass(default):
         return type(default)
-    return {"trainer": TrainerConfig}.get(f.name)  # MISSING groups typed by their YAML option's schema
+    return {"trainer": TrainerConfig, "optim": OptimConfig}.get(f.name)  # MISSING groups: their options' schema
 
 
 def _wrong_type(err: ValidationError) -> str:
@@ -237,7 +243,11 @@ def check_command_line(argv: Sequence[str], config_dir: Path, config_name: str) 
 def _job_errors(overrides: list[str], multirun: bool, config_dir: Path, config_name: str):
     """(job's overrides, those that vary across the sweep's jobs, error) for each job refused."""
     from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+    from hydra.errors import (
+        HydraException,
+        MissingConfigException,
+        OverrideParseException,
+    )
 
     if any(o.lstrip("+~").startswith(("hydra/sweeper", "hydra.sweeper")) for o in overrides):
         return  # another sweeper expands the jobs (and checks them as it composes each)

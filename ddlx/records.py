@@ -113,10 +113,17 @@ def workload_of(params: dict[str, str], tags: dict[str, str]) -> Workload:
 
 def to_measured_run(run) -> MeasuredRun:
     """One MLflow run (``mlflow.entities.Run``) as the report and the recommender see it."""
-    p, t, m = run.data.params, run.data.tags, run.data.metrics
+    return measured_run(run.info.run_id, run.info.status, run.data.params, run.data.tags, run.data.metrics)
+
+
+def measured_run(run_id: str, status: str, params: dict[str, str], tags: dict[str, str],
+                 metrics: dict[str, float]) -> MeasuredRun:
+    """A run from its id, status, params, tags and (last) metrics: as MLflow holds it, or as
+    :func:`export_run` wrote it."""
+    p, t, m = params, tags, metrics
     return MeasuredRun(
-        run_id=run.info.run_id,
-        status=run.info.status,
+        run_id=run_id,
+        status=status,
         workload=workload_of(p, t),
         device=t.get("accelerator", p.get("trainer.accelerator", "cpu")),
         strategy=t.get("strategy", "?"),
@@ -128,6 +135,12 @@ def to_measured_run(run) -> MeasuredRun:
         tags=dict(t),
         metrics=dict(m),
     )
+
+
+def export_run(run: MeasuredRun) -> dict:
+    """A run as plain data (JSON), for :func:`measured_run` to read back: a fixture of real runs."""
+    return {"run_id": run.run_id, "status": run.status, "params": run.params,
+            "tags": {k: v for k, v in run.tags.items() if not k.startswith("mlflow.")}, "metrics": run.metrics}
 
 
 def job_of_run(run: MeasuredRun) -> Job:

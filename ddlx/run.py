@@ -17,20 +17,28 @@ from omegaconf import DictConfig, OmegaConf
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 
 from .allocator import apply_allocator, check_allocator, resolve_allocator
-from .checkpoints import LAST, AtomicCheckpointIO, RunInCheckpoint, check_resumable, checkpoint_callbacks, read_saved_run
+from .allocator import explain as explain_allocator
+from .checkpoints import (
+    LAST,
+    AtomicCheckpointIO,
+    RunInCheckpoint,
+    check_resumable,
+    checkpoint_callbacks,
+    read_saved_run,
+)
 from .config import TrainerConfig
 from .config_check import check_config
-from .machine import machine_tags
 from .data import ImageFolderDataModule
 from .errors import ConfigError
+from .machine import machine_tags
 from .measure.resources import ResourceMonitor
 from .measure.timing import EpochTimer
 from .models import build_model
 from .module import ClassifierModule
-from .predict.memory import GIB, estimate_training_memory
-from .strategies import build_strategy
-from .stopping import StopAtSignal, StopSignals, disable_lightning_signal_handlers
 from .parallel.launch import RelaunchingDDPStrategy, end_distributed_job, launch_rank
+from .predict.memory import GIB, estimate_training_memory
+from .stopping import StopAtSignal, StopSignals, disable_lightning_signal_handlers
+from .strategies import build_strategy
 from .tracking import (
     check_experiment,
     check_resumable_run,
@@ -246,7 +254,10 @@ def check_job(cfg: DictConfig, resolved: dict, tags: dict, rank0: bool):
     and the run to resume. Returns (the saved run or None, plan, datamodule)."""
     saved = None
     # "auto" becomes what this process runs, in the recorded config and the ranks' job description.
+    requested = cfg.cpu_allocator
     cfg.cpu_allocator = resolved["cpu_allocator"] = resolve_allocator(cfg.cpu_allocator)
+    if rank0:
+        log.info(explain_allocator(requested, cfg.cpu_allocator))
     if cfg.ckpt_path:
         saved = read_saved_run(cfg.ckpt_path)
         tags["resume_changes"] = " ".join(f"{k}={v}" for k, v in check_resumable(

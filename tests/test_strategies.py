@@ -252,12 +252,3 @@ def test_more_processes_than_cores_warns(caplog):
     with caplog.at_level(logging.WARNING):
         _plan("strategy=cpu_mp", f"strategy.processes={cores + 1}")
     assert f"asks for {cores + 1} processes but only {cores} cores" in caplog.text
-
-
-def test_unknown_strategy_lists_the_available_ones():
-    from hydra.errors import MissingConfigException
-
-    with pytest.raises(MissingConfigException) as err:
-        compose_config(["strategy=warp"])
-    for name in ("cpu_mp", "ddp_gloo", "ddp_nccl", "pipe", "split", "hybrid", "mpi", "threads", "sequential"):
-        assert name in str(err.value)

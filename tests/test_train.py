@@ -43,6 +43,8 @@ def test_train_py_logs_one_mlflow_run(tmp_path):
     params = run.data.params
     assert params["data.batch_size"] == "8" and params["model.name"] == "vgg16" and params["strategy.threads"] == "1"
     assert params["cpu_allocator"] == "keep_freed", "the default, auto, is recorded as what it resolved to on glibc"
+    assert "cpu_allocator=auto (the default) resolved to keep_freed: glibc keeping freed memory" in proc.stdout + proc.stderr, \
+        "the run's first lines say what its heap is and why"
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(uri)
@@ -53,28 +55,30 @@ def test_train_py_logs_one_mlflow_run(tmp_path):
     assert (tmp_path / "mlflow.db").exists() and (tmp_path / "data" / "synthetic").is_dir()
 
 
-def _assert_clear_error(proc, pattern):
+def _assert_clear_error(proc, *keys):
+    """Exit status 2, no traceback, and a ddlx error line naming each of ``keys`` (regexes)."""
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
-    assert re.search(pattern, proc.stderr), proc.stderr[-3000:]
+    line = next((line for line in proc.stderr.splitlines() if line.startswith("ddlx: error:")), "")
+    assert all(re.search(key, line) for key in keys), proc.stderr[-3000:]
 
 
 def test_missing_data_root_is_a_clear_error(tmp_path):
     proc = run_train_py(tmp_path, f"data.root={tmp_path}/nope")
-    _assert_clear_error(proc, r"ddlx: error: data.root=.*nope does not exist")
+    _assert_clear_error(proc, r"data.root=\S*nope", r"data.root=null")
     assert runs(f"sqlite:///{tmp_path / 'mlflow.db'}") == [], "nothing is logged for a run that never started"
 
 
 def test_too_small_image_is_a_clear_error(tmp_path):
     proc = run_train_py(tmp_path, "data.image_size=8")
-    _assert_clear_error(proc, r"ddlx: error: image_size=8 is too small for \w+; use data.image_size >= 16")
+    _assert_clear_error(proc, r"image_size=8", r"data.image_size >= 16")
     assert runs(f"sqlite:///{tmp_path / 'mlflow.db'}") == [], "refused before a run was opened"
 
 
 def test_unreachable_tracking_server_fails_at_start(tiny_config, tmp_path):
     cfg = tiny_config("logger.tracking_uri=http://127.0.0.1:9", f"paths.data_dir={tmp_path}/fresh")
     start = time.monotonic()
-    with pytest.raises(ConfigError, match=r"tracking server logger.tracking_uri=http://127.0.0.1:9 is unreachable"):
+    with pytest.raises(ConfigError, match=r"logger.tracking_uri=http://127.0.0.1:9"):
         train(cfg, output_dir=tmp_path / "run")
     assert time.monotonic() - start < 30
     assert not (tmp_path / "fresh").exists(), "failed before preparing data"
@@ -84,33 +88,9 @@ def test_a_sweep_stops_at_the_first_job_the_store_refuses(tmp_path):
     """No job of this sweep could be recorded (the store's folder does not exist): the first one
     says why and the sweep ends there, exit status 2, instead of refusing each job in turn."""
     proc = run_train_py(tmp_path, f"logger.tracking_uri=sqlite:///{tmp_path}/nope/mlflow.db", "seed=1,2,3", multirun=True)
-    _assert_clear_error(proc, r"ddlx: error: logger.tracking_uri=.*nope/mlflow.db: folder .*nope does not exist")
+    _assert_clear_error(proc, r"logger.tracking_uri=\S*nope/mlflow.db")
     assert proc.stderr.count("ddlx: error:") == 1 and "the sweep stops here" in proc.stderr
     assert "#1 :" not in proc.stdout + proc.stderr, "the next job was not launched"
-
-
-def test_unknown_option_lists_the_available_ones():
-    from hydra.errors import MissingConfigException
-
-    with pytest.raises(MissingConfigException) as err:
-        compose_config(["model=vgg19"])
-    assert "vgg16" in str(err.value) and "resnet152" in str(err.value)
-
-
-@pytest.mark.parametrize("experiment,model,data", [("complexsmall", "vgg16", "firesmall"), ("simplebig", "alexnet", "firebig")])
-def test_experiment_configs_pin_the_paper_use_cases(experiment, model, data):
-    cfg = compose_config([f"experiment={experiment}"])
-    assert (cfg.model.name, cfg.data.name, cfg.data.image_size) == (model, data, 224)
-
-
-def test_dataset_configs_follow_the_papers():
-    expected = {  # source 000 section 3.1, source 004 Table 3.2
-        "firesmall": (791, 3, 224, 3), "firebig": (6003, 3, 224, 3), "mnist": (70000, 10, 28, 1),
-        "cifar10": (60000, 10, 32, 3), "imagenet": (1_280_000, 1000, 224, 3), "highres": (60000, 1000, 512, 3),
-    }
-    for name, (images, classes, size, channels) in expected.items():
-        d = compose_config([f"data={name}"]).data
-        assert (d.num_images, d.num_classes, d.image_size, d.channels) == (images, classes, size, channels), name
 
 
 @pytest.mark.parametrize("model", ARCHITECTURES)
@@ -187,8 +167,7 @@ def test_a_run_under_a_preloaded_jemalloc_is_recorded_as_jemalloc(tmp_path):
     the preload, and records it."""
     preload = {"LD_PRELOAD": "libjemalloc.so.2"}
     refused = run_train_py(tmp_path, "model=alexnet", "cpu_allocator=system", env=preload)
-    _assert_clear_error(refused, r"cpu_allocator=system, but malloc in this process comes from \S*libjemalloc\.so\.2 "
-                                 r"\(LD_PRELOAD=libjemalloc\.so\.2\), not the C library: .* use cpu_allocator=jemalloc")
+    _assert_clear_error(refused, r"cpu_allocator=system", r"libjemalloc\.so\.2", r"use cpu_allocator=jemalloc")
     proc = run_train_py(tmp_path, "model=alexnet", "strategy=cpu_mp", "strategy.processes=2", env=preload)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run,) = runs(f"sqlite:///{tmp_path / 'mlflow.db'}")

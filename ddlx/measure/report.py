@@ -18,6 +18,7 @@ from statistics import median
 
 from ..records import BASELINE_LABEL, MeasuredRun, Workload, distinct_labels
 
+
 @dataclass
 class Row:
     workload: Workload

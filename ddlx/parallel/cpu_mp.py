@@ -16,8 +16,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from pytorch_lightning.overrides.distributed import _sync_module_states
-from .launch import RelaunchingDDPStrategy
 
+from .launch import RelaunchingDDPStrategy
 from .shared_memory import SharedMemoryGradientAverager
 
 log = logging.getLogger(__name__)

@@ -8,17 +8,20 @@ resolved config, whatever started it.
 """
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
 import time
 
-import logging
-
-from lightning_fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+from lightning_fabric.strategies.launchers.subprocess_script import (
+    _ChildProcessObserver,
+)
 from lightning_fabric.utilities.distributed import _set_num_threads_if_needed
 from pytorch_lightning.strategies import DDPStrategy
-from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from pytorch_lightning.strategies.launchers.subprocess_script import (
+    _SubprocessScriptLauncher,
+)
 
 from ..tracking import mark_failed
 

@@ -108,11 +108,10 @@ def fit_group_calibrations(samples: dict[str, Sequence[tuple[Cost, float]]]) -> 
     modelled compute is the same work and is off by the same factor; only their overheads
     (joins, averaging, allreduce) differ. Fitted apart, each group's compute factor soaks up
     what its overhead term misses on the networks where overheads dominate (AlexNet, VGG), and
-    then decides the ranking on networks where compute dominates: cpu_mp's x1.04 against
-    threads' x1.00 put threads first on MobileNetV2 at 96-160 px, where it measured 0-5% behind
-    cpu_mp (the model alone ranks them right). Per-run leave-one-out error does not choose
-    between the two (4.9% mean either way here): it is dominated by the machine's drift
-    between sittings, which moves every setup of a workload together."""
+    then decides the ranking on networks where compute dominates, where the model alone ranks
+    them right. Per-run leave-one-out error does not choose between the two fits: it is
+    dominated by a machine's drift between sittings, which moves every setup of a workload
+    together (studies/cpu-2core/README.md)."""
     shared = {g: v for g, v in samples.items() if splits_batch(g) and len(v) >= MIN_RUNS_FOR_SHARED}
     joint = _shared_compute_fit(shared) if len(shared) >= 2 else None
     return {g: joint[g] if joint and g in joint else fit_calibration(v) for g, v in samples.items()}

@@ -10,16 +10,22 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from ..allocator import apply_allocator, check_allocator, resolve_allocator
+from ..config_check import check_bounds
 from ..errors import ConfigError
 from ..models import check_request
-from ..config_check import check_bounds
 from ..tracking import check_tracking_uri, load_runs, log_result_run, store_exists
 from .hardware import HardwareSpec, detect_local, validate
 from .job import Job
 from .prediction import Predictor, Recommendation, data_config_of_job
-from .render import recommendation_dict, recommendation_table, validation_plot, validation_text
-from .validation import pick_figures, validate as leave_one_out
+from .render import (
+    recommendation_dict,
+    recommendation_table,
+    validation_plot,
+    validation_text,
+)
 from .tseq import probe_batches, probe_loading
+from .validation import pick_figures
+from .validation import validate as leave_one_out
 
 MODES = ("recommend", "validate", "probe")
 OUTPUTS = ("table", "json")
@@ -101,7 +107,7 @@ def run(cfg: DictConfig, out_dir: Path, hw_dir: Path, job_overrides: list[str] |
     check_bounds(cfg)  # the model and data groups' declared ranges
     if cfg.output not in OUTPUTS:
         raise ConfigError(f"output={cfg.output}; expected one of {', '.join(OUTPUTS)}")
-    for key, example in (("close_call", 0.05), ("prefer_sequential_within", 0.035)):
+    for key, example in (("close_call", 0.05),):
         if not 0 <= cfg[key] < 1:
             raise ConfigError(f"{key}={cfg[key]}; expected a fraction in [0, 1), e.g. {key}={example}")
     started = time.perf_counter()
@@ -123,9 +129,9 @@ def run(cfg: DictConfig, out_dir: Path, hw_dir: Path, job_overrides: list[str] |
     runs, note = measured_runs(cfg)
     probe = loading = None
     if cfg.probe:
-        probe = (lambda job: probe_batches(_probe_data(cfg, job, runs), job.model, 1, cfg.probe_max_s))
+        probe = (lambda job: probe_batches(_probe_data(cfg, job, runs), job.model, 1, cfg.probe_max_s, cfg.optim))
         loading = (lambda job: probe_loading(_probe_data(cfg, job, runs), cfg.probe_max_s))
-    predictor = Predictor(target, runs, local, probe, cfg.prefer_sequential_within, loading)
+    predictor = Predictor(target, runs, local, probe, loading)
     if cfg.mode == "validate":
         report_validation(cfg, predictor, note, out_dir, started)
         return
@@ -162,7 +168,7 @@ def log_recommendation(cfg: DictConfig, rec: Recommendation, note: str, out_dir:
               "recommended": best.setup.label if best else "none fits", "t_seq_basis": rec.sequential.basis[:5000],
               "close_calls": ", ".join(p.setup.label for p in rec.close_calls(cfg.close_call))[:5000]},
         params={"batch_size": rec.job.batch_size, "image_size": rec.job.image_size, "train_samples": rec.job.train_samples,
-                "nodes": rec.hw.nodes, "prefer_sequential_within": rec.prefer_sequential_within},
+                "nodes": rec.hw.nodes},
         metrics={"predicted_epoch_s": best.epoch_s, "predicted_speedup": best.speedup} if best else {},
         files=[path])
 
@@ -182,7 +188,6 @@ def report_validation(cfg: DictConfig, predictor: Predictor, note: str, out_dir:
         "rows": [r.as_dict() for r in rows],
         "per_strategy": summary,
         "recommendations": {w: vars(p) | {"correct": p.correct} for w, p in picks.items()},
-        "prefer_sequential_within": predictor.prefer_sequential_within,
         **pick_figures(list(picks.values())),
         "seconds": round(time.perf_counter() - started, 1),
     }
@@ -192,5 +197,5 @@ def report_validation(cfg: DictConfig, predictor: Predictor, note: str, out_dir:
     if cfg.output == "json":
         print(json.dumps(result, indent=2))
         return
-    print(validation_text(predictor.hw.name, note, rows, summary, picks, result, predictor.prefer_sequential_within))
+    print(validation_text(predictor.hw.name, note, rows, summary, picks, result))
     print(f"wrote {out_dir / 'validation.json'} and {plot} ({result['seconds']} s)")

@@ -77,6 +77,13 @@ class HardwareSpec:
         return [self.link(devices[i], devices[(i + 1) % len(devices)]) for i in range(len(devices))]
 
 
+def from_dict(fields: dict) -> HardwareSpec:
+    """A description written out as plain data (``dataclasses.asdict``), typed and checked again."""
+    from omegaconf import OmegaConf
+
+    return validate(OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(HardwareSpec), fields)))
+
+
 def validate(spec: HardwareSpec) -> HardwareSpec:
     """Values the types cannot check; every message names the key and the fix."""
     if spec.device_kind not in ("cpu", "gpu"):
@@ -109,8 +116,8 @@ GPU_PEAK_TFLOPS = {"H200": 67.0, "H100": 67.0, "A100": 19.5, "V100": 15.7, "TITA
 
 
 # The detected figures that are timed, not read, per device kind: they vary by a few percent from
-# one measurement to the next, which moved repeated answers by up to 4% and flipped near ties,
-# so they are measured once per machine and kept (see detect_local). A GPU's peak is its data
+# one measurement to the next, which would move repeated answers and flip near ties, so they
+# are measured once per machine and kept (see detect_local). A GPU's peak is its data
 # sheet's (GPU_PEAK_TFLOPS), read on every call like the core count.
 TIMED_RATES = {"cpu": ("peak_tflops", "memory_bandwidth_gb_s", "node_memory_bandwidth_gb_s"),
                "gpu": ("memory_bandwidth_gb_s",)}

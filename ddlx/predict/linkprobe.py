@@ -25,7 +25,6 @@ import torch.multiprocessing as mp
 
 from .hardware import HardwareSpec
 
-
 SIZES_BYTES = (4, 64 * 2**10, 2**20, 8 * 2**20, 32 * 2**20)
 
 

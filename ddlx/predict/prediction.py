@@ -6,29 +6,37 @@ same device kind; otherwise the models stand uncalibrated and say so.
 from __future__ import annotations
 
 import socket
-import statistics
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import TypeVar
 
 import yaml
 from omegaconf import OmegaConf
 
 from ..allocator import MMAP_CEILING_BYTES, SYSTEM, keep_freed_possible
-from ..records import MeasuredRun
+from ..records import MeasuredRun, job_of_run, measured_per_batch_s, on_hardware, usable
+from ..strategies import BASELINE
 from .calibration import Calibration, fit_group_calibrations, workload_ratios
 from .hardware import HardwareSpec
-from ..records import job_of_run, measured_per_batch_s, on_hardware, usable
 from .job import Job
 from .profile import ModelProfile, mapped_bytes, profile_model
-from .setups import (MemoryNeed, SequentialTime, Setup, Cost, calibration_group, candidates, loader_bound_s, memory_need,
-                     model_cost, setup_of_run, worker_batch)
-from .tseq import ProbedBatch, baselines_on, efficiency_from_runs, from_flops, from_probe, from_runs, rescaled
+from .setups import (
+    Cost,
+    MemoryNeed,
+    SequentialTime,
+    Setup,
+    calibration_group,
+    candidates,
+    loader_bound_s,
+    memory_need,
+    model_cost,
+    setup_of_run,
+    worker_batch,
+)
+from .tseq import ProbedBatch, efficiency_from_runs, from_flops, from_probe, from_runs
 
 Probe = Callable[[Job], Callable[[int], list[ProbedBatch]]]
 LoadingProbe = Callable[[Job], Callable[[], float]]
-T = TypeVar("T")
 
 
 @dataclass
@@ -54,21 +62,6 @@ class Prediction:
         }
 
 
-def choose(options: Sequence[T], seconds: Callable[[T], float], sequential: Callable[[T], bool],
-           prefer_sequential_within: float) -> T:
-    """The option to recommend: the fastest, unless a sequential one (one process on the whole
-    batch: the baseline's training exactly, BatchNorm over the whole batch, no extra memory) is
-    predicted within ``prefer_sequential_within`` (a fraction) of it. A parallel setup must be
-    predicted to gain more than the predictions resolve before it is worth its costs."""
-    fastest = min(options, key=seconds)
-    plain = [o for o in options if sequential(o)]
-    if plain:
-        best_plain = min(plain, key=seconds)
-        if seconds(best_plain) <= seconds(fastest) * (1 + prefer_sequential_within):
-            return best_plain
-    return fastest
-
-
 @dataclass
 class Recommendation:
     job: Job
@@ -76,7 +69,6 @@ class Recommendation:
     sequential: SequentialTime
     predictions: list[Prediction]  # fastest first; those that do not fit last
     runs_used: int
-    prefer_sequential_within: float = 0.0  # see :func:`choose`
 
     @property
     def fitting(self) -> list[Prediction]:
@@ -90,11 +82,8 @@ class Recommendation:
 
     @property
     def best(self) -> Prediction | None:
-        """The recommended setup (:func:`choose` among those that fit)."""
-        fitting = self.fitting
-        if not fitting:
-            return None
-        return choose(fitting, lambda p: p.epoch_s, lambda p: p.setup.strategy == "sequential", self.prefer_sequential_within)
+        """The recommended setup: the fastest that fits."""
+        return self.fastest
 
     def close_calls(self, band: float) -> list[Prediction]:
         """The other setups that fit and are predicted within ``band`` (a fraction) of the best:
@@ -122,8 +111,8 @@ def allocator_advice(rec: Recommendation) -> str | None:
     return (f"with cpu_allocator={SYSTEM} (glibc's default), each worker of {best.setup.label} maps "
             f"{mapped / 1e6:.0f} MB of its tensors afresh every step (those of {MMAP_CEILING_BYTES // 2**20} MiB or more) "
             f"and page-faults them in "
-            f"again; cpu_allocator=keep_freed reuses freed memory instead: 1.07-1.37x faster for threads, ddp_gloo and "
-            f"cpu_mp on MobileNetV2 at 192 px, 5-17% more peak RAM (benchmarks/allocator.sh). Predictions for it come "
+            f"again; cpu_allocator=keep_freed reuses freed memory instead, at some more peak RAM (measured effects: "
+            f"docs/allocator.md). Predictions for it come "
             f"only from runs with it, so measure it")
 
 
@@ -135,28 +124,24 @@ class Predictor:
     """Predictions for one target machine from a fixed set of measured runs."""
 
     def __init__(self, hw: HardwareSpec, runs: Sequence[MeasuredRun], local: HardwareSpec | None = None,
-                 probe: Probe | None = None, prefer_sequential_within: float = 0.0,
-                 loading: LoadingProbe | None = None) -> None:
+                 probe: Probe | None = None, loading: LoadingProbe | None = None) -> None:
         """``loading``: times one sample's data loading on one core of this machine (for GPU
         targets, whose loaders run on the host's cores: see :func:`~.setups.loader_bound_s`)."""
         self.hw, self.local, self.probe, self.loading = hw, local, probe, loading
-        self.prefer_sequential_within = prefer_sequential_within
         self.runs = [r for r in runs if usable(r)]
         self._probed: dict[Job, SequentialTime] = {}
         self._loading: dict[Job, float] = {}
 
     # -- sequential time ------------------------------------------------------------------
-    def sequential(self, job: Job, hw: HardwareSpec, runs: Sequence[MeasuredRun],
-                   probe_on_runs_footing: bool = False) -> SequentialTime:
-        """``probe_on_runs_footing``: rescale a probe to the stored runs' sittings (validation
-        compares with runs taken then); otherwise a probe stands as measured now, for a run now."""
+    def sequential(self, job: Job, hw: HardwareSpec, runs: Sequence[MeasuredRun]) -> SequentialTime:
+        """Measured runs of the job, else a probe here (when the target is this machine), else FLOPs."""
         profile = profile_of_job(job)
         can_probe = self.probe is not None and self.local is not None and hw is self.local
         measured = from_runs(job, hw, runs, profile, other_batch=not can_probe)
         if measured is not None:
             return measured
         if can_probe:
-            return self._referenced_probe(job, hw, runs) if probe_on_runs_footing else self._probed_time(job, hw)
+            return self._probed_time(job, hw)
         effs = efficiency_from_runs(runs, self._hw_of_run, lambda r: profile_of_job(job_of_run(r)), hw.device_kind)
         return from_flops(job, hw, profile, effs)
 
@@ -164,26 +149,6 @@ class Predictor:
         if job not in self._probed:
             self._probed[job] = from_probe(job, hw, profile_of_job(job), self.probe(job))
         return self._probed[job]
-
-    def _referenced_probe(self, job: Job, hw: HardwareSpec, runs: Sequence[MeasuredRun]) -> SequentialTime:
-        """The probe of ``job``, put on the footing of the measured runs: this machine's speed drifts
-        by 10-25% between sittings, so to compare a probe taken now with held-out runs taken then,
-        the job's probe is multiplied by the median measured/probed ratio of every other workload
-        with measured one-device runs, probed in the same sitting (validation probes each of them
-        anyway, when it holds it out). Fewer references track the sittings they were measured in:
-        with the 3 most-measured workloads, the baselines' median error moved from 5% to 9% when
-        those three were re-measured in one evening; with all of them it was 2-5%."""
-        probed = self._probed_time(job, hw)
-        measured: dict[Job, list[float]] = defaultdict(list)
-        for run in baselines_on(hw, runs):
-            measured[job_of_run(run)].append(measured_per_batch_s(run))
-        measured.pop(job, None)
-        if not measured:
-            return probed
-        ratio = statistics.median(statistics.median(times) / self._probed_time(ref, hw).batch_s(ref.batch_size)
-                                  for ref, times in measured.items())
-        return rescaled(probed, job.batch_size, ratio, f"median measured/probed ratio of {len(measured)} other "
-                        f"workload(s) with measured one-device runs, probed in the same sitting")
 
     def _hw_of_run(self, run: MeasuredRun) -> HardwareSpec | None:
         for hw in (self.hw, self.local):
@@ -201,7 +166,7 @@ class Predictor:
         for run in source:
             setup = setup_of_run(run.params, run.tags)
             group = calibration_group(setup)
-            if group == "sequential":
+            if group == BASELINE:
                 continue
             job = job_of_run(run)
             if job not in seqs:
@@ -226,11 +191,11 @@ class Predictor:
 
     # -- prediction -----------------------------------------------------------------------
     def recommend(self, job: Job, setups: Sequence[Setup] | None = None,
-                  exclude: Callable[[MeasuredRun], bool] | None = None, probe_on_runs_footing: bool = False) -> Recommendation:
-        # Another allocator changes every CPU timing (1.05-1.37x on large activations): not this job's runs.
+                  exclude: Callable[[MeasuredRun], bool] | None = None) -> Recommendation:
+        # Another allocator changes every CPU timing (docs/allocator.md): not this job's runs.
         runs = [r for r in self.runs if r.workload.cpu_allocator == job.cpu_allocator and not (exclude and exclude(r))]
         profile = profile_of_job(job)
-        seq = self.sequential(job, self.hw, runs, probe_on_runs_footing)
+        seq = self.sequential(job, self.hw, runs)
         # Timed only where it is used: as a bound beside the training, or as T_seq's missing loading.
         load_core = self._load_core_s(job) if job.num_workers > 0 or seq.load_per_sample_s == 0 else None
         if load_core is not None and job.num_workers == 0:
@@ -239,12 +204,12 @@ class Predictor:
         calibrations, source = self.calibration(runs)
         baseline = seq.batch_s(job.batch_size)
         if load_core is not None:
-            baseline = max(baseline, loader_bound_s(Setup("sequential"), job, self.hw, load_core))
+            baseline = max(baseline, loader_bound_s(Setup(BASELINE), job, self.hw, load_core))
         predictions = []
         for setup in setups if setups is not None else candidates(self.hw, job):
             group = calibration_group(setup)
             cost = model_cost(setup, job, self.hw, profile, seq)
-            if group == "sequential":
+            if group == BASELINE:
                 batch_s, how = cost.total_s, ""
             elif group in calibrations:
                 calibration = calibrations[group]
@@ -261,7 +226,7 @@ class Predictor:
             predictions.append(Prediction(setup, epoch, baseline * job.steps / epoch, memory_need(setup, job, self.hw, profile),
                                           f"T_seq {seq.basis}{how}"))
         predictions.sort(key=lambda p: (not p.memory.fits, p.epoch_s))
-        return Recommendation(job, self.hw, seq, predictions, len(runs), self.prefer_sequential_within)
+        return Recommendation(job, self.hw, seq, predictions, len(runs))
 
     def _load_core_s(self, job: Job) -> float | None:
         """One sample's loading on one core, for GPU targets (their loaders run on host cores,

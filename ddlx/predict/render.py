@@ -30,8 +30,6 @@ def recommendation_dict(rec: Recommendation, note: str, elapsed: float, close_ca
         "sequential_basis": rec.sequential.basis,
         "predictions": [p.as_dict() for p in rec.predictions],
         "recommended": with_command(best) if best else None,
-        "predicted_fastest": rec.fastest.setup.label if rec.fastest else None,
-        "prefer_sequential_within": rec.prefer_sequential_within,
         "close_call_band": close_call,
         "close_calls": [with_command(p) for p in rec.close_calls(close_call)],
         "allocator_advice": allocator_advice_dict(rec, job_overrides),
@@ -68,11 +66,6 @@ def recommendation_table(rec: Recommendation, note: str, elapsed: float, close_c
         lines.append("recommendation: none of these setups fits in memory; lower data.batch_size or use more devices")
     else:
         lines.append(f"recommendation: {best.setup.label}: {best.epoch_s:.2f} s/epoch predicted, {best.speedup:.2f}x one device")
-        fastest = rec.fastest
-        if fastest is not best:
-            lines.append(f"  over {fastest.setup.label}, predicted {100 * (1 - fastest.epoch_s / best.epoch_s):.1f}% "
-                         f"faster: less than prefer_sequential_within={rec.prefer_sequential_within:g}, so not worth "
-                         f"splitting the batch (the sequential run trains exactly as the baseline, in one process)")
         lines.append(f"  {train_command(rec, best, job_overrides)}")
         close = rec.close_calls(close_call)
         if close:
@@ -89,8 +82,7 @@ def recommendation_table(rec: Recommendation, note: str, elapsed: float, close_c
     return "\n".join(lines)
 
 
-def validation_text(hw_name: str, note: str, rows, summary: dict, picks: dict, result: dict,
-                    prefer_sequential_within: float) -> str:
+def validation_text(hw_name: str, note: str, rows, summary: dict, picks: dict, result: dict) -> str:
     """The validation's tables: every configuration, each strategy's errors, each workload's pick."""
     out: list[str] = []
     out.append(f"leave-one-configuration-out on hw={hw_name}: {note}\n")
@@ -108,15 +100,12 @@ def validation_text(hw_name: str, note: str, rows, summary: dict, picks: dict, r
                    f"| {100 * p.fastest_reproduced:.0f}% / {100 * p.recommended_fastest:.0f}% |")
     if picks:
         n = len(picks)
-        correct, near, plain = (round(n * result[k]) for k in
-                                ("correct_fraction", "correct_or_overlapping_fraction", "predicted_fastest_correct_fraction"))
+        correct, near = (round(n * result[k]) for k in ("correct_fraction", "correct_or_overlapping_fraction"))
         out.append(f"\ncorrect recommendations: {correct}/{n} = {100 * correct / n:.0f}%; "
                    f"correct or with runs overlapping the fastest's (repeats do not tell them apart): "
                    f"{near}/{n} = {100 * near / n:.0f}%; the recommended setups measured "
                    f"{100 * result['mean_slowdown']:.1f}% slower than the fastest on average, at most "
                    f"{100 * result['max_slowdown']:.1f}%")
-        out.append(f"with prefer_sequential_within={prefer_sequential_within:g}; always the predicted fastest "
-                   f"(prefer_sequential_within=0): {plain}/{n} = {100 * plain / n:.0f}% correct")
         out.append(f"resampling each setup's runs: the measured fastest is the fastest again in "
                    f"{100 * result['fastest_reproduced_fraction']:.0f}% of resamples (mean over workloads: what naming the "
                    f"measured fastest could expect against a re-measurement in the same sittings), the recommended setup in "

@@ -3,8 +3,7 @@
 1. measured: ddlx runs of this network and batch on this hardware on one device
    (``sequential``, one core or one GPU);
 2. probe: when the hardware is this machine, train a few batches here (the thesis' statistical
-   model: per-batch time is stable within seconds, so extrapolate); validation rescales it to
-   the held-out runs' sittings (:func:`rescaled`), since the machine's speed drifts between them;
+   model: per-batch time is stable within seconds, so extrapolate);
 3. measured at another batch, scaled per sample;
 4. scaled: counted training FLOPs / (the device's peak x an efficiency calibrated from the
    measured baselines on hardware whose peak is known; a stated default when there are none).
@@ -18,9 +17,16 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..records import MeasuredRun
+from ..records import (
+    MeasuredRun,
+    job_of_run,
+    measured_per_batch_s,
+    on_hardware,
+    same_network,
+    usable,
+)
+from ..strategies import BASELINE
 from .hardware import HardwareSpec, intra_op_threads
-from ..records import job_of_run, measured_per_batch_s, on_hardware, same_network, usable
 from .job import Job
 from .profile import ModelProfile
 from .setups import SequentialTime, calibration_group, setup_of_run, weight_seconds
@@ -31,7 +37,7 @@ DEFAULT_EFFICIENCY = {"gpu": 0.35, "cpu": 0.5}
 
 
 def is_one_device_baseline(run: MeasuredRun) -> bool:
-    return calibration_group(setup_of_run(run.params, run.tags)) == "sequential"
+    return calibration_group(setup_of_run(run.params, run.tags)) == BASELINE
 
 
 def baselines_on(hw: HardwareSpec, runs: Sequence[MeasuredRun]) -> list[MeasuredRun]:
@@ -42,7 +48,7 @@ def baselines_on(hw: HardwareSpec, runs: Sequence[MeasuredRun]) -> list[Measured
 def from_runs(job: Job, hw: HardwareSpec, runs: Sequence[MeasuredRun], profile: ModelProfile,
               other_batch: bool = True) -> SequentialTime | None:
     """From baselines of the same batch; with ``other_batch``, else from another batch scaled per
-    sample (which misses how per-sample cost changes with the batch: 6-24% off here)."""
+    sample (which misses how per-sample cost changes with the batch)."""
     base = [r for r in baselines_on(hw, runs) if same_network(r, job)]
     same_batch = [r for r in base if int(r.params["data.batch_size"]) == job.batch_size]
     chosen = same_batch or (base if other_batch else [])
@@ -86,15 +92,6 @@ def from_probe(job: Job, hw: HardwareSpec, profile: ModelProfile, train_batches:
                           f"local probe ({len(batches)} batches, median {batch_s:.3f} s, {wait_s:.3f} s of it loading)", load)
 
 
-def rescaled(probed: SequentialTime, batch: int, ratio: float, why: str) -> SequentialTime:
-    """``probed`` with its batch time multiplied by ``ratio`` (the weight term, a modelled
-    constant, stays; the per-sample compute and loading absorb the change in proportion)."""
-    per_sample = probed.per_sample_s + probed.load_per_sample_s
-    scale = (ratio * probed.batch_s(batch) - probed.weight_s) / batch / per_sample
-    return SequentialTime(max(probed.per_sample_s * scale, 1e-9), probed.weight_s, f"{probed.basis} x {ratio:.2f}: {why}",
-                          max(probed.load_per_sample_s * scale, 0.0))
-
-
 def efficiency_from_runs(runs: Sequence[MeasuredRun], hw_of_run: Callable[[MeasuredRun], HardwareSpec | None],
                          profile_of: Callable[[MeasuredRun], ModelProfile], kind: str) -> list[float]:
     """Achieved fraction of peak of the one-device baselines on hardware of ``kind``."""
@@ -124,15 +121,18 @@ def from_flops(job: Job, hw: HardwareSpec, profile: ModelProfile, efficiencies: 
                           f"{hw.peak_tflops:g} TFLOPS, {how})")
 
 
-def probe_batches(cfg_data, model: str, threads: int = 1, max_seconds: float = 30.0) -> Callable[[int], list[ProbedBatch]]:
+def probe_batches(cfg_data, model: str, threads: int = 1, max_seconds: float = 30.0,
+                  optim=None) -> Callable[[int], list[ProbedBatch]]:
     """A probe on this machine with ddlx's own datamodule (the real decode and augmentation) and
-    model, one core or one GPU: train n + 1 batches, return the last n (stops early at
-    ``max_seconds``, keeping at least two)."""
+    the LightningModule train.py trains (its loss, its optimizer with ``optim``'s settings), one
+    core or one GPU: train n + 1 batches, return the last n (stops early at ``max_seconds``,
+    keeping at least two). The steps are run by hand: a Trainer's start would cost more than them."""
 
     def run(n: int) -> list[ProbedBatch]:
         import torch
 
         from ..models import build_model
+        from ..module import ClassifierModule
         from ..run import build_datamodule
 
         dm = build_datamodule(cfg_data)
@@ -140,15 +140,15 @@ def probe_batches(cfg_data, model: str, threads: int = 1, max_seconds: float = 3
         dm.setup("fit")
         device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
         with intra_op_threads(threads):
-            net = build_model(model, cfg_data.num_classes, cfg_data.channels, cfg_data.image_size, None).to(device)
-            opt = torch.optim.SGD(net.parameters(), lr=0.001, momentum=0.9)
-            loss_fn = torch.nn.CrossEntropyLoss()
+            net = build_model(model, cfg_data.num_classes, cfg_data.channels, cfg_data.image_size, None)
+            module = ClassifierModule(net, cfg_data.num_classes, **(dict(optim) if optim is not None else {})).to(device)
+            opt = module.configure_optimizers()
             times, start, spent = [], time.perf_counter(), time.perf_counter()
             for i, (x, y) in enumerate(dm.train_dataloader()):
                 x, y = x.to(device), y.to(device)
                 loaded = time.perf_counter()
                 opt.zero_grad(set_to_none=True)
-                loss_fn(net(x), y).backward()
+                module.loss(module(x), y).backward()
                 opt.step()
                 if device.type == "cuda":
                     torch.cuda.synchronize()

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..allocator import SYSTEM
-from ..records import MeasuredRun, distinct_labels
-from ..records import job_of_run, on_hardware
-from .prediction import Predictor, choose
+from ..records import MeasuredRun, distinct_labels, job_of_run, on_hardware
+from .prediction import Predictor
 from .setups import calibration_group, setup_of_run
+
 
 @dataclass
 class ValidationRow:
@@ -53,7 +53,6 @@ class Pick:
     # The two setups' repeated runs overlap (the recommended one's fastest run beat the fastest
     # setup's slowest): on this machine's noise the measurements do not tell them apart.
     overlapping: bool = False
-    predicted_fastest: str = ""  # the recommendation with prefer_sequential_within=0
     # Bootstrap over each setup's runs (the median of a resample of its runs, RESAMPLES times):
     # how often the measured fastest is again the fastest, what naming it could expect to score
     # against a re-measurement in the same sittings (drift between sittings only lowers it);
@@ -84,8 +83,7 @@ def validate(predictor: Predictor, cpu_allocator: str = SYSTEM) -> tuple[list[Va
         ids = {r.run_id for r in group}
         setup = setup_of_run(group[0].params, group[0].tags)
         job = job_of_run(group[0])
-        # The held-out runs were taken in their own sittings: a probe is put on their footing.
-        rec = predictor.recommend(job, [setup], exclude=lambda r, ids=ids: r.run_id in ids, probe_on_runs_footing=True)
+        rec = predictor.recommend(job, [setup], exclude=lambda r, ids=ids: r.run_id in ids)
         (pred,) = rec.predictions
         times = tuple(r.metrics["mean_epoch_time_s"] for r in group)
         rows.append(ValidationRow(",".join(sorted(ids)), workload, label, calibration_group(setup), pred.epoch_s,
@@ -93,33 +91,28 @@ def validate(predictor: Predictor, cpu_allocator: str = SYSTEM) -> tuple[list[Va
     by_workload: dict[str, list[ValidationRow]] = defaultdict(list)
     for row in rows:
         by_workload[row.workload].append(row)
-    return rows, {workload: pick(group, predictor.prefer_sequential_within)
-                  for workload, group in by_workload.items() if len(group) >= 2}
+    return rows, {workload: pick(group) for workload, group in by_workload.items() if len(group) >= 2}
 
 
-def pick(rows: Sequence[ValidationRow], prefer_sequential_within: float = 0.0) -> Pick:
-    """One workload's recommendation (:func:`choose` on the predicted times) against its
-    measured fastest."""
-    recommended = choose(rows, lambda r: r.predicted_s, lambda r: r.group.startswith("sequential"), prefer_sequential_within)
+def pick(rows: Sequence[ValidationRow]) -> Pick:
+    """One workload's recommendation (the predicted fastest) against its measured fastest."""
+    recommended = min(rows, key=lambda r: r.predicted_s)
     fastest = min(rows, key=lambda r: r.measured_s)
     wins = resampled_fastest(rows)
     return Pick(recommended.setup, fastest.setup, recommended.measured_s / fastest.measured_s - 1,
                 recommended is not fastest and min(recommended.run_times_s) <= max(fastest.run_times_s),
-                min(rows, key=lambda r: r.predicted_s).setup,
                 float(wins[rows.index(fastest)]), float(wins[rows.index(recommended)]))
 
 
 def pick_figures(picks: Sequence[Pick]) -> dict[str, float | None]:
     """Source 004 Table 8.1's figures over the workloads' picks (None for each with no picks):
-    fractions correct (strict, or with runs overlapping the fastest's, or always taking the
-    predicted fastest), what following the picks cost against the measured fastest (the strict
+    fractions correct (strict, or with runs overlapping the fastest's), what following the picks cost against the measured fastest (the strict
     fraction alone counts a 1% tie like a 2x miss), and the resampling figures of :class:`Pick`
     (``fastest_reproduced_fraction``: what naming the measured fastest could expect against a
     re-measurement)."""
     figures = {
         "correct_fraction": lambda p: p.correct,
         "correct_or_overlapping_fraction": lambda p: p.correct or p.overlapping,
-        "predicted_fastest_correct_fraction": lambda p: p.predicted_fastest == p.fastest,
         "mean_slowdown": lambda p: p.slowdown,
         "fastest_reproduced_fraction": lambda p: p.fastest_reproduced,
         "recommended_fastest_fraction": lambda p: p.recommended_fastest,

@@ -19,6 +19,8 @@ def _discover() -> dict[str, StrategySpec]:
 
 
 STRATEGIES: dict[str, StrategySpec] = _discover()
+# The one-device strategy every speedup is measured against (T_seq), never calibrated.
+BASELINE = "sequential"
 
 
 def available_strategies() -> list[str]:
@@ -40,4 +42,4 @@ def build_strategy(cfg, accelerator: str, model, data) -> StrategyPlan:
     return plan
 
 
-__all__ = ["STRATEGIES", "Setup", "StrategyPlan", "StrategySpec", "available_strategies", "build_strategy", "spec_of"]
+__all__ = ["BASELINE", "STRATEGIES", "Setup", "StrategyPlan", "StrategySpec", "available_strategies", "build_strategy", "spec_of"]

@@ -9,7 +9,15 @@ from omegaconf import MISSING
 
 from ..errors import ConfigError
 from ..knobs import knob
-from ..predict.costs import DEFAULT_BUCKET_MB, FLOAT_BYTES, cost, memory_need, replica_bytes, ring, weight_traffic_s
+from ..predict.costs import (
+    DEFAULT_BUCKET_MB,
+    FLOAT_BYTES,
+    cost,
+    memory_need,
+    replica_bytes,
+    ring,
+    weight_traffic_s,
+)
 from ..predict.perf_models import data_parallel_s
 from .cpu_mp import TIMEOUT_S
 from .spec import Setup, StrategyPlan, StrategySpec, warn_oversubscription

@@ -7,8 +7,16 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..knobs import knob
-from ..predict.costs import (FORWARD_SHARE, REPLICA_SHARE, cost, gpu_index, link, memory_need, stage_bytes,
-                             weight_traffic_s)
+from ..predict.costs import (
+    FORWARD_SHARE,
+    REPLICA_SHARE,
+    cost,
+    gpu_index,
+    link,
+    memory_need,
+    stage_bytes,
+    weight_traffic_s,
+)
 from ..predict.perf_models import Link, gpipe_comm_s, gpipe_compute_s
 from .spec import Setup, StrategyPlan, StrategySpec, accelerator_of
 

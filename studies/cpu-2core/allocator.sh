@@ -6,14 +6,14 @@
 # own mapping, nothing is handed back), and against each malloc replacement this machine has
 # (those of ddlx/allocator.py: preloaded with LD_PRELOAD, recorded under their names).
 #
-#   bash benchmarks/allocator.sh [ROUNDS] [OVERRIDES...]    # defaults: 2 rounds, model=mobilenet_v2 data.image_size=192
+#   bash studies/cpu-2core/allocator.sh [ROUNDS] [OVERRIDES...]    # defaults: 2 rounds, model=mobilenet_v2 data.image_size=192
 #
 # Each round runs threads, cpu_mp and ddp_gloo with every allocator back to back (minutes apart:
 # this machine drifts between sittings), into the experiment "allocator", then prints
-# benchmarks/allocator_table.py's comparison. Each allocator is a sweep of its own: glibc cannot
+# studies/cpu-2core/allocator_table.py's comparison. Each allocator is a sweep of its own: glibc cannot
 # go back to its default within a process.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 rounds=${1:-2}
 shift || true
@@ -43,4 +43,4 @@ for ((r = 1; r <= rounds; r++)); do
   done
 done
 
-python benchmarks/allocator_table.py
+python studies/cpu-2core/allocator_table.py

@@ -2,7 +2,7 @@
 # The CPU study behind `python recommend.py mode=validate`: every CPU setup that can win on a
 # 2-core node, on several workloads, as Hydra sweeps into the `ddlx` experiment.
 #
-#   bash benchmarks/cpu_study.sh [ROUNDS] [WORKLOAD-SET] [CPU-ALLOCATOR]   # defaults: 1 round, "new", auto
+#   bash studies/cpu-2core/cpu_study.sh [ROUNDS] [WORKLOAD-SET] [CPU-ALLOCATOR]   # defaults: 1 round, "new", auto
 #
 # Sets: "first" (the first study's 5 workloads), "new" (6 more), "check" (4 predicted first),
 # "ties" (the 6 whose two fastest setups were within 7% of each other, 2 more repeats each),
@@ -32,7 +32,7 @@
 # than the gaps between the best setups. Pipe on [cpu, cpu] is left out: it measured 2-3x
 # slower than the others on every workload of the first study.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 rounds=${1:-1}
 set_name=${2:-new}

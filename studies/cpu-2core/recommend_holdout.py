@@ -3,11 +3,11 @@
 then compared with its measured runs. Stricter than ``recommend.py mode=validate``, which holds
 out one configuration at a time.
 
-    python benchmarks/recommend_holdout.py                       # cpu_study.sh's check and check2-check8 sets
-    python benchmarks/recommend_holdout.py resnet18:96 alexnet:64
-    python benchmarks/recommend_holdout.py --cpu-allocator system  # glibc's default's runs (default: as recommend.py)
+    python studies/cpu-2core/recommend_holdout.py                       # cpu_study.sh's check and check2-check8 sets
+    python studies/cpu-2core/recommend_holdout.py resnet18:96 alexnet:64
+    python studies/cpu-2core/recommend_holdout.py --cpu-allocator system  # glibc's default's runs (default: as recommend.py)
 
-Workloads are MODEL:IMAGE_SIZE as measured by benchmarks/cpu_study.sh (runs in the project's
+Workloads are MODEL:IMAGE_SIZE as measured by studies/cpu-2core/cpu_study.sh (runs in the project's
 mlflow.db, experiment ddlx). Prints predicted vs measured (median of repeats) per setup, the
 pick against the measured fastest, and the median absolute error.
 """
@@ -18,7 +18,7 @@ import statistics
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 # The workloads predicted before they were measured: cpu_study.sh's "check" and "check2" to "check8" sets.
@@ -36,7 +36,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("workloads", nargs="*", default=CHECK_SET, help="MODEL:IMAGE_SIZE")
     parser.add_argument("--close-call", type=float, default=defaults.close_call)
-    parser.add_argument("--prefer-sequential-within", type=float, default=defaults.prefer_sequential_within)
     parser.add_argument("--cpu-allocator", default=defaults.cpu_allocator,
                         help="the population: only runs with this allocator; the probes use it (default: as recommend.py's)")
     args = parser.parse_args()
@@ -62,14 +61,14 @@ def main() -> None:
         return probe_batches(data_config_of_job(job, runs), job.model, 1, 30)
 
     hw = hardware(load_hw_file(ROOT / "conf" / "hw" / "local.yaml"), ROOT / "outputs" / "hw")  # recommend.py's kept rates
-    predictor = Predictor(hw, [r for r in runs if not held_out(r)], hw, probe, args.prefer_sequential_within)
+    predictor = Predictor(hw, [r for r in runs if not held_out(r)], hw, probe)
     errors, picks = [], []
     for model, size in sorted(held):
         mine = [r for r in runs if held_out(r) and r.params["model.name"] == model and r.params["data.image_size"] == size
                 and r.status == "FINISHED" and "mean_epoch_time_s" in r.metrics]
         if not mine:
             raise SystemExit(f"no finished runs of {model} at {size} px with cpu_allocator={allocator}: measure them "
-                             f"with benchmarks/cpu_study.sh")
+                             f"with studies/cpu-2core/cpu_study.sh")
         measured: dict[str, list[float]] = {}
         for r in mine:
             measured.setdefault(setup_of_run(r.params, r.tags).label, []).append(r.metrics["mean_epoch_time_s"])
@@ -85,7 +84,7 @@ def main() -> None:
                                           p.basis, tuple(times)))
                 print(f"  {p.setup.label:24s} predicted {p.epoch_s:7.2f}  measured {m:7.2f}  {100 * (p.epoch_s / m - 1):+6.1f}%"
                       f"  ({len(times)} runs)")
-        picks.append(pick(rows, args.prefer_sequential_within))
+        picks.append(pick(rows))
         close = [p.setup.label for p in rec.close_calls(args.close_call)]
         print(f"  recommended {picks[-1].recommended}; measured fastest {picks[-1].fastest} "
               f"({100 * picks[-1].slowdown:.1f}% faster); close calls {close or 'none'}")
@@ -93,8 +92,7 @@ def main() -> None:
     print(f"\npicks {round(n * figures['correct_fraction'])}/{n}, measured {100 * figures['mean_slowdown']:.1f}% slower "
           f"than the fastest on average (at most {100 * figures['max_slowdown']:.1f}%); median absolute error "
           f"{100 * statistics.median(errors):.1f}% over {len(errors)} setups")
-    print(f"(cpu_allocator={allocator}, prefer_sequential_within={args.prefer_sequential_within:g}; always the predicted fastest: "
-          f"{round(n * figures['predicted_fastest_correct_fraction'])}/{n})")
+    print(f"(cpu_allocator={allocator})")
     print(f"resampling each setup's runs: the measured fastest is the fastest again in "
           f"{100 * figures['fastest_reproduced_fraction']:.0f}% of resamples, the recommended setup in "
           f"{100 * figures['recommended_fastest_fraction']:.0f}%")

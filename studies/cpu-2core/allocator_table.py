@@ -2,8 +2,8 @@
 against every other allocator measured on the same workload, from one experiment of the
 project's mlflow.db:
 
-    python benchmarks/allocator_table.py              # "allocator", as benchmarks/allocator.sh writes it
-    python benchmarks/allocator_table.py ddlx         # e.g. cpu_study.sh's sets measured with keep_freed too
+    python studies/cpu-2core/allocator_table.py              # "allocator", as studies/cpu-2core/allocator.sh writes it
+    python studies/cpu-2core/allocator_table.py ddlx         # e.g. cpu_study.sh's sets measured with keep_freed too
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 from statistics import median
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from ddlx.allocator import SYSTEM  # noqa: E402

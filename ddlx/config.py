@@ -31,18 +31,19 @@ class ModelConfig:
 class DataConfig:
     """The keys of :class:`ddlx.data.ImageFolderDataModule` (the datamodule is built from them)."""
 
-    name: str = MISSING
+    # null (data=imagefolder): read from the folder at root (ddlx.data.folder)
+    name: Optional[str] = None
     root: Optional[str] = None
-    num_images: Optional[int] = knob(None, low=1)
+    num_images: Optional[int] = knob(None, low=1)  # null: every image
     classes: Optional[List[str]] = None
-    num_classes: int = knob(low=1)
-    channels: int = knob(3, choices=(1, 3))
+    num_classes: Optional[int] = knob(None, low=2)
+    channels: Optional[int] = knob(None, choices=(1, 3))
     image_size: int = knob(low=1)
     batch_size: int = knob(low=1)  # the global batch
     num_workers: int = knob(0, low=0)
     val_fraction: float = knob(0.2, low=0, high=1, high_open=True)
-    mean: List[float] = MISSING
-    std: List[float] = MISSING
+    mean: Optional[List[float]] = None
+    std: Optional[List[float]] = None
     synthetic_dir: str = MISSING
     synthetic_size: List[int] = MISSING
     synthetic_format: str = knob("jpg", choices=("jpg", "png"))
@@ -56,7 +57,7 @@ class DataConfig:
 class LoggerConfig:
     tracking_uri: str = MISSING
     experiment_name: str = MISSING
-    run_name: str = MISSING
+    run_name: Optional[str] = None  # null: what the run trains (ddlx.records.run_name)
     artifact_location: Optional[str] = None
     tags: Dict[str, str] = field(default_factory=dict)
 

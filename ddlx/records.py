@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from .allocator import SYSTEM
 from .predict.hardware import HardwareSpec
-from .predict.job import Job
+from .predict.job import FP32, Job, precision_of
 
 # The workload: runs that differ in any of these are not comparable.
 WORKLOAD_PARAMS = (
@@ -32,12 +32,14 @@ class Workload:
     limit_train_batches: str
     use_case: str = ""
     cpu_allocator: str = SYSTEM
+    precision: str = FP32  # Lightning's trainer.precision, by its full name (precision_of)
 
     @property
     def label(self) -> str:
         name = self.use_case or f"{self.model}/{self.data}"
         allocator = f" cpu_allocator={self.cpu_allocator}" if self.cpu_allocator != SYSTEM else ""
-        return f"{name} {self.image_size}px b{self.batch_size}{allocator}"
+        precision = f" precision={self.precision}" if self.precision != FP32 else ""
+        return f"{name} {self.image_size}px b{self.batch_size}{allocator}{precision}"
 
     def baseline_command(self, device: str) -> str:
         over = [f"model={self.model}", f"data={self.data}", f"data.image_size={self.image_size}",
@@ -47,6 +49,8 @@ class Workload:
             over.append(f"data.root={self.root}")
         if self.cpu_allocator != SYSTEM:
             over.append(f"cpu_allocator={self.cpu_allocator}")
+        if self.precision != FP32:
+            over.append(f"trainer.precision={self.precision}")
         over += ["strategy=sequential", "strategy.threads=1"] if device == "cpu" else ["strategy=sequential", "trainer=gpu"]
         return "python train.py " + " ".join(over)
 
@@ -106,9 +110,19 @@ def setup_label(tags: dict[str, str], params: dict[str, str] | None = None) -> s
     return " ".join([name, *knobs])
 
 
+def run_name(params: dict[str, str], tags: dict[str, str]) -> str:
+    """What MLflow's runs table shows a run as: its model, data, image size, global batch,
+    strategy with its knobs and, unless fp32, its precision (``alexnet/firesmall 224px b32
+    cpu_mp processes=2``), so the runs of a sweep are told apart at a glance."""
+    precision = precision_of(tags.get("precision", params.get("trainer.precision")))
+    return " ".join([f"{params.get('model.name')}/{params.get('data.name')}", f"{params.get('data.image_size')}px",
+                     f"b{params.get('data.batch_size')}", setup_label(tags, params), *([precision] if precision != FP32 else [])])
+
+
 def workload_of(params: dict[str, str], tags: dict[str, str]) -> Workload:
     return Workload(tags.get("host", "?"), *(str(params.get(k, "")) for k in WORKLOAD_PARAMS),
-                    use_case=tags.get("use_case", ""), cpu_allocator=params.get("cpu_allocator", SYSTEM))
+                    use_case=tags.get("use_case", ""), cpu_allocator=params.get("cpu_allocator", SYSTEM),
+                    precision=precision_of(tags.get("precision", params.get("trainer.precision"))))
 
 
 def to_measured_run(run) -> MeasuredRun:
@@ -152,6 +166,7 @@ def job_of_run(run: MeasuredRun) -> Job:
         batch_size=int(p["data.batch_size"]),
         train_samples=round(m["mean_samples_per_s"] * m["mean_epoch_time_s"]),
         num_workers=int(p.get("data.num_workers", 0)), cpu_allocator=run.workload.cpu_allocator,
+        precision=run.workload.precision,
     )
 
 

@@ -28,15 +28,19 @@ from .checkpoints import (
 )
 from .config import TrainerConfig
 from .config_check import check_config
+from .console import EpochLines, RunSummary, is_terminal, silence_known_noise
 from .data import ImageFolderDataModule
-from .errors import ConfigError
+from .data.folder import complete_data_config
+from .errors import ConfigError, Stopped
 from .machine import machine_tags
 from .measure.resources import ResourceMonitor
 from .measure.timing import EpochTimer
 from .models import build_model
 from .module import ClassifierModule
 from .parallel.launch import RelaunchingDDPStrategy, end_distributed_job, launch_rank
+from .predict.job import precision_of
 from .predict.memory import GIB, estimate_training_memory
+from .records import run_name
 from .stopping import StopAtSignal, StopSignals, disable_lightning_signal_handlers
 from .strategies import build_strategy
 from .tracking import (
@@ -119,6 +123,7 @@ def run_tags(cfg: DictConfig, extra: Mapping[str, str] | None = None) -> dict[st
         "model": cfg.model.name,
         "data": cfg.data.name,
         "strategy": cfg.strategy.name,
+        "precision": precision_of(cfg.trainer.precision),
         "use_case": use_case(cfg.model.name, cfg.data.name),
         **machine_tags(),
         **(extra or {}),
@@ -159,9 +164,12 @@ def build_trainer(cfg: DictConfig, plan, logger, output_dir: Path, callbacks: li
     writer; stop signals are ddlx's (:mod:`ddlx.stopping`)."""
     checkpoint_dir = checkpoint_dir or output_dir / "checkpoints"
     saving = checkpoint_callbacks(cfg.checkpoint.save, cfg.checkpoint.keep_best, checkpoint_dir)
+    arguments = {**trainer_arguments(cfg.trainer), **plan.trainer_kwargs}
+    if not is_terminal():
+        arguments["enable_progress_bar"] = False  # it cannot redraw in a file or a pipe: EpochLines says the progress
     try:
         trainer = pl.Trainer(
-            **{**trainer_arguments(cfg.trainer), **plan.trainer_kwargs},
+            **arguments,
             logger=logger if logger is not None else False,
             callbacks=[*callbacks, *saving],
             enable_checkpointing=bool(saving),
@@ -182,7 +190,9 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, extra_tags: Mapping[st
     refused before training is still recorded as a FAILED run with the reason. With
     ``cfg.ckpt_path``, training continues from that checkpoint, into the MLflow run it belongs to.
     """
+    silence_known_noise()
     cfg = check_config(cfg)  # train.py checked its command line; a caller's config may not have been
+    complete_data_config(cfg.data)  # data=imagefolder: classes, counts, channels and name from the folder
     output_dir = Path(output_dir)
     pl.seed_everything(cfg.seed, workers=True)
     tags = run_tags(cfg, extra_tags)
@@ -213,7 +223,8 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, extra_tags: Mapping[st
             **plan.tags,
         })
         resume_run = saved.run_id if saved is not None else None
-        logger = make_logger(cfg.logger.tracking_uri, cfg.logger.experiment_name, cfg.logger.run_name, tags,
+        name = cfg.logger.run_name or run_name(flatten_config(resolved), tags)
+        logger = make_logger(cfg.logger.tracking_uri, cfg.logger.experiment_name, name, tags,
                              cfg.logger.artifact_location, run_id=resume_run) if rank0 else None  # no run yet
         identity = RunInCheckpoint(resolved)
         # A resumed run goes on writing where its checkpoint is (last.ckpt replaced, the best kept track of).
@@ -222,30 +233,62 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, extra_tags: Mapping[st
         timer, *others = measurement_callbacks(cfg)
         callbacks = [timer, *others, identity,
                      StopAtSignal(signals, checkpoint_file, weights_only=cfg.checkpoint.save == "weights")]
+        if not is_terminal():
+            callbacks.append(EpochLines())  # a progress bar cannot redraw in a file or a pipe
         trainer = build_trainer(cfg, plan, logger, output_dir, callbacks, checkpoint_dir)
     except ConfigError as err:
         if "sweep_id" in tags and rank0:
-            record_rejected_run(cfg.logger, tags, flatten_config(resolved), err)
+            params = flatten_config(resolved)
+            record_rejected_run(cfg.logger, cfg.logger.run_name or run_name(params, tags), tags, params, err)
         raise
     model = build_model(cfg.model.name, cfg.data.num_classes, cfg.data.channels, cfg.data.image_size, cfg.model.dropout)
     module = ClassifierModule(model, cfg.data.num_classes, **cfg.optim)
+    if rank0:
+        log.info("model=%s: %.1f M parameters, at %d px %.2f GFLOP per sample forward", cfg.model.name,
+                 sum(p.numel() for p in model.parameters()) / 1e6, cfg.data.image_size, forward_gflops(cfg))
 
     # 2. Train: from the run's opening, every way out ends it (FINISHED, FAILED, KILLED).
     with signals:
         open_run = (lambda: reopen_run(logger, tags)) if resume_run else \
             (lambda: start_run(logger, flatten_config(resolved), config_file, tags))
-        with recorded(logger, open_run) as run_id:
-            if run_id is not None:
-                log.info("MLflow run %s in experiment %r at %s", run_id, cfg.logger.experiment_name, cfg.logger.tracking_uri)
-                identity.run_id, identity.tracking_uri = run_id, cfg.logger.tracking_uri
-                identity.experiment = cfg.logger.experiment_name
-            try:
-                trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
-            finally:
-                end_distributed_job(trainer.strategy)
-            if trainer.fast_dev_run or not timer.epoch_times:
-                record_unmeasured(logger, "trainer.fast_dev_run" if trainer.fast_dev_run else "no training step")
+        status, run_id = "FAILED", None
+        try:
+            with recorded(logger, open_run) as run_id:
+                fit(cfg, trainer, module, datamodule, run_id, identity, timer, logger)
+            status = "FINISHED"
+        except Stopped:
+            status = "KILLED"
+            raise
+        finally:
+            if run_id is not None:  # rank 0, once its run is open: how it went, where it is
+                metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+                summary = RunSummary(status, run_id, logger.experiment_id, cfg.logger.tracking_uri, len(timer.epoch_times),
+                                     timer.summary(), metrics, checkpoint_file, output_dir)
+                print("\n".join(summary.lines()), flush=True)
     return {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+
+def fit(cfg: DictConfig, trainer: pl.Trainer, module: ClassifierModule, datamodule, run_id: str | None,
+        identity: RunInCheckpoint, timer: EpochTimer, logger) -> None:
+    """Train inside the open run (``run_id``: rank 0's; None on the other ranks)."""
+    if run_id is not None:
+        log.info("MLflow run %s in experiment %r at %s", run_id, cfg.logger.experiment_name, cfg.logger.tracking_uri)
+        identity.run_id, identity.tracking_uri = run_id, cfg.logger.tracking_uri
+        identity.experiment = cfg.logger.experiment_name
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    finally:
+        end_distributed_job(trainer.strategy)
+    if trainer.fast_dev_run or not timer.epoch_times:
+        record_unmeasured(logger, "trainer.fast_dev_run" if trainer.fast_dev_run else "no training step")
+
+
+def forward_gflops(cfg: DictConfig) -> float:
+    """The model's forward FLOPs per sample, counted on the meta device (and kept on disk)."""
+    from .predict.profile import profile_model
+
+    profile = profile_model(cfg.model.name, cfg.data.num_classes, cfg.data.channels, cfg.data.image_size)
+    return sum(layer.forward_flops for layer in profile.layers) / 1e9
 
 
 def check_job(cfg: DictConfig, resolved: dict, tags: dict, rank0: bool):

@@ -118,6 +118,10 @@ def artifacts_beside_store(tracking_uri: str) -> str | None:
     return None
 
 
+# MLflow 3's UI opens an experiment on its GenAI pages unless this tag says it holds model training.
+EXPERIMENT_KIND, MODEL_TRAINING = "mlflow.experimentKind", "custom_model_development"
+
+
 def experiment_id(client, name: str, tracking_uri: str, artifact_location: str | None,
                   setting: str | None = "logger.experiment_name") -> str:
     """``name``'s experiment id, created if missing with its artifacts at ``artifact_location`` on a
@@ -126,8 +130,11 @@ def experiment_id(client, name: str, tracking_uri: str, artifact_location: str |
     exp = client.get_experiment_by_name(name)
     if exp is not None:
         _refuse_deleted(exp, tracking_uri, setting)
+        if EXPERIMENT_KIND not in exp.tags:  # one made before ddlx said what it is
+            client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND, MODEL_TRAINING)
         return exp.experiment_id
-    return client.create_experiment(name, artifact_location=artifact_location if is_local_store(tracking_uri) else None)
+    return client.create_experiment(name, artifact_location=artifact_location if is_local_store(tracking_uri) else None,
+                                    tags={EXPERIMENT_KIND: MODEL_TRAINING})
 
 
 def check_experiment(tracking_uri: str, name: str) -> None:
@@ -341,13 +348,13 @@ def mark_failed(logger, reason: str) -> None:
         _end_logged_run(logger, "FAILED", reason)
 
 
-def record_rejected_run(logger_cfg, tags: Mapping[str, str], params: Mapping[str, str], error: BaseException) -> str:
+def record_rejected_run(logger_cfg, name: str, tags: Mapping[str, str], params: Mapping[str, str],
+                        error: BaseException) -> str:
     """A job of a sweep refused before training (bad config, does not fit): still one run, FAILED,
     with its config and the reason, so the sweep's record has every job. ``logger_cfg``: the
     ``logger`` config group."""
     prepare_store(logger_cfg.tracking_uri, logger_cfg.experiment_name, logger_cfg.artifact_location)
-    logger = make_logger(logger_cfg.tracking_uri, logger_cfg.experiment_name, logger_cfg.run_name, tags,
-                         logger_cfg.artifact_location)
+    logger = make_logger(logger_cfg.tracking_uri, logger_cfg.experiment_name, name, tags, logger_cfg.artifact_location)
     logger.log_hyperparams(params)
     end_run(logger.experiment, logger.run_id, "FAILED", f"{type(error).__name__}: {error}")
     return logger.run_id

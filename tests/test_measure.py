@@ -59,7 +59,7 @@ def test_monitor_logs_series_against_time_and_a_plot(measured_run):
     client, run = measured_run
     cpu = client.get_metric_history(run.info.run_id, "cpu_percent")
     ram = client.get_metric_history(run.info.run_id, "ram_mb")
-    threads = client.get_metric_history(run.info.run_id, "threads")
+    threads = client.get_metric_history(run.info.run_id, "os_threads")
     assert len(cpu) >= 3 and len(ram) == len(cpu) == len(threads)
     stamps = [m.timestamp for m in cpu]
     assert stamps == sorted(stamps) and stamps[-1] - stamps[0] >= 200, "samples carry their own times"

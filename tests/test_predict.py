@@ -246,6 +246,26 @@ def test_calibration_learns_each_strategys_factor():
     assert "x2.00 calibrated on 3 test run(s)" in pipe.basis
 
 
+def test_runs_of_another_precision_do_not_inform_a_prediction():
+    """bf16-mixed copies of every run, twice as fast: an fp32 job is predicted from the fp32 runs
+    alone, and a bf16-mixed job from the bf16-mixed ones."""
+    from dataclasses import replace
+
+    hw = _hw()
+    runs = _consistent_runs(hw)
+    bf16 = [replace(r, run_id=r.run_id + "-bf16", workload=replace(r.workload, precision="bf16-mixed"),
+                    mean_epoch_time_s=r.mean_epoch_time_s / 2,
+                    metrics={**r.metrics, "mean_epoch_time_s": r.metrics["mean_epoch_time_s"] / 2,
+                             "mean_samples_per_s": r.metrics["mean_samples_per_s"] * 2}) for r in runs]
+    job = Job("alexnet", "firesmall", 3, 3, 64, 32, 320)
+    alone = Predictor(hw, runs).recommend(job, SETUPS)
+    pooled = Predictor(hw, runs + bf16).recommend(job, SETUPS)
+    assert [p.epoch_s for p in pooled.predictions] == pytest.approx([p.epoch_s for p in alone.predictions], rel=1e-9)
+    half = Predictor(hw, runs + bf16).recommend(replace(job, precision="bf16-mixed"), SETUPS)
+    (seq_half,), (seq,) = ([p for p in r.predictions if p.setup.strategy == "sequential"] for r in (half, alone))
+    assert seq_half.epoch_s == pytest.approx(seq.epoch_s / 2, rel=1e-9), "measured by the bf16-mixed baseline"
+
+
 def test_leave_one_out_recovers_consistent_runs_and_picks_the_fastest():
     hw = _hw()
     runs = _consistent_runs(hw)

@@ -91,6 +91,16 @@ def test_another_allocator_is_another_workload_with_its_own_baseline(store):
     assert default["cpu_mp processes=2"].runs == 3, "the default's runs stay as they were"
 
 
+def test_another_precision_is_another_workload(store):
+    client = MlflowClient(store)
+    exp = client.get_experiment_by_name("ddlx").experiment_id
+    _log(client, exp, "cpu_mp", 7.0, tags={"processes": "2", "precision": "bf16-mixed"})
+    built = report.build_report(load_runs(store, ["ddlx"]))
+    (half,) = [r for r in built.rows if r.workload.precision == "bf16-mixed"]
+    assert half.speedup is None and "precision=bf16-mixed" in built.label(half.workload)
+    assert any("trainer.precision=bf16-mixed" in m for m in built.missing_baselines)
+
+
 def test_workloads_sharing_a_short_label_are_named_apart(store):
     client = MlflowClient(store)
     exp = client.get_experiment_by_name("ddlx").experiment_id

@@ -20,7 +20,7 @@ from ddlx.run import check_memory, train
 EPOCH_METRICS = {"train_loss", "train_acc", "val_loss", "val_acc", "epoch_time_s", "samples_per_s",
                  "data_wait_s", "compute_s", "step_time_s"}
 # Logged straight to MLflow at the end of training (not Lightning's per-epoch metrics).
-RUN_METRICS = EPOCH_METRICS | {"mean_epoch_time_s", "mean_samples_per_s", "cpu_percent", "ram_mb", "threads", "peak_ram_mb", "mean_cpu_percent"}
+RUN_METRICS = EPOCH_METRICS | {"mean_epoch_time_s", "mean_samples_per_s", "cpu_percent", "ram_mb", "os_threads", "os_processes", "peak_ram_mb", "mean_cpu_percent"}
 DATASETS = ["firesmall", "firebig", "mnist", "cifar10", "imagenet", "highres"]
 
 
@@ -45,10 +45,23 @@ def test_train_py_logs_one_mlflow_run(tmp_path):
     assert params["cpu_allocator"] == "keep_freed", "the default, auto, is recorded as what it resolved to on glibc"
     assert "cpu_allocator=auto (the default) resolved to keep_freed: glibc keeping freed memory" in proc.stdout + proc.stderr, \
         "the run's first lines say what its heap is and why"
+    out = proc.stdout + proc.stderr
+    assert re.search(r"epoch 1/2 done, [\d.]+ s with validation: train_loss [\d.]+, train_acc [\d.]+, val_loss", out), \
+        "output that is not a terminal shows a line per epoch"
+    summary = proc.stdout[proc.stdout.index("ddlx: run FINISHED after 2 epoch(s)"):]
+    assert "samples/s" in summary and "final val_acc" in summary
+    assert f"mlflow ui --backend-store-uri {uri}, then http://127.0.0.1:5000/#/experiments/" in summary
+    assert f"/runs/{run.info.run_id}" in summary
+    for noise in ("💡", "LeafSpec", "Total FLOPs", "limit_train_batches=1.0"):
+        assert noise not in out, noise
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(uri)
     assert {a.path for a in client.list_artifacts(run.info.run_id)} == {"config_resolved.yaml", "resources.png"}
+    assert run.info.run_name == "vgg16/firesmall 32px b8 sequential threads=1", "what it trains, as the runs table shows it"
+    assert client.get_experiment_by_name("ddlx").tags["mlflow.experimentKind"] == "custom_model_development", \
+        "MLflow 3's UI opens it on the training runs, not its GenAI pages"
+    assert "threads" not in run.data.metrics and tags["precision"] == "32-true"
     history = client.get_metric_history(run.info.run_id, "epoch_time_s")
     assert len(history) == 2, "one epoch_time_s per epoch"
     # Defaults put the store and data in the project folder given as paths.root.

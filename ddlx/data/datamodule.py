@@ -11,9 +11,9 @@ import pytorch_lightning as pl
 import torch
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
-from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from ..errors import ConfigError
+from .folder import scan_imagefolder
 from .synthetic import SyntheticSpec, ensure_synthetic_imagefolder
 from .transforms import build_transform, flips
 
@@ -42,7 +42,7 @@ class ImageFileDataset(Dataset):
         path, label = self.samples[index]
         try:
             with Image.open(path) as image:
-                image = image.convert(self.mode)
+                image = to_mode(image, self.mode)
         except (OSError, UnidentifiedImageError) as err:
             raise RuntimeError(f"cannot read image {path}: {err}") from err
         tensor = self.transform(image)
@@ -51,29 +51,12 @@ class ImageFileDataset(Dataset):
         return tensor, label
 
 
-def scan_imagefolder(root: Path) -> tuple[list[str], list[tuple[str, int]]]:
-    """Classes (sorted sub-folder names) and (path, class index) samples; clear errors for bad layouts."""
-    if not root.is_dir():
-        raise ConfigError(
-            f"data.root={root} does not exist. Point data.root at an ImageFolder (one sub-folder per "
-            f"class with its images), or set data.root=null to train on a synthetic stand-in that "
-            f"ddlx writes under data.synthetic_dir on first use"
-        )
-    classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
-    if not classes:
-        raise ConfigError(f"data.root={root} has no class sub-folders; expected one sub-folder per class")
-    samples: list[tuple[str, int]] = []
-    for index, name in enumerate(classes):
-        files = sorted(
-            str(p) for p in (root / name).iterdir() if p.is_file() and p.suffix.lower() in IMG_EXTENSIONS
-        )
-        if not files:
-            raise ConfigError(
-                f"class folder {root / name} has no images (expected files ending in "
-                f"{', '.join(IMG_EXTENSIONS)}); remove the folder or add its images"
-            )
-        samples += [(f, index) for f in files]
-    return classes, samples
+def to_mode(image: Image.Image, mode: str) -> Image.Image:
+    """``image`` as ``mode`` (RGB or L) whatever it was saved as: grayscale, RGB(A), CMYK, or a
+    palette, whose transparency PIL wants taken through RGBA first."""
+    if image.mode == "P" and "transparency" in image.info:
+        image = image.convert("RGBA")
+    return image.convert(mode)
 
 
 def check_readable(samples: Sequence[tuple[str, int]]) -> None:
@@ -168,7 +151,8 @@ class ImageFolderDataModule(pl.LightningDataModule):
         if len(mean) != channels or len(std) != channels:
             raise ConfigError(f"data.mean/std have {len(mean)}/{len(std)} values for {channels} channels; give one per channel")
         if classes is not None and len(classes) != num_classes:
-            raise ConfigError(f"data.classes lists {len(classes)} names but data.num_classes={num_classes}")
+            raise ConfigError(f"data.classes lists {len(classes)} names but data.num_classes={num_classes}: give as many "
+                              f"names as classes, or data.classes=null (for your own folder: data=imagefolder)")
         if root is None and (not num_images or num_images < num_classes):
             raise ConfigError(
                 f"data.num_images={num_images}: a synthetic dataset needs at least one image per class "
@@ -221,15 +205,16 @@ class ImageFolderDataModule(pl.LightningDataModule):
             return
         classes, samples = scan_imagefolder(self.data_folder)
         if len(classes) != self.num_classes:
-            raise ConfigError(
-                f"{self.data_folder} has {len(classes)} class folders ({', '.join(classes[:10])}"
-                f"{'...' if len(classes) > 10 else ''}) but data.num_classes={self.num_classes}; "
-                f"set data.num_classes={len(classes)}"
-            )
+            fix = (f"set data.num_classes={len(classes)}" if self.is_synthetic
+                   else f"for your own folder use data=imagefolder data.root={self.data_folder}")
+            raise ConfigError(f"{self.data_folder} has {len(classes)} class folders ({', '.join(classes[:10])}"
+                              f"{'...' if len(classes) > 10 else ''}) but data.num_classes={self.num_classes}; {fix}")
         generator = torch.Generator().manual_seed(self.seed)
         order = torch.randperm(len(samples), generator=generator).tolist()
         if self.num_images and self.num_images < len(samples):
             order = order[: self.num_images]
+            log.info("%s: training on %d of the %d images in %s (data.num_images=%d; data.num_images=null uses all)",
+                     self.name, self.num_images, len(samples), self.data_folder, self.num_images)
         elif self.num_images and self.num_images > len(samples):
             log.warning("data.num_images=%d but %s holds %d images: using all of them", self.num_images, self.data_folder, len(samples))
         chosen = [samples[i] for i in order]

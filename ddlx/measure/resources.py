@@ -149,7 +149,9 @@ def peak_gpu_memory_mb(strategy) -> dict[str, float]:
 class ResourceMonitor(pl.Callback):
     """Samples from fit start to fit end on global rank 0 and logs the series, peaks and plot."""
 
-    SERIES = ("cpu_percent", "ram_mb", "threads", "processes")
+    # Metric name -> sample field. The OS's thread and process counts are os_*: "threads" and
+    # "processes" are the strategies' settings, tags of the same run.
+    SERIES = {"cpu_percent": "cpu_percent", "ram_mb": "ram_mb", "os_threads": "threads", "os_processes": "processes"}
 
     def __init__(self, interval_s: float = 1.0) -> None:
         self.interval_s = interval_s
@@ -187,8 +189,8 @@ def log_series(logger, series: ResourceSeries, extra: dict[str, float]) -> None:
     """Metric series with their sample times (MLflow's 'relative time' axis = elapsed s), the
     peaks and means, and the plot."""
     start_ms = int(series.start_wall * 1000)
-    metrics = [(name, float(getattr(s, name)), start_ms + int(s.elapsed_s * 1000))
-               for s in series.samples for name in ResourceMonitor.SERIES]
+    metrics = [(name, float(getattr(s, field)), start_ms + int(s.elapsed_s * 1000))
+               for s in series.samples for name, field in ResourceMonitor.SERIES.items()]
     summary = {"peak_ram_mb": series.peak_ram_mb(), "mean_cpu_percent": series.mean_cpu_percent(),
                "monitor_cpu_fraction": series.overhead_fraction(), **extra}
     with tempfile.TemporaryDirectory() as tmp:

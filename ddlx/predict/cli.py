@@ -11,6 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..allocator import apply_allocator, check_allocator, resolve_allocator
 from ..config_check import check_bounds
+from ..data.folder import complete_data_config, read_folder
 from ..errors import ConfigError
 from ..models import check_request
 from ..tracking import check_tracking_uri, load_runs, log_result_run, store_exists
@@ -73,11 +74,12 @@ def load_hw_file(path: Path) -> DictConfig:
 
 def job_from_config(cfg: DictConfig) -> Job:
     data = cfg.data
+    complete_data_config(data)
     count = data.num_images
     if count is None:
         if not data.root:
             raise ConfigError("data.num_images=null needs data.root to count the images; give data.num_images=N")
-        count = sum(1 for p in Path(data.root).rglob("*") if p.suffix.lower() in (".jpg", ".jpeg", ".png"))
+        count = len(read_folder(data.root).samples)
     train = count - round(count * data.val_fraction)
     check_request(cfg.model.name, data.num_classes, data.channels, data.image_size)
     return Job(cfg.model.name, data.name, data.num_classes, data.channels, data.image_size, data.batch_size, train,

@@ -192,8 +192,9 @@ class Predictor:
     # -- prediction -----------------------------------------------------------------------
     def recommend(self, job: Job, setups: Sequence[Setup] | None = None,
                   exclude: Callable[[MeasuredRun], bool] | None = None) -> Recommendation:
-        # Another allocator changes every CPU timing (docs/allocator.md): not this job's runs.
-        runs = [r for r in self.runs if r.workload.cpu_allocator == job.cpu_allocator and not (exclude and exclude(r))]
+        # Another allocator (docs/allocator.md) or precision changes every timing: not this job's runs.
+        runs = [r for r in self.runs if r.workload.cpu_allocator == job.cpu_allocator
+                and r.workload.precision == job.precision and not (exclude and exclude(r))]
         profile = profile_of_job(job)
         seq = self.sequential(job, self.hw, runs)
         # Timed only where it is used: as a bound beside the training, or as T_seq's missing loading.

@@ -1,0 +1,132 @@
+"""A user's ImageFolder, read before anything is built: ``data=imagefolder`` takes its classes,
+their count, the number of images, the channels and its name from the folder; a named dataset
+(``firesmall``, ``mnist``, ...) given a ``data.root`` is checked against what the folder holds."""
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from PIL import Image, UnidentifiedImageError
+from torchvision.datasets.folder import IMG_EXTENSIONS
+
+from ..errors import ConfigError
+from .transforms import IMAGENET_MEAN, IMAGENET_STD
+
+log = logging.getLogger(__name__)
+
+# Modes PIL opens single-channel images in (grayscale, 1-bit, 16/32-bit integer or float pixels).
+GRAYSCALE_MODES = frozenset({"1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "F"})
+# Images whose mode decides the channels: a seeded sample, so a large folder is not opened twice.
+CHANNEL_SAMPLE = 256
+# Grayscale statistics: ImageNet's, averaged over its channels.
+GRAY_MEAN, GRAY_STD = (0.449,), (0.226,)
+FROM_THE_FOLDER = ("name", "classes", "num_classes", "num_images", "channels", "mean", "std")
+
+
+@dataclass(frozen=True)
+class FolderContents:
+    root: Path
+    classes: tuple[str, ...]
+    samples: tuple[tuple[str, int], ...]  # (path, class index), sorted by class then file name
+    channels: int  # 1 when every sampled image is single-channel, else 3 (colour, alpha or palette)
+
+
+def scan_imagefolder(root: Path) -> tuple[list[str], list[tuple[str, int]]]:
+    """Classes (sorted sub-folder names) and (path, class index) samples; clear errors for bad layouts."""
+    if not root.is_dir():
+        raise ConfigError(
+            f"data.root={root} does not exist. Point data.root at an ImageFolder (one sub-folder per "
+            f"class with its images), or set data.root=null to train on a synthetic stand-in that "
+            f"ddlx writes under data.synthetic_dir on first use"
+        )
+    classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if len(classes) < 2:
+        found = f"one class sub-folder ({classes[0]})" if classes else "no class sub-folders"
+        raise ConfigError(f"data.root={root} has {found}; a classifier needs an ImageFolder with one sub-folder "
+                          f"per class and at least two classes: add the other classes' folders")
+    samples: list[tuple[str, int]] = []
+    for index, name in enumerate(classes):
+        files = sorted(str(p) for p in (root / name).iterdir() if p.is_file() and p.suffix.lower() in IMG_EXTENSIONS)
+        if not files:
+            raise ConfigError(
+                f"class folder {root / name} has no images (expected files ending in "
+                f"{', '.join(IMG_EXTENSIONS)}); remove the folder or add its images"
+            )
+        samples += [(f, index) for f in files]
+    return classes, samples
+
+
+def read_folder(root: str | Path) -> FolderContents:
+    root = Path(root).expanduser()
+    classes, samples = scan_imagefolder(root)
+    sample = random.Random(0).sample(samples, min(CHANNEL_SAMPLE, len(samples)))
+    return FolderContents(root, tuple(classes), tuple(samples), 1 if all(_mode(p) in GRAYSCALE_MODES for p, _ in sample) else 3)
+
+
+def _mode(path: str) -> str:
+    try:
+        with Image.open(path) as image:
+            return image.mode
+    except (OSError, UnidentifiedImageError) as err:
+        raise ConfigError(f"unreadable image {path} ({err}); delete or replace it") from err
+
+
+def complete_data_config(data) -> None:
+    """Fill the ``data`` keys left null (``data=imagefolder``) from the folder at ``data.root``, or,
+    for a named dataset given a folder, check that the folder holds that dataset's classes.
+    ``data`` is the composed (typed) ``data`` config; it is changed in place."""
+    # Left null, these can only come from a folder (classes may stay null: synthetic sets name them).
+    open_keys = [key for key in FROM_THE_FOLDER if data[key] is None and key not in ("classes", "num_images")]
+    if data.root is None:
+        if open_keys:
+            raise ConfigError(f"data.root is not set, but data.{open_keys[0]} is to be read from the folder there "
+                              f"(data=imagefolder): give data.root=DIR (an ImageFolder: one sub-folder of images per "
+                              f"class), or train on a named dataset (data=firesmall)")
+        return
+    folder = read_folder(data.root)
+    if data.name is not None:
+        _check_named_dataset(data, folder)
+    data.name = data.name or _name_of(folder.root)
+    given = {key: data[key] for key in ("classes", "num_classes", "channels") if data[key] is not None}
+    if data.classes is None:
+        data.classes = list(folder.classes)
+    if data.num_classes is None:
+        data.num_classes = len(folder.classes)
+    if data.channels is None:
+        data.channels = folder.channels
+    if data.mean is None or data.std is None:
+        data.mean, data.std = (list(GRAY_MEAN), list(GRAY_STD)) if data.channels == 1 else (list(IMAGENET_MEAN), list(IMAGENET_STD))
+    if given.get("num_classes", len(folder.classes)) != len(folder.classes):
+        raise ConfigError(f"data.num_classes={given['num_classes']} but {folder.root} holds {len(folder.classes)} class "
+                          f"folders: leave data.num_classes out (data=imagefolder reads it)")
+    log.info("data=%s: %d classes (%s), %d images, %d channel(s)%s, read from %s", data.name, len(folder.classes),
+             _listing(folder.classes), len(folder.samples), data.channels,
+             "" if "channels" in given else (" (every sampled image single-channel)" if folder.channels == 1
+                                             else " (colour images among them; grayscale ones are converted)"),
+             folder.root)
+
+
+def _check_named_dataset(data, folder: FolderContents) -> None:
+    """A named dataset's config pointed at a folder: its classes must be the folder's."""
+    expected = list(data.classes) if data.classes is not None else None
+    if expected is not None and sorted(expected) == list(folder.classes):
+        return
+    if expected is None and data.num_classes == len(folder.classes):
+        return
+    described = f"[{_listing(expected)}]" if expected is not None else f"{data.num_classes} classes"
+    raise ConfigError(
+        f"data.root={folder.root} holds {len(folder.classes)} classes ({_listing(folder.classes)}), but "
+        f"data={data.name} expects {described}: for your own folder use data=imagefolder data.root={folder.root} "
+        f"(its classes, their count, the image count and channels are read from it)"
+    )
+
+
+def _name_of(root: Path) -> str:
+    return root.resolve().name or "imagefolder"
+
+
+def _listing(names, shown: int = 10) -> str:
+    names = list(names)
+    return ", ".join(names[:shown]) + (f", ... ({len(names)} in all)" if len(names) > shown else "")

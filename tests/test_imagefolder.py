@@ -1,0 +1,107 @@
+"""data=imagefolder on real images: scikit-learn's handwritten digits (1,797 8x8 scans of 10
+digits, shipped inside the package) written as an ImageFolder at test time, some of them saved
+as RGB, RGBA, palette and CMYK files beside the grayscale ones."""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+from conftest import runs
+from PIL import Image
+
+from ddlx.data import ImageFolderDataModule
+from ddlx.data.folder import complete_data_config
+from ddlx.errors import ConfigError
+from ddlx.run import train
+
+datasets = pytest.importorskip("sklearn.datasets", reason="scikit-learn ships the real digit images (pip install -e .[dev])")
+
+MODES = ("RGB", "RGBA", "P", "CMYK")  # every 7th image of a class, in turn, saved in one of these
+
+
+def write_digits(root, mixed_modes: bool = False, per_class: int | None = None):
+    digits = datasets.load_digits()
+    pixels = (digits.images * (255 / 16)).astype(np.uint8)  # 0-16 grey levels as 8-bit
+    counts: dict[int, int] = {}
+    for i, (image, label) in enumerate(zip(pixels, digits.target)):
+        n = counts[label] = counts.get(label, 0) + 1
+        if per_class is not None and n > per_class:
+            continue
+        folder = root / str(label)
+        folder.mkdir(parents=True, exist_ok=True)
+        gray = Image.fromarray(image, mode="L")
+        if mixed_modes and n % 7 == 0:
+            mode = MODES[(n // 7) % len(MODES)]
+            converted = gray.convert("RGB").convert(mode)
+            if mode == "P":
+                converted.info["transparency"] = 0
+            converted.save(folder / f"{i}.{'jpg' if mode == 'CMYK' else 'png'}")
+        else:
+            gray.save(folder / f"{i}.png")
+    return root
+
+
+@pytest.fixture(scope="module")
+def digits_dir(tmp_path_factory):
+    return write_digits(tmp_path_factory.mktemp("imgs") / "digits")
+
+
+def test_the_folder_gives_classes_counts_channels_and_name(digits_dir, tiny_config):
+    cfg = tiny_config("data=imagefolder", f"data.root={digits_dir}", "data.num_images=null")
+    complete_data_config(cfg.data)
+    assert cfg.data.name == "digits"
+    assert list(cfg.data.classes) == [str(d) for d in range(10)] and cfg.data.num_classes == 10
+    assert cfg.data.channels == 1 and len(cfg.data.mean) == 1
+    dm = ImageFolderDataModule(**cfg.data)
+    dm.setup()
+    assert len(dm.train_set) + len(dm.val_set) == 1797  # every image, not an inherited count
+
+
+def test_grayscale_rgba_palette_and_cmyk_files_all_load(tmp_path, tiny_config):
+    root = write_digits(tmp_path / "mixed", mixed_modes=True, per_class=30)
+    cfg = tiny_config("data=imagefolder", f"data.root={root}", "data.num_images=null")
+    complete_data_config(cfg.data)
+    assert cfg.data.channels == 3  # colour files among them: grayscale ones are converted
+    dm = ImageFolderDataModule(**cfg.data)
+    dm.setup()
+    seen = set()
+    for dataset in (dm.train_set, dm.val_set):
+        for k, (path, _) in enumerate(dataset.samples):
+            with Image.open(path) as image:
+                seen.add(image.mode)
+            tensor, _ = dataset[k]
+            assert tuple(tensor.shape) == (3, 32, 32)
+    assert {"L", "RGB", "RGBA", "P", "CMYK"} <= seen
+
+
+def test_a_subset_says_how_many_of_how_many(digits_dir, tiny_config, caplog):
+    cfg = tiny_config("data=imagefolder", f"data.root={digits_dir}", "data.num_images=100")
+    complete_data_config(cfg.data)
+    with caplog.at_level(logging.INFO, logger="ddlx.data.datamodule"):
+        ImageFolderDataModule(**cfg.data).setup()
+    assert "100 of the 1797 images" in caplog.text
+
+
+def test_a_named_dataset_on_another_folder_points_to_imagefolder(digits_dir, tiny_config):
+    cfg = tiny_config("data=firesmall", f"data.root={digits_dir}")
+    with pytest.raises(ConfigError, match=r"data=imagefolder data.root="):
+        complete_data_config(cfg.data)
+
+
+def test_one_class_or_no_root_is_refused_with_the_fix(tmp_path, tiny_config):
+    (tmp_path / "only" / "cats").mkdir(parents=True)
+    Image.new("RGB", (8, 8)).save(tmp_path / "only" / "cats" / "a.png")
+    with pytest.raises(ConfigError, match=r"data.root=.*one class sub-folder \(cats\).*at least two classes"):
+        complete_data_config(tiny_config("data=imagefolder", f"data.root={tmp_path / 'only'}").data)
+    with pytest.raises(ConfigError, match=r"data.root is not set.*data.root=DIR"):
+        complete_data_config(tiny_config("data=imagefolder", "data.root=null").data)
+
+
+def test_train_on_the_folder_records_its_name_and_counts(digits_dir, tiny_config, tracking_uri, tmp_path):
+    train(tiny_config("data=imagefolder", f"data.root={digits_dir}", "data.num_images=null", "model=resnet18"),
+          tmp_path / "out")
+    (run,) = runs(tracking_uri)
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["data"] == "digits"
+    assert run.data.params["data.num_classes"] == "10" and run.data.params["data.channels"] == "1"

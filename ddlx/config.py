@@ -132,9 +132,9 @@ class PathsConfig:
 
 @dataclass
 class OptimConfig:
-    """SGD (source 000, section 3.2: learning rate 0.001, momentum 0.9)."""
+    """SGD with momentum (conf/optim/sgd.yaml; source 000, section 3.2, used lr 0.001)."""
 
-    lr: float = knob(0.001, low=0, low_open=True)
+    lr: float = knob(0.01, low=0, low_open=True)
     momentum: float = knob(0.9, low=0, high=1, high_open=True)
     weight_decay: float = knob(0.0, low=0)
 

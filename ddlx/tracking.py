@@ -342,6 +342,12 @@ class Heartbeat:
         self._stop.set()
 
 
+def run_title(logger: MLFlowLogger) -> str:
+    """The run as its plots name it: its name and id."""
+    run = logger.experiment.get_run(logger.run_id)
+    return f"{run.info.run_name} (MLflow run {run.info.run_id})"
+
+
 def mark_failed(logger, reason: str) -> None:
     """Mark the run of ``logger`` FAILED with ``reason`` (a rank died; its launcher ends the job)."""
     if isinstance(getattr(logger, "_run_id", None), str):

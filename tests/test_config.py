@@ -27,7 +27,7 @@ def train_py(*overrides: str, multirun: bool = False) -> tuple[subprocess.Comple
     ("seed=abc", r"seed=abc", r"an integer, e.g. seed=42"),
     ("data.image_size=abc", r"data.image_size=abc", r"an integer"),
     ("data.batch_size=0", r"data.batch_size=0", r">= 1"),
-    ("optim.lr=-1", r"optim.lr=-1.0", r"> 0, e.g. optim.lr=0.001"),
+    ("optim.lr=-1", r"optim.lr=-1.0", r"> 0, e.g. optim.lr=0.01"),
     ("data.val_fraction=1", r"data.val_fraction=1.0", r"in \[0, 1\)"),
     ("data.num_workers=-1", r"data.num_workers=-1", r">= 0"),
     ("data.batchsize=8", r"data.batchsize is not a key of data", r"did you mean data.batch_size\?"),

@@ -124,3 +124,20 @@ def test_warm_up_that_leaves_no_epoch_is_refused(tiny_config):
 def test_bad_monitor_interval_is_refused(tiny_config):
     with pytest.raises(ConfigError, match=r"measure.monitor_interval_s=0"):
         train(tiny_config("measure.monitor_interval_s=0"), "unused")
+
+
+def test_the_resource_plot_names_its_run_marks_epochs_and_uses_the_metric_unit():
+    from test_report import overlapping_labels
+
+    from ddlx.measure.resources import resource_figure
+
+    samples = [Sample(t, 180.0 if t > 2 else 20.0, 900.0 + 10 * t, 30, 3) for t in range(40)]
+    series = ResourceSeries(samples=samples, epoch_ends_s=[10.0, 20.0, 30.0, 39.0])
+    fig = resource_figure(series, "alexnet/firesmall 224px b32 cpu_mp processes=2 (MLflow run abc)")
+    assert "cpu_mp processes=2" in fig._suptitle.get_text()
+    cpu = fig.axes[0]
+    assert max(cpu.get_lines()[0].get_ydata()) == 180.0, "CPU % as the metric: 100 = one core"
+    marks = [line for line in cpu.get_lines() if line.get_linestyle() == ":"]
+    assert len(marks) == 4, "one mark per epoch"
+    labels = [t for ax in fig.axes for t in ax.get_yticklabels() + ax.get_xticklabels()]
+    assert overlapping_labels(fig, labels) == []

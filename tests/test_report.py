@@ -153,3 +153,31 @@ def test_command_line_prints_writes_and_logs_the_report(store, tmp_path, capsys)
 def test_command_line_errors_name_the_problem(tmp_path, capsys):
     assert cli.main(["--tracking-uri", f"sqlite:///{tmp_path / 'none.db'}"]) == 2
     assert "no MLflow store at" in capsys.readouterr().err
+
+
+def overlapping_labels(fig, texts) -> list[tuple[str, str]]:
+    """Pairs of the given texts whose drawn boxes overlap (matplotlib's text extents)."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in texts if t.get_text() and t.get_visible()]
+    return [(a, b) for i, (a, box) in enumerate(boxes) for b, other in boxes[i + 1:] if box.overlaps(other)]
+
+
+def test_the_speedup_chart_stays_readable_with_30_setups():
+    from ddlx.records import Workload
+
+    setups = ["sequential threads=1", "sequential threads=2", "threads threads=2", "cpu_mp processes=2",
+              "ddp_gloo processes=2 backend=gloo bucket_cap_mb=25", "pipe chunks=4 devices=[cpu,cpu]",
+              "pipe chunks=8 devices=[cpu,cpu] checkpoint=always", "split devices=[cpu,cpu]",
+              "hybrid processes=2 local=pipe", "mpi local=threads threads=2"]
+    rows = []
+    for model in ("alexnet", "resnet18", "mobilenet_v2"):
+        workload = Workload("host", model, "firesmall", "224", "32", "791", "2", "None", "None")
+        rows += [report.Row(workload, "cpu", s, 1, 10.0 / (0.5 + k / 5), 0.5 + k / 5) for k, s in enumerate(setups)]
+    fig = report.speedup_figure(report.Report(rows=rows))
+    (ax,) = fig.axes
+    assert len(ax.patches) == 30 and ax.get_title()
+    labels = ax.get_yticklabels() + ax.get_xticklabels()
+    assert {t.get_text() for t in labels} >= set(setups) | {"alexnet/firesmall 224px b32 (cpu)"}
+    assert overlapping_labels(fig, labels) == []
+    assert any(line.get_xdata()[0] == 1.0 for line in ax.get_lines()), "the one-device baseline is marked"

@@ -128,32 +128,48 @@ def _notes(report: Report) -> list[str]:
     return notes
 
 
-def plot(report: Report, path: Path) -> Path:
-    """Grouped bars: one group per use case and device, one bar per setup, height = speedup."""
+def speedup_figure(report: Report):
+    """Horizontal bars, one per setup, grouped under their workload (a bold row), fastest first;
+    the one-device baseline marked at 1.0x. Readable at any number of setups: each row is as tall
+    as its label."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = [r for r in report.rows if r.speedup is not None]
-    groups = sorted({(report.label(r.workload), r.device) for r in rows})
-    setups = sorted({r.setup for r in rows})
-    fig, ax = plt.subplots(figsize=(max(6.0, 3 + 0.4 * len(groups) * len(setups)), 4.5))
-    width = 0.8 / max(1, len(setups))
-    for i, setup in enumerate(setups):
-        xs, ys = [], []
-        for g, (label, device) in enumerate(groups):
-            match = [r.speedup for r in rows if (report.label(r.workload), r.device, r.setup) == (label, device, setup)]
-            if match:
-                xs.append(g + i * width)
-                ys.append(match[0])
-        bars = ax.bar(xs, ys, width, label=setup)
-        ax.bar_label(bars, fmt="%.2f", fontsize=7)
-    ax.axhline(1.0, color="grey", linewidth=0.8)
-    ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))], [f"{lbl}\n{dev}" for lbl, dev in groups])
-    ax.set_ylabel("speedup over one device")
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    groups = list(dict.fromkeys((report.label(r.workload), r.device) for r in rows))
+    strategies = sorted({r.setup.split()[0] for r in rows})
+    colours = {s: plt.get_cmap("tab10")(i % 10) for i, s in enumerate(strategies)}
+    ticks, labels, bold = [], [], []
+    fig, ax = plt.subplots(figsize=(9, 1.3 + 0.27 * (len(rows) + len(groups))))
+    y = 0
+    for label, device in groups:
+        ticks.append(y), labels.append(f"{label} ({device})"), bold.append(True)
+        y += 1
+        for row in sorted((r for r in rows if (report.label(r.workload), r.device) == (label, device)),
+                          key=lambda r: -r.speedup):
+            ax.barh(y, row.speedup, height=0.7, color=colours[row.setup.split()[0]])
+            ax.annotate(f"{row.speedup:.2f}x", (row.speedup, y), xytext=(3, 0), textcoords="offset points",
+                        va="center", fontsize=7)
+            ticks.append(y), labels.append(row.setup), bold.append(False)
+            y += 1
+    ax.set_yticks(ticks, labels, fontsize=8)
+    for text, is_group in zip(ax.get_yticklabels(), bold):
+        text.set_fontweight("bold" if is_group else "normal")
+    ax.set_ylim(y - 0.5, -0.5)  # first group on top
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_xlim(0, 1.15 * max((r.speedup for r in rows), default=1.0))
+    ax.set_xlabel("speedup over one device: its median epoch time / the setup's (the line: 1.0x, the device itself)")
+    ax.set_title(f"Speedup per setup: {len(groups)} workload(s), {len(rows)} setup(s)", fontsize=10)
     fig.tight_layout()
+    return fig
+
+
+def plot(report: Report, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig = speedup_figure(report)
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path

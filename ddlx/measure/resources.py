@@ -44,6 +44,7 @@ class ResourceSeries:
     start_wall: float = 0.0  # time.time() of elapsed 0
     sampler_cpu_s: float = 0.0  # CPU time the sampling itself used
     duration_s: float = 0.0
+    epoch_ends_s: list[float] = field(default_factory=list)  # elapsed at each training epoch's end
 
     def peak_ram_mb(self) -> float:
         return max((s.ram_mb for s in self.samples), default=0.0)
@@ -98,6 +99,9 @@ class ResourceSampler:
             self._sample()
             self.series.duration_s = time.perf_counter() - self._t0
         return self.series
+
+    def mark_epoch_end(self) -> None:
+        self.series.epoch_ends_s.append(time.perf_counter() - self._t0)
 
     def _loop(self) -> None:
         cpu_start = time.thread_time()
@@ -165,6 +169,10 @@ class ResourceMonitor(pl.Callback):
         if trainer.is_global_zero:
             self.sampler = ResourceSampler(self.interval_s).start()
 
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.sampler is not None:
+            self.sampler.mark_epoch_end()
+
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._gpu_peaks = peak_gpu_memory_mb(trainer.strategy)  # a collective: every rank calls it
 
@@ -194,12 +202,14 @@ def log_series(logger, series: ResourceSeries, extra: dict[str, float]) -> None:
     summary = {"peak_ram_mb": series.peak_ram_mb(), "mean_cpu_percent": series.mean_cpu_percent(),
                "monitor_cpu_fraction": series.overhead_fraction(), **extra}
     with tempfile.TemporaryDirectory() as tmp:
-        path = plot_series(series, Path(tmp) / "resources.png")
+        path = plot_series(series, Path(tmp) / "resources.png", tracking.run_title(logger))
         tracking.log_series(logger, metrics, summary, start_ms + int(series.duration_s * 1000), files=[path])
 
 
-def plot_series(series: ResourceSeries, path: Path, title: str = "") -> Path:
-    """The paper's figure: CPU % and RAM on the left axis, threads on the right, against seconds."""
+def resource_figure(series: ResourceSeries, title: str = ""):
+    """The paper's figure, one panel per unit: CPU in the ``cpu_percent`` metric's unit (100 = one
+    core busy, up to 100 x the cores) with the OS thread count, and RAM in MB; epoch ends marked.
+    Legends sit above the panels, off the curves."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -208,20 +218,38 @@ def plot_series(series: ResourceSeries, path: Path, title: str = "") -> Path:
     t = [s.elapsed_s for s in series.samples]
     cores = psutil.cpu_count() or 1
     total_mb = psutil.virtual_memory().total / MIB
-    fig, left = plt.subplots(figsize=(8, 4))
-    left.plot(t, [s.cpu_percent / cores for s in series.samples], color="tab:blue", label="CPU % of machine")
-    left.plot(t, [100 * s.ram_mb / total_mb for s in series.samples], color="tab:green", label="RAM % of machine")
-    left.set_xlabel("elapsed (s)")
-    left.set_ylabel("utilisation (%)")
-    left.set_ylim(0, 105)
-    right = left.twinx()
-    right.plot(t, [s.threads for s in series.samples], color="tab:red", linestyle="--", label="threads")
-    right.set_ylabel("threads")
-    right.set_ylim(0, 1.2 * max((s.threads for s in series.samples), default=1))
-    lines = left.get_lines() + right.get_lines()
-    left.legend(lines, [line.get_label() for line in lines], loc="lower right")
-    fig.suptitle(title or f"resources ({cores} cores, {total_mb / 1024:.0f} GiB)")
+    fig, (cpu, ram) = plt.subplots(2, 1, figsize=(8, 5.5), sharex=True, height_ratios=(3, 2))
+    (cpu_line,) = cpu.plot(t, [s.cpu_percent for s in series.samples], color="tab:blue", label="CPU % (100 = one core busy)")
+    cpu.set_ylabel("CPU %")
+    cpu.set_ylim(0, 100 * cores * 1.05)
+    threads = cpu.twinx()
+    (thread_line,) = threads.plot(t, [s.threads for s in series.samples], color="tab:red", linestyle="--", label="OS threads")
+    threads.set_ylabel("OS threads")
+    threads.set_ylim(0, 1.2 * max((s.threads for s in series.samples), default=1))
+    ram.plot(t, [s.ram_mb for s in series.samples], color="tab:green", label="RAM (MB, resident)")
+    ram.set_ylabel("RAM (MB)")
+    ram.set_ylim(0, max(1.0, 1.15 * series.peak_ram_mb()))
+    ram.set_xlabel("elapsed (s)")
+    for axis in (cpu, ram):
+        for epoch, end in enumerate(series.epoch_ends_s, start=1):
+            axis.axvline(end, color="grey", linewidth=0.7, linestyle=":")
+            if axis is cpu:
+                axis.annotate(f"epoch {epoch}", (end, 1.0), xycoords=("data", "axes fraction"), xytext=(-2, -2),
+                              textcoords="offset points", ha="right", va="top", fontsize=7, color="grey")
+    cpu.legend([cpu_line, thread_line], [cpu_line.get_label(), thread_line.get_label()], loc="lower left",
+               bbox_to_anchor=(0, 1.0), ncol=2, fontsize=8, frameon=False)
+    (ram_line,) = ram.get_lines()[:1]
+    ram.legend([ram_line], [ram_line.get_label()], loc="lower left", bbox_to_anchor=(0, 1.0), fontsize=8, frameon=False)
+    fig.suptitle(title or "resources", fontsize=10)
+    fig.text(0.99, 0.005, f"machine: {cores} cores, {total_mb / 1024:.0f} GiB", ha="right", va="bottom", fontsize=7, color="grey")
     fig.tight_layout()
+    return fig
+
+
+def plot_series(series: ResourceSeries, path: Path, title: str = "") -> Path:
+    import matplotlib.pyplot as plt
+
+    fig = resource_figure(series, title)
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path

@@ -176,11 +176,47 @@ def measured_per_batch_s(run: MeasuredRun) -> float:
     return run.metrics["mean_epoch_time_s"] / job.steps
 
 
+# A run whose first epoch is in its mean measured steady state only over this many steps: start-up
+# (thread pools, allocator, loader workers, first-touch of the weights) then weighs a few percent.
+MIN_STEADY_STEPS = 100
+
+
+def not_measured_because(run: MeasuredRun) -> str | None:
+    """Why a run's times are not a steady-state measurement (None: they are), the one rule of the
+    report and the recommender: a finished run, measured the ddlx way, whose mean either leaves out
+    a warm-up epoch or spans at least :data:`MIN_STEADY_STEPS` steps."""
+    if run.status != "FINISHED":
+        return f"status {run.status}"
+    if run.tags.get("measured") == "false":
+        return f"not a measurement ({run.tags.get('not_measured_because', 'no reason recorded')})"
+    m = run.metrics
+    if not {"mean_epoch_time_s", "mean_samples_per_s"} <= set(m):
+        return "no mean_epoch_time_s"
+    warmup = int(run.params.get("measure.warmup_epochs", "0") or 0)
+    if warmup >= 1 and m.get("measured_epochs", 0) >= 1:
+        return None
+    batch = int(run.params.get("data.batch_size", "0") or 0)
+    steps = m.get("measured_epochs", 1) * m["mean_samples_per_s"] * m["mean_epoch_time_s"] / batch if batch else 0
+    if steps >= MIN_STEADY_STEPS:
+        return None
+    return (f"not steady state: no warm-up epoch left out (measure.warmup_epochs=0) and {steps:.0f} measured steps "
+            f"< {MIN_STEADY_STEPS}; measure with measure.warmup_epochs=1 and trainer.max_epochs=2 or more")
+
+
 def usable(run: MeasuredRun) -> bool:
-    """Finished, measured the ddlx way, with the params a prediction needs."""
+    """A steady-state measurement (:func:`not_measured_because`) with the params a prediction needs."""
     need = ("model.name", "data.num_classes", "data.channels", "data.image_size", "data.batch_size")
-    return (run.status == "FINISHED" and run.tags.get("measured") != "false" and all(k in run.params for k in need)
-            and {"mean_epoch_time_s", "mean_samples_per_s"} <= set(run.metrics))
+    return not_measured_because(run) is None and all(k in run.params for k in need)
+
+
+def left_out(runs: Iterable[MeasuredRun]) -> dict[str, list[MeasuredRun]]:
+    """The runs :func:`not_measured_because` leaves out, by reason (FAILED runs under their status)."""
+    out: dict[str, list[MeasuredRun]] = defaultdict(list)
+    for run in runs:
+        why = not_measured_because(run)
+        if why is not None:
+            out[why.split(" (")[0].split(":")[0] if run.status == "FINISHED" else why].append(run)
+    return dict(out)
 
 
 def on_hardware(run: MeasuredRun, hw: HardwareSpec) -> bool:

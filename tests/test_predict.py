@@ -198,8 +198,9 @@ def _run(run_id: str, setup: Setup, params: dict, epoch_s: float, host: str = "t
         tags["devices"] = ",".join(setup.get("devices"))
     samples = int(params["train"])
     return MeasuredRun(run_id, "FINISHED", workload_of(params, tags), "cpu", setup.strategy, setup.label, epoch_s,
-                       params={**{k: v for k, v in params.items() if k != "train"}, **strategy_params}, tags=tags,
-                       metrics={"mean_epoch_time_s": epoch_s, "mean_samples_per_s": samples / epoch_s})
+                       params={**{k: v for k, v in params.items() if k != "train"}, **strategy_params,
+                               "measure.warmup_epochs": "1"}, tags=tags,
+                       metrics={"mean_epoch_time_s": epoch_s, "mean_samples_per_s": samples / epoch_s, "measured_epochs": 3})
 
 
 def _workload_params(model: str, size: int) -> dict:
@@ -329,7 +330,7 @@ def test_runs_of_another_allocator_inform_only_jobs_with_it():
     kept = [replace(r, run_id=r.run_id + "-kept", params={**r.params, "cpu_allocator": "keep_freed"},
                     workload=replace(r.workload, cpu_allocator="keep_freed"),
                     mean_epoch_time_s=0.7 * r.mean_epoch_time_s,
-                    metrics={"mean_epoch_time_s": 0.7 * r.mean_epoch_time_s,
+                    metrics={**r.metrics, "mean_epoch_time_s": 0.7 * r.mean_epoch_time_s,
                              "mean_samples_per_s": r.metrics["mean_samples_per_s"] / 0.7}) for r in runs]
     predictor = Predictor(hw, runs + kept)
     job = Job("alexnet", "firesmall", 3, 3, 64, 32, 320)

@@ -12,7 +12,8 @@ from ddlx.measure import report
 from ddlx.tracking import load_runs
 
 WORKLOAD = {"model.name": "alexnet", "data.name": "firesmall", "data.image_size": "64", "data.batch_size": "32",
-            "data.num_images": "200", "data.num_workers": "0", "data.root": "None", "trainer.limit_train_batches": "1.0"}
+            "data.num_images": "200", "data.num_workers": "0", "data.root": "None", "trainer.limit_train_batches": "1.0",
+            "measure.warmup_epochs": "1"}
 
 
 def _log(client, exp_id, strategy, mean_epoch, status="FINISHED", tags=None, params=None, sweep="multirun/a"):
@@ -20,8 +21,10 @@ def _log(client, exp_id, strategy, mean_epoch, status="FINISHED", tags=None, par
                                           "sweep_id": sweep, **(tags or {})})
     for key, value in {**WORKLOAD, **(params or {})}.items():
         client.log_param(run.info.run_id, key, value)
-    if mean_epoch is not None:
+    if mean_epoch is not None:  # 3 epochs after a warm-up one, of 160 samples
         client.log_metric(run.info.run_id, "mean_epoch_time_s", mean_epoch)
+        client.log_metric(run.info.run_id, "mean_samples_per_s", 160 / mean_epoch)
+        client.log_metric(run.info.run_id, "measured_epochs", 3)
     client.set_terminated(run.info.run_id, status)
     return run.info.run_id
 
@@ -99,6 +102,20 @@ def test_another_precision_is_another_workload(store):
     (half,) = [r for r in built.rows if r.workload.precision == "bf16-mixed"]
     assert half.speedup is None and "precision=bf16-mixed" in built.label(half.workload)
     assert any("trainer.precision=bf16-mixed" in m for m in built.missing_baselines)
+
+
+def test_a_run_that_did_not_leave_out_its_start_up_is_listed_not_counted(store):
+    """No warm-up epoch and 5 steps (one epoch of 160 samples, batch 32): start-up is most of it."""
+    client = MlflowClient(store)
+    exp = client.get_experiment_by_name("ddlx").experiment_id
+    short = _log(client, exp, "cpu_mp", 1.0, tags={"processes": "2"}, params={"measure.warmup_epochs": "0"})
+    client.log_metric(short, "measured_epochs", 1)
+    built = report.build_report(load_runs(store, ["ddlx"]))
+    (cpu_mp,) = [r for r in built.rows if r.setup == "cpu_mp processes=2" and r.workload.model == "alexnet"
+                 and r.workload.batch_size == "32"]
+    assert cpu_mp.runs == 3, "the short run is not among the counted ones"
+    (note,) = [n for n in report._notes(built) if short in n]
+    assert "not steady state" in note and "5 measured steps < 100" in note and "measure.warmup_epochs=1" in note
 
 
 def test_workloads_sharing_a_short_label_are_named_apart(store):
@@ -181,3 +198,17 @@ def test_the_speedup_chart_stays_readable_with_30_setups():
     assert {t.get_text() for t in labels} >= set(setups) | {"alexnet/firesmall 224px b32 (cpu)"}
     assert overlapping_labels(fig, labels) == []
     assert any(line.get_xdata()[0] == 1.0 for line in ax.get_lines()), "the one-device baseline is marked"
+
+
+def test_the_recommender_names_the_runs_it_leaves_out_and_why(store):
+    from omegaconf import OmegaConf
+
+    from ddlx.predict.cli import measured_runs
+
+    client = MlflowClient(store)
+    exp = client.get_experiment_by_name("ddlx").experiment_id
+    short = _log(client, exp, "cpu_mp", 1.0, tags={"processes": "2"}, params={"measure.warmup_epochs": "0"})
+    client.log_metric(short, "measured_epochs", 1)
+    runs, note = measured_runs(OmegaConf.create({"logger": {"tracking_uri": store}, "experiments": ["ddlx"]}))
+    assert f"1 not steady state ({short[:8]})" in note
+    assert "1 status FAILED" in note

@@ -16,7 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import median
 
-from ..records import BASELINE_LABEL, MeasuredRun, Workload, distinct_labels
+from ..records import (
+    BASELINE_LABEL,
+    MeasuredRun,
+    Workload,
+    distinct_labels,
+    not_measured_because,
+)
 
 
 @dataclass
@@ -48,7 +54,7 @@ def build_report(runs: list[MeasuredRun]) -> Report:
     for run in runs:
         if run.status == "FAILED":
             report.failed.append(run)
-        elif run.status != "FINISHED" or run.mean_epoch_time_s is None or run.tags.get("measured") == "false":
+        elif not_measured_because(run) is not None:
             report.unmeasured.append(run)
         else:
             groups[run.workload, run.device][run.setup].append(run.mean_epoch_time_s)
@@ -121,9 +127,7 @@ def _notes(report: Report) -> list[str]:
     for run in report.failed:
         notes.append(f"failed: {report.label(run.workload)} {run.setup} (run {run.run_id}): {run.error or 'no error recorded'}")
     for run in report.unmeasured:
-        why = (f"status {run.status}" if run.status != "FINISHED" else
-               f"not a measurement ({run.tags['not_measured_because']})" if run.tags.get("measured") == "false" else
-               "no mean_epoch_time_s")
+        why = not_measured_because(run)
         notes.append(f"not counted: {report.label(run.workload)} {run.setup} (run {run.run_id}): {why}")
     return notes
 

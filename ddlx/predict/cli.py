@@ -14,6 +14,7 @@ from ..config_check import check_bounds
 from ..data.folder import complete_data_config, read_folder
 from ..errors import ConfigError
 from ..models import check_request
+from ..records import left_out
 from ..tracking import check_tracking_uri, load_runs, log_result_run, store_exists
 from .hardware import HardwareSpec, detect_local, validate
 from .job import Job
@@ -98,7 +99,15 @@ def measured_runs(cfg: DictConfig) -> tuple[list, str]:
         except ValueError:
             missing.append(name)
     note = f"{len(runs)} runs from {uri}" + (f" (no experiment {', '.join(missing)})" if missing else "")
+    dropped = left_out(runs)
+    if dropped:
+        note += "; left out: " + "; ".join(f"{len(group)} {why} ({_ids(group)})" for why, group in dropped.items())
     return runs, note
+
+
+def _ids(runs, shown: int = 6) -> str:
+    ids = [r.run_id[:8] for r in runs]
+    return ", ".join(ids[:shown]) + (f" and {len(ids) - shown} more" if len(ids) > shown else "")
 
 
 def run(cfg: DictConfig, out_dir: Path, hw_dir: Path, job_overrides: list[str] | None = None) -> None:

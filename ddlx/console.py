@@ -113,7 +113,7 @@ class RunSummary:
 
 def open_command(tracking_uri: str, experiment_id: str | None, run_id: str) -> str:
     """How a person opens the run: the page on the server, or the command that serves a local store."""
-    page = f"#/experiments/{experiment_id}/runs/{run_id}"
+    page = f"#/experiments/{experiment_id}/runs/{run_id}?workflowType=machine_learning"  # not MLflow 3's GenAI pages
     if tracking_uri.startswith(("http://", "https://")):
         return f"{tracking_uri.rstrip('/')}/{page}"
     return f"mlflow ui --backend-store-uri {tracking_uri}, then http://127.0.0.1:5000/{page}"

@@ -111,12 +111,14 @@ def setup_label(tags: dict[str, str], params: dict[str, str] | None = None) -> s
 
 
 def run_name(params: dict[str, str], tags: dict[str, str]) -> str:
-    """What MLflow's runs table shows a run as: its model, data, image size, global batch,
-    strategy with its knobs and, unless fp32, its precision (``alexnet/firesmall 224px b32
-    cpu_mp processes=2``), so the runs of a sweep are told apart at a glance."""
+    """What MLflow's runs table shows a run as: its strategy with its knobs, model, data, image
+    size, global batch and, unless fp32, its precision (``cpu_mp processes=2 alexnet/firesmall
+    224px b32``), so the runs of a sweep are told apart at a glance; the setup first, as the
+    table's narrow column shows a name's start."""
     precision = precision_of(tags.get("precision", params.get("trainer.precision")))
-    return " ".join([f"{params.get('model.name')}/{params.get('data.name')}", f"{params.get('data.image_size')}px",
-                     f"b{params.get('data.batch_size')}", setup_label(tags, params), *([precision] if precision != FP32 else [])])
+    return " ".join([setup_label(tags, params), f"{params.get('model.name')}/{params.get('data.name')}",
+                     f"{params.get('data.image_size')}px", f"b{params.get('data.batch_size')}",
+                     *([precision] if precision != FP32 else [])])
 
 
 def workload_of(params: dict[str, str], tags: dict[str, str]) -> Workload:

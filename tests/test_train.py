@@ -51,14 +51,14 @@ def test_train_py_logs_one_mlflow_run(tmp_path):
     summary = proc.stdout[proc.stdout.index("ddlx: run FINISHED after 2 epoch(s)"):]
     assert "samples/s" in summary and "final val_acc" in summary
     assert f"mlflow ui --backend-store-uri {uri}, then http://127.0.0.1:5000/#/experiments/" in summary
-    assert f"/runs/{run.info.run_id}" in summary
+    assert f"/runs/{run.info.run_id}?workflowType=machine_learning" in summary
     for noise in ("💡", "LeafSpec", "Total FLOPs", "limit_train_batches=1.0"):
         assert noise not in out, noise
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(uri)
     assert {a.path for a in client.list_artifacts(run.info.run_id)} == {"config_resolved.yaml", "resources.png"}
-    assert run.info.run_name == "vgg16/firesmall 32px b8 sequential threads=1", "what it trains, as the runs table shows it"
+    assert run.info.run_name == "sequential threads=1 vgg16/firesmall 32px b8", "what it trains, as the runs table shows it"
     assert client.get_experiment_by_name("ddlx").tags["mlflow.experimentKind"] == "custom_model_development", \
         "MLflow 3's UI opens it on the training runs, not its GenAI pages"
     assert "threads" not in run.data.metrics and tags["precision"] == "32-true"

@@ -507,6 +507,16 @@ def test_recommend_py_answers_as_json_with_no_runs(tmp_path):
     assert logged.data.tags["recommended"] == answer["recommended"]["setup"]
     assert list((tmp_path / "mlruns").rglob("recommendation.json")) and not (elsewhere / "mlruns").exists(), \
         "the answer's artifact beside train.py's (paths.root/mlruns), not in the current folder"
+    written = [d.name for d in (tmp_path / "data" / "synthetic").iterdir()]
+    assert written and all("-n256-" in name for name in written), f"the loading probe wrote a few hundred images: {written}"
+    (kept,) = (tmp_path / "outputs" / "hw").glob("probes_*.json")
+    assert any('"kind": "loading"' in key for key in json.loads(kept.read_text()))
+    again = subprocess.run(cmd[:-1] + [f"hydra.run.dir={tmp_path}/out2"], capture_output=True, text=True, timeout=300,
+                           env=subprocess_env(), cwd=elsewhere)
+    assert again.returncode == 0, again.stderr[-3000:]
+    second = json.loads(again.stdout)
+    assert (second["predictions"], second["recommended"]) == (answer["predictions"], answer["recommended"]), \
+        "the same question asked twice: the same answer (the loading probe is kept, not timed again)"
 
 
 def test_recommend_py_names_bad_values(tmp_path):

@@ -1,6 +1,7 @@
 """What ``recommend.py`` does in each mode, from a composed config (no Hydra below this line)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import time
@@ -18,6 +19,7 @@ from ..records import left_out
 from ..tracking import check_tracking_uri, load_runs, log_result_run, store_exists
 from .hardware import HardwareSpec, detect_local, validate
 from .job import Job
+from .kept import forget, kept
 from .prediction import Predictor, Recommendation, data_config_of_job
 from .render import (
     recommendation_dict,
@@ -25,7 +27,7 @@ from .render import (
     validation_plot,
     validation_text,
 )
-from .tseq import probe_batches, probe_loading
+from .tseq import ProbedBatch, probe_batches, probe_loading
 from .validation import pick_figures
 from .validation import validate as leave_one_out
 
@@ -127,10 +129,11 @@ def run(cfg: DictConfig, out_dir: Path, hw_dir: Path, job_overrides: list[str] |
     job = job_from_config(cfg) if cfg.mode == "recommend" else None  # bad values named before any timing
     detected_dir = Path(cfg.detected_dir) if cfg.detected_dir else None
     target = hardware(cfg.hw, detected_dir, refresh=cfg.mode == "probe")
-    if cfg.mode == "probe":  # measures everything again, the kept rates included
+    if cfg.mode == "probe":  # measures everything again, the kept rates and probes included
         from .linkprobe import write_probed_hw
 
         local = target if target.detect else local_hardware(target, hw_dir, detected_dir, refresh=True)
+        forget(detected_dir, local.host)
         path, doc = write_probed_hw(local, hw_dir)
         print(json.dumps(doc, indent=2) if cfg.output == "json" else f"wrote {path}: {doc['intra_node']}, "
               f"memory {doc['memory_bandwidth_gb_s']} GB/s per core; use it with hw={doc['name']}")
@@ -140,8 +143,7 @@ def run(cfg: DictConfig, out_dir: Path, hw_dir: Path, job_overrides: list[str] |
     runs, note = measured_runs(cfg)
     probe = loading = None
     if cfg.probe:
-        probe = (lambda job: probe_batches(_probe_data(cfg, job, runs), job.model, 1, cfg.probe_max_s, cfg.optim))
-        loading = (lambda job: probe_loading(_probe_data(cfg, job, runs), cfg.probe_max_s))
+        probe, loading = kept_probes(cfg, runs, local, detected_dir)
     predictor = Predictor(target, runs, local, probe, loading)
     if cfg.mode == "validate":
         report_validation(cfg, predictor, note, out_dir, started)
@@ -154,6 +156,45 @@ def run(cfg: DictConfig, out_dir: Path, hw_dir: Path, job_overrides: list[str] |
     else:
         print(recommendation_table(rec, note, elapsed, cfg.close_call, overrides))
     log_recommendation(cfg, rec, note, out_dir, overrides)
+
+
+def kept_probes(cfg: DictConfig, runs, local: HardwareSpec, detected_dir: Path | None):
+    """The training and loading probes of a job, each timed once per machine and what its time
+    depends on, and kept in ``detected_dir`` (:mod:`.kept`): asked twice, a question gets the
+    same answer."""
+    machine = {"host": local.host, "device_name": local.device_name, "cores_per_node": local.cores_per_node,
+               "devices_per_node": local.devices_per_node}
+
+    def what(job: Job) -> dict:
+        data = OmegaConf.to_container(_probe_data(cfg, job, runs), resolve=True)
+        shape = {k: data.get(k) for k in PROBED_DATA_KEYS}
+        return {"data": shape, "cpu_allocator": cfg.cpu_allocator, "torch": _torch_version()}
+
+    def probe(job: Job):
+        def batches(n: int) -> list[ProbedBatch]:
+            key = {**what(job), "model": job.model, "batch_size": job.batch_size, "batches": n,
+                   "optim": OmegaConf.to_container(cfg.optim, resolve=True)}
+            timed = kept(detected_dir, machine, "train", key, lambda: [
+                dataclasses.asdict(b) for b in probe_batches(_probe_data(cfg, job, runs), job.model, 1, cfg.probe_max_s, cfg.optim)(n)])
+            return [ProbedBatch(**b) for b in timed]
+        return batches
+
+    def loading(job: Job):
+        return lambda: kept(detected_dir, machine, "loading", what(job),
+                            probe_loading(_probe_data(cfg, job, runs), cfg.probe_max_s))
+
+    return probe, loading
+
+
+# What a probe's time depends on in the data config (not its image count or loader workers).
+PROBED_DATA_KEYS = ("name", "root", "image_size", "channels", "num_classes", "synthetic_size", "synthetic_format",
+                    "random_flip", "mean", "std")
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
 
 
 def _probe_data(cfg: DictConfig, job: Job, runs) -> DictConfig:

@@ -12,6 +12,7 @@ Every result says which one it is.
 """
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -121,6 +122,23 @@ def from_flops(job: Job, hw: HardwareSpec, profile: ModelProfile, efficiencies: 
                           f"{hw.peak_tflops:g} TFLOPS, {how})")
 
 
+# Images a probe writes (or reads) at least, beyond what its batches need: never the whole dataset.
+PROBE_IMAGES = 256
+# The batch the loading probe times (seconds per sample do not depend on it; fewer images do).
+LOADING_PROBE_BATCH = 16
+
+
+def probe_data(cfg_data, batches: int, batch_size: int | None = None):
+    """The data config a probe trains on: the job's, with ``batch_size`` if given, cut to enough
+    images for ``batches`` training batches (at least :data:`PROBE_IMAGES` and one per class)."""
+    from omegaconf import OmegaConf
+
+    batch = batch_size or cfg_data.batch_size
+    need = max(PROBE_IMAGES, cfg_data.num_classes, math.ceil(batches * batch / (1 - cfg_data.val_fraction)) + 1)
+    have = cfg_data.num_images
+    return OmegaConf.merge(cfg_data, {"num_images": need if have is None else min(have, need), "batch_size": batch})
+
+
 def probe_batches(cfg_data, model: str, threads: int = 1, max_seconds: float = 30.0,
                   optim=None) -> Callable[[int], list[ProbedBatch]]:
     """A probe on this machine with ddlx's own datamodule (the real decode and augmentation) and
@@ -135,7 +153,7 @@ def probe_batches(cfg_data, model: str, threads: int = 1, max_seconds: float = 3
         from ..module import ClassifierModule
         from ..run import build_datamodule
 
-        dm = build_datamodule(cfg_data)
+        dm = build_datamodule(probe_data(cfg_data, n + 2))
         dm.prepare_data()
         dm.setup("fit")
         device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
@@ -173,7 +191,8 @@ def probe_loading(cfg_data, max_seconds: float = 30.0) -> Callable[[], float]:
 
         from ..run import build_datamodule
 
-        dm = build_datamodule(OmegaConf.merge(cfg_data, {"num_workers": 0}))
+        dm = build_datamodule(OmegaConf.merge(probe_data(cfg_data, 6, min(cfg_data.batch_size, LOADING_PROBE_BATCH)),
+                                              {"num_workers": 0}))
         dm.prepare_data()
         dm.setup("fit")
         per_sample, start, spent = [], time.perf_counter(), time.perf_counter()

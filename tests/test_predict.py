@@ -245,6 +245,16 @@ def test_calibration_learns_each_strategys_factor():
     assert "measured (1 run, same batch)" in rec.sequential.basis
     (pipe,) = [p for p in rec.predictions if p.setup.strategy == "pipe"]
     assert "x2.00 calibrated on 3 test run(s)" in pipe.basis
+    assert all(p.basis_kind == "calibrated" for p in rec.predictions)
+    bare = Predictor(hw, []).recommend(Job("alexnet", "firesmall", 3, 3, 64, 32, 320), SETUPS)
+    assert all(p.basis_kind == "estimate" for p in bare.predictions), "no run: counted FLOPs, uncalibrated models"
+
+
+def test_a_figure_carries_the_digits_of_its_basis():
+    from ddlx.predict.render import figure
+
+    assert (figure(1146.69, calibrated=False), figure(1146.69, calibrated=True)) == ("~1100", "1150")
+    assert (figure(0.7893, calibrated=False), figure(3.4812, calibrated=True)) == ("~0.79", "3.48")
 
 
 def test_runs_of_another_precision_do_not_inform_a_prediction():
@@ -495,6 +505,9 @@ def test_recommend_py_answers_as_json_with_no_runs(tmp_path):
     setups = {p["strategy"] for p in answer["predictions"]}
     assert {"sequential", "ddp_nccl", "split", "pipe", "hybrid"} <= setups
     assert answer["recommended"]["fits"] and answer["recommended"]["predicted_epoch_s"] > 0
+    assert answer["recommended"]["basis_kind"] == "estimate" and "not measured" in answer["memory_basis"]
+    assert any("strategy=sequential trainer=gpu logger.tags.hw=titanrtx_4x" in c for c in answer["calibrate_with"]), \
+        "an estimate says what to run on the target to calibrate it"
     assert all({"predicted_epoch_s", "speedup", "memory_per_device_gb", "fits", "basis"} <= set(p) for p in answer["predictions"])
     best = answer["recommended"]["predicted_epoch_s"]
     assert best == min(p["predicted_epoch_s"] for p in answer["predictions"] if p["fits"]), "the fastest that fits"

@@ -54,6 +54,7 @@ class SequentialTime:
     weight_s: float
     basis: str
     load_per_sample_s: float = 0.0
+    estimated: bool = False  # counted FLOPs over a peak, not a run or a probe on the machine
 
     def batch_s(self, batch: int) -> float:
         return batch * (self.per_sample_s + self.load_per_sample_s) + self.weight_s

@@ -46,6 +46,13 @@ class Prediction:
     speedup: float
     memory: MemoryNeed
     basis: str
+    # Its time rests on the machine's own runs or probe and a model calibrated on runs; else an
+    # estimate (counted FLOPs, or a strategy model no run calibrated), shown to two digits.
+    calibrated: bool = True
+
+    @property
+    def basis_kind(self) -> str:
+        return "calibrated" if self.calibrated else "estimate"
 
     def as_dict(self) -> dict:
         return {
@@ -59,6 +66,7 @@ class Prediction:
             "memory_limit_gb": round(self.memory.limit_gb, 3),
             "fits": self.memory.fits,
             "basis": self.basis,
+            "basis_kind": self.basis_kind,
         }
 
 
@@ -224,8 +232,9 @@ class Predictor:
                 how += (f"; bound by data loading: {job.num_workers} worker(s) per process at {1e3 * load_core:.1f} "
                         f"ms/sample (timed on this machine's core) cannot keep up")
             epoch = batch_s * job.steps
+            calibrated = not seq.estimated and (group == BASELINE or group in calibrations)
             predictions.append(Prediction(setup, epoch, baseline * job.steps / epoch, memory_need(setup, job, self.hw, profile),
-                                          f"T_seq {seq.basis}{how}"))
+                                          f"T_seq {seq.basis}{how}", calibrated))
         predictions.sort(key=lambda p: (not p.memory.fits, p.epoch_s))
         return Recommendation(job, self.hw, seq, predictions, len(runs))
 

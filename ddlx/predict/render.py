@@ -2,9 +2,11 @@
 that run its setups, and the validation's tables and plot."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from ..allocator import KEEP_FREED
+from ..strategies import BASELINE
 from .prediction import Prediction, Recommendation, allocator_advice
 
 
@@ -15,6 +17,30 @@ def train_command(rec: Recommendation, prediction: Prediction, job_overrides: li
     for override in job_overrides:
         parts[override.split("=")[0]] = override
     return " ".join(["python train.py", *parts.values(), prediction.setup.overrides])
+
+
+def figure(value: float, calibrated: bool) -> str:
+    """A predicted figure to the digits its basis carries: three significant digits when
+    calibrated on runs, two and marked ``~`` for an estimate."""
+    digits = 3 if calibrated else 2
+    if value == 0 or not math.isfinite(value):
+        return f"{value:g}"
+    decimals = digits - 1 - math.floor(math.log10(abs(value)))
+    text = f"{round(value, decimals):.{max(decimals, 0)}f}"
+    return text if calibrated else f"~{text}"
+
+
+def calibration_commands(rec: Recommendation, prediction: Prediction, job_overrides: list[str]) -> list[str]:
+    """What to run on the target to calibrate an estimate: its one-device baseline and the setup
+    itself, tagged with the hardware's name when it is not this machine."""
+    baseline = next((p for p in rec.predictions if p.setup.strategy == BASELINE), None)
+    tag = f" logger.tags.hw={rec.hw.name}" if rec.hw.name != "local" else ""
+    chosen = [p for p in (baseline, prediction) if p is not None]
+    return list(dict.fromkeys(train_command(rec, p, job_overrides) + tag for p in chosen))
+
+
+MEMORY_BASIS = ("memory/device: counted from the model, not measured: the weights, gradients and optimizer state "
+                "each device holds, and the activations it keeps for backward at its (micro-)batch")
 
 
 def recommendation_dict(rec: Recommendation, note: str, elapsed: float, close_call: float, job_overrides: list[str]) -> dict:
@@ -30,6 +56,8 @@ def recommendation_dict(rec: Recommendation, note: str, elapsed: float, close_ca
         "sequential_basis": rec.sequential.basis,
         "predictions": [p.as_dict() for p in rec.predictions],
         "recommended": with_command(best) if best else None,
+        "calibrate_with": calibration_commands(rec, best, job_overrides) if best and not best.calibrated else [],
+        "memory_basis": MEMORY_BASIS,
         "close_call_band": close_call,
         "close_calls": [with_command(p) for p in rec.close_calls(close_call)],
         "allocator_advice": allocator_advice_dict(rec, job_overrides),
@@ -56,17 +84,23 @@ def recommendation_table(rec: Recommendation, note: str, elapsed: float, close_c
     rows = []
     for i, p in enumerate(rec.predictions, 1):
         fits = "yes" if p.memory.fits else f"no (> {p.memory.limit_gb:.1f} GB of {p.memory.what})"
-        rows.append([str(i), p.setup.label, f"{p.epoch_s:.2f}", f"{p.speedup:.2f}x", f"{p.memory.per_device_gb:.2f} GB",
+        rows.append([str(i), p.setup.label, figure(p.epoch_s, p.calibrated), f"{figure(p.speedup, p.calibrated)}x",
+                     f"{p.memory.per_device_gb:.2f} GB",
                      fits, p.basis.replace(f"T_seq {rec.sequential.basis}", "T_seq").lstrip("; ") or "T_seq"])
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
+    lines.append(MEMORY_BASIS)
     best = rec.best
     lines.append("")
     if best is None:
         lines.append("recommendation: none of these setups fits in memory; lower data.batch_size or use more devices")
     else:
-        lines.append(f"recommendation: {best.setup.label}: {best.epoch_s:.2f} s/epoch predicted, {best.speedup:.2f}x one device")
+        lines.append(f"recommendation: {best.setup.label}: {figure(best.epoch_s, best.calibrated)} s/epoch predicted, "
+                     f"{figure(best.speedup, best.calibrated)}x one device ({_headline_basis(rec, best)})")
         lines.append(f"  {train_command(rec, best, job_overrides)}")
+        if not best.calibrated:
+            lines.append("  an estimate until runs on this hardware calibrate it; run these there, then ask again:")
+            lines += [f"    {command}" for command in calibration_commands(rec, best, job_overrides)]
         close = rec.close_calls(close_call)
         if close:
             lines.append(f"close calls: predicted within {100 * close_call:.0f}% of it, inside the models' error, so "
@@ -80,6 +114,14 @@ def recommendation_table(rec: Recommendation, note: str, elapsed: float, close_c
             lines.append(f"  {advice['command']}")
     lines.append(f"({elapsed:.1f} s)")
     return "\n".join(lines)
+
+
+def _headline_basis(rec: Recommendation, best: Prediction) -> str:
+    if best.calibrated:
+        return f"calibrated: T_seq {rec.sequential.basis.split(' (')[0]}, its model fitted to measured runs"
+    why = "counted FLOPs at an assumed or borrowed efficiency" if rec.sequential.estimated else \
+        f"no measured {best.setup.strategy} run on {rec.hw.device_kind} hardware calibrates its model"
+    return f"an estimate: {why}"
 
 
 def validation_text(hw_name: str, note: str, rows, summary: dict, picks: dict, result: dict) -> str:

@@ -119,7 +119,7 @@ def from_flops(job: Job, hw: HardwareSpec, profile: ModelProfile, efficiencies: 
     per_sample = profile.train_flops_per_sample / (hw.peak_tflops * 1e12 * eff)
     return SequentialTime(per_sample, weight_seconds(profile.params, hw),
                           f"scaled estimate ({profile.train_flops_per_sample / 1e9:.2f} GFLOP/sample at "
-                          f"{hw.peak_tflops:g} TFLOPS, {how})")
+                          f"{hw.peak_tflops:g} TFLOPS, {how})", estimated=True)
 
 
 # Images a probe writes (or reads) at least, beyond what its batches need: never the whole dataset.

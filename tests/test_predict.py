@@ -189,6 +189,23 @@ def test_close_calls_are_the_fitting_setups_within_the_band_of_the_best():
     assert rec.close_calls(runner_up / 2) == []
     assert rec.close_calls(runner_up * 1.001)[0] is fitting[1]
     assert all(p.memory.fits for p in rec.close_calls(10.0)) and rec.best not in rec.close_calls(10.0)
+    from ddlx.predict.setups import calibration_group
+
+    groups = [calibration_group(p.setup) for p in fitting[:2]]
+    rec.errors = {groups[0]: runner_up * 1.001, groups[1]: runner_up / 2}
+    assert rec.close_calls(0.0)[0] is fitting[1], "the larger validated error of the two groups decides, not the band"
+    rec.errors = {groups[0]: runner_up / 2}
+    assert rec.close_calls(runner_up * 1.001)[0] is fitting[1], "a group without a validated error: the band"
+
+
+def test_group_errors_are_the_validated_median_errors_of_groups_with_enough_configurations():
+    from ddlx.predict.validation import group_errors
+
+    hw = _hw()
+    runs = _consistent_runs(hw)
+    errors = group_errors(Predictor(hw, runs))
+    assert errors and all(e == pytest.approx(0.0, abs=1e-6) for g, e in errors.items() if g != "sequential"), \
+        "runs exactly as the models say: every calibrated group validates at 0"
 
 
 def _run(run_id: str, setup: Setup, params: dict, epoch_s: float, host: str = "test-host") -> MeasuredRun:

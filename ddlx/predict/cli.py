@@ -16,6 +16,7 @@ from ..data.folder import complete_data_config, read_folder
 from ..errors import ConfigError
 from ..models import check_request
 from ..records import left_out
+from ..strategies import BASELINE
 from ..tracking import check_tracking_uri, load_runs, log_result_run, store_exists
 from .hardware import HardwareSpec, detect_local, validate
 from .job import Job
@@ -28,7 +29,7 @@ from .render import (
     validation_text,
 )
 from .tseq import ProbedBatch, probe_batches, probe_loading
-from .validation import pick_figures
+from .validation import group_errors, pick_figures
 from .validation import validate as leave_one_out
 
 MODES = ("recommend", "validate", "probe")
@@ -149,6 +150,7 @@ def run(cfg: DictConfig, out_dir: Path, hw_dir: Path, job_overrides: list[str] |
         report_validation(cfg, predictor, note, out_dir, started)
         return
     rec = predictor.recommend(job)
+    rec.errors = close_call_errors(Predictor(target, runs, local), cfg.cpu_allocator, rec)
     elapsed = time.perf_counter() - started
     overrides = job_overrides or []
     if cfg.output == "json":
@@ -156,6 +158,17 @@ def run(cfg: DictConfig, out_dir: Path, hw_dir: Path, job_overrides: list[str] |
     else:
         print(recommendation_table(rec, note, elapsed, cfg.close_call, overrides))
     log_recommendation(cfg, rec, note, out_dir, overrides)
+
+
+def close_call_errors(unprobed: Predictor, cpu_allocator: str, rec: Recommendation) -> dict[str, float]:
+    """The validated errors that decide close calls: leave-one-out on the target's runs, without
+    probes (a held-out one-device baseline from FLOPs); the job's own one-device baseline, when
+    runs measured it, counts as exact, and as unvalidated when it was probed or estimated."""
+    errors = group_errors(unprobed, cpu_allocator)
+    errors.pop(BASELINE, None)
+    if rec.sequential.basis.startswith("measured"):
+        errors[BASELINE] = 0.0
+    return errors
 
 
 def kept_probes(cfg: DictConfig, runs, local: HardwareSpec, detected_dir: Path | None):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import socket
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import yaml
 from omegaconf import OmegaConf
@@ -77,6 +77,9 @@ class Recommendation:
     sequential: SequentialTime
     predictions: list[Prediction]  # fastest first; those that do not fit last
     runs_used: int
+    # Validated error per calibration group on this hardware (median absolute, leave-one-out:
+    # validation.group_errors): what decides close calls; empty where nothing is validated.
+    errors: dict[str, float] = field(default_factory=dict)
 
     @property
     def fitting(self) -> list[Prediction]:
@@ -94,12 +97,18 @@ class Recommendation:
         return self.fastest
 
     def close_calls(self, band: float) -> list[Prediction]:
-        """The other setups that fit and are predicted within ``band`` (a fraction) of the best:
-        inside the models' error, so the ranking among them is not settled by prediction."""
+        """The other setups that fit and are predicted within the models' error of the best, so
+        the ranking among them is not settled by prediction: the larger validated error of the
+        two setups' groups where both have one (:attr:`errors`), else ``band`` (a fraction)."""
         best = self.best
         if best is None:
             return []
-        return [p for p in self.fitting if p is not best and p.epoch_s <= best.epoch_s * (1 + band)]
+        return [p for p in self.fitting if p is not best and p.epoch_s <= best.epoch_s * (1 + self.band(p, band))]
+
+    def band(self, other: Prediction, band: float) -> float:
+        """How far from the best ``other`` may be predicted and still be a close call."""
+        found = [self.errors.get(calibration_group(p.setup)) for p in (self.best, other)]
+        return band if None in found else max(found)
 
 
 def allocator_advice(rec: Recommendation) -> str | None:

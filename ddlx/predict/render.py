@@ -59,6 +59,7 @@ def recommendation_dict(rec: Recommendation, note: str, elapsed: float, close_ca
         "calibrate_with": calibration_commands(rec, best, job_overrides) if best and not best.calibrated else [],
         "memory_basis": MEMORY_BASIS,
         "close_call_band": close_call,
+        "close_call_errors": {g: round(e, 4) for g, e in sorted(rec.errors.items())},
         "close_calls": [with_command(p) for p in rec.close_calls(close_call)],
         "allocator_advice": allocator_advice_dict(rec, job_overrides),
         "seconds": round(elapsed, 2),
@@ -103,8 +104,10 @@ def recommendation_table(rec: Recommendation, note: str, elapsed: float, close_c
             lines += [f"    {command}" for command in calibration_commands(rec, best, job_overrides)]
         close = rec.close_calls(close_call)
         if close:
-            lines.append(f"close calls: predicted within {100 * close_call:.0f}% of it, inside the models' error, so "
-                         f"measure them too before settling:")
+            validated = ", ".join(f"{g} {100 * e:.1f}%" for g, e in sorted(rec.errors.items()))
+            lines.append(f"close calls: predicted within the models' error of it (the larger validated error of the two "
+                         f"setups' groups, leave-one-out on this hardware's runs: {validated or 'none'}; "
+                         f"{100 * close_call:.0f}% where a group has none), so measure them too before settling:")
             for p in close:
                 lines.append(f"  {p.setup.label} ({100 * (p.epoch_s / best.epoch_s - 1):+.1f}%): "
                              f"{train_command(rec, p, job_overrides)}")

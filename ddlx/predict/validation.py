@@ -94,6 +94,21 @@ def validate(predictor: Predictor, cpu_allocator: str = SYSTEM) -> tuple[list[Va
     return rows, {workload: pick(group) for workload, group in by_workload.items() if len(group) >= 2}
 
 
+# A group's validated error counts once this many of its configurations were predicted.
+MIN_VALIDATED_CONFIGS = 3
+
+
+def group_errors(predictor: Predictor, cpu_allocator: str = SYSTEM) -> dict[str, float]:
+    """Each calibration group's median absolute leave-one-out error on the predictor's target
+    hardware (:func:`validate`), for the groups with :data:`MIN_VALIDATED_CONFIGS` measured
+    configurations or more: how far apart two of its predictions must be to rank them."""
+    rows, _ = validate(predictor, cpu_allocator)
+    errors: dict[str, list[float]] = defaultdict(list)
+    for row in rows:
+        errors[row.group].append(abs(row.error))
+    return {g: statistics.median(e) for g, e in errors.items() if len(e) >= MIN_VALIDATED_CONFIGS}
+
+
 def pick(rows: Sequence[ValidationRow]) -> Pick:
     """One workload's recommendation (the predicted fastest) against its measured fastest."""
     recommended = min(rows, key=lambda r: r.predicted_s)

@@ -121,8 +121,13 @@ def run_name(params: dict[str, str], tags: dict[str, str]) -> str:
                      *([precision] if precision != FP32 else [])])
 
 
+# Values of a param that mean the same (every batch: Lightning's default, written out or not).
+SAME_VALUES = {"trainer.limit_train_batches": {"None": "1.0", "1": "1.0", "": "1.0"}}
+
+
 def workload_of(params: dict[str, str], tags: dict[str, str]) -> Workload:
-    return Workload(tags.get("host", "?"), *(str(params.get(k, "")) for k in WORKLOAD_PARAMS),
+    values = (str(params.get(k, "")) for k in WORKLOAD_PARAMS)
+    return Workload(tags.get("host", "?"), *(SAME_VALUES.get(k, {}).get(v, v) for k, v in zip(WORKLOAD_PARAMS, values)),
                     use_case=tags.get("use_case", ""), cpu_allocator=params.get("cpu_allocator", SYSTEM),
                     precision=precision_of(tags.get("precision", params.get("trainer.precision"))))
 

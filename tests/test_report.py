@@ -212,3 +212,14 @@ def test_the_recommender_names_the_runs_it_leaves_out_and_why(store):
     runs, note = measured_runs(OmegaConf.create({"logger": {"tracking_uri": store}, "experiments": ["ddlx"]}))
     assert f"1 not steady state ({short[:8]})" in note
     assert "1 status FAILED" in note
+
+
+def test_every_batch_is_one_workload_whether_written_out_or_not(store):
+    """Runs that left trainer.limit_train_batches at Lightning's default (null) and runs that wrote
+    1.0 train the same epochs: one workload, one baseline."""
+    client = MlflowClient(store)
+    exp = client.get_experiment_by_name("ddlx").experiment_id
+    _log(client, exp, "threads", 15.0, tags={"threads": "2"}, params={"trainer.limit_train_batches": "None"})
+    built = report.build_report(load_runs(store, ["ddlx"]))
+    (threads,) = [r for r in built.rows if r.setup == "threads threads=2" and r.workload.model == "alexnet"]
+    assert threads.speedup == pytest.approx(30.0 / 15.0), "compared with the baseline that wrote 1.0"

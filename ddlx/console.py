@@ -74,9 +74,10 @@ class EpochLines(pl.Callback):
 
     def _say_ended(self, trainer: pl.Trainer) -> None:
         if self._ended is not None and trainer.is_global_zero:
+            epoch, seconds = self._ended
             metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
             shown = ", ".join(f"{k} {metrics[k]:.3f}" for k in ("train_loss", "train_acc", "val_loss", "val_acc") if k in metrics)
-            log.info("epoch %d/%s done, %.1f s with validation: %s", *self._ended[:1], _of(trainer.max_epochs), self._ended[1], shown)
+            log.info("epoch %d/%s done, %.1f s with validation: %s", epoch, _of(trainer.max_epochs), seconds, shown)
         self._ended = None
 
 

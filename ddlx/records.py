@@ -188,17 +188,18 @@ def measured_per_batch_s(run: MeasuredRun) -> float:
 MIN_STEADY_STEPS = 100
 
 
-def not_measured_because(run: MeasuredRun) -> str | None:
-    """Why a run's times are not a steady-state measurement (None: they are), the one rule of the
-    report and the recommender: a finished run, measured the ddlx way, whose mean either leaves out
-    a warm-up epoch or spans at least :data:`MIN_STEADY_STEPS` steps."""
+def not_measured(run: MeasuredRun) -> tuple[str, str] | None:
+    """Why a run's times are not a steady-state measurement, as (kind, the reason in full); None
+    when they are. The one rule of the report and the recommender: a finished run, measured the
+    ddlx way, whose mean either leaves out a warm-up epoch or spans at least
+    :data:`MIN_STEADY_STEPS` steps."""
     if run.status != "FINISHED":
-        return f"status {run.status}"
+        return f"status {run.status}", f"status {run.status}"
     if run.tags.get("measured") == "false":
-        return f"not a measurement ({run.tags.get('not_measured_because', 'no reason recorded')})"
+        return "not a measurement", f"not a measurement ({run.tags.get('not_measured_because', 'no reason recorded')})"
     m = run.metrics
     if not {"mean_epoch_time_s", "mean_samples_per_s"} <= set(m):
-        return "no mean_epoch_time_s"
+        return "no mean_epoch_time_s", "no mean_epoch_time_s"
     warmup = int(run.params.get("measure.warmup_epochs", "0") or 0)
     if warmup >= 1 and m.get("measured_epochs", 0) >= 1:
         return None
@@ -206,23 +207,30 @@ def not_measured_because(run: MeasuredRun) -> str | None:
     steps = m.get("measured_epochs", 1) * m["mean_samples_per_s"] * m["mean_epoch_time_s"] / batch if batch else 0
     if steps >= MIN_STEADY_STEPS:
         return None
-    return (f"not steady state: no warm-up epoch left out (measure.warmup_epochs=0) and {steps:.0f} measured steps "
-            f"< {MIN_STEADY_STEPS}; measure with measure.warmup_epochs=1 and trainer.max_epochs=2 or more")
+    return "not steady state", (f"not steady state: no warm-up epoch left out (measure.warmup_epochs=0) and {steps:.0f} "
+                                f"measured steps < {MIN_STEADY_STEPS}; measure with measure.warmup_epochs=1 and "
+                                f"trainer.max_epochs=2 or more")
+
+
+def not_measured_because(run: MeasuredRun) -> str | None:
+    """The reason in full of :func:`not_measured` (None: a steady-state measurement)."""
+    why = not_measured(run)
+    return why[1] if why else None
 
 
 def usable(run: MeasuredRun) -> bool:
-    """A steady-state measurement (:func:`not_measured_because`) with the params a prediction needs."""
+    """A steady-state measurement (:func:`not_measured`) with the params a prediction needs."""
     need = ("model.name", "data.num_classes", "data.channels", "data.image_size", "data.batch_size")
-    return not_measured_because(run) is None and all(k in run.params for k in need)
+    return not_measured(run) is None and all(k in run.params for k in need)
 
 
 def left_out(runs: Iterable[MeasuredRun]) -> dict[str, list[MeasuredRun]]:
-    """The runs :func:`not_measured_because` leaves out, by reason (FAILED runs under their status)."""
+    """The runs :func:`not_measured` leaves out, by the kind of reason."""
     out: dict[str, list[MeasuredRun]] = defaultdict(list)
     for run in runs:
-        why = not_measured_because(run)
+        why = not_measured(run)
         if why is not None:
-            out[why.split(" (")[0].split(":")[0] if run.status == "FINISHED" else why].append(run)
+            out[why[0]].append(run)
     return dict(out)
 
 

@@ -165,8 +165,9 @@ def build_trainer(cfg: DictConfig, plan, logger, output_dir: Path, callbacks: li
     checkpoint_dir = checkpoint_dir or output_dir / "checkpoints"
     saving = checkpoint_callbacks(cfg.checkpoint.save, cfg.checkpoint.keep_best, checkpoint_dir)
     arguments = {**trainer_arguments(cfg.trainer), **plan.trainer_kwargs}
-    if not is_terminal():
-        arguments["enable_progress_bar"] = False  # it cannot redraw in a file or a pipe: EpochLines says the progress
+    if not is_terminal():  # a progress bar cannot redraw in a file or a pipe: a line per epoch instead
+        arguments["enable_progress_bar"] = False
+        callbacks = [*callbacks, EpochLines()]
     try:
         trainer = pl.Trainer(
             **arguments,
@@ -223,8 +224,8 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, extra_tags: Mapping[st
             **plan.tags,
         })
         resume_run = saved.run_id if saved is not None else None
-        name = cfg.logger.run_name or run_name(flatten_config(resolved), tags)
-        logger = make_logger(cfg.logger.tracking_uri, cfg.logger.experiment_name, name, tags,
+        params = flatten_config(resolved)  # as the checks left it (cpu_allocator resolved)
+        logger = make_logger(cfg.logger.tracking_uri, cfg.logger.experiment_name, cfg.logger.run_name or run_name(params, tags), tags,
                              cfg.logger.artifact_location, run_id=resume_run) if rank0 else None  # no run yet
         identity = RunInCheckpoint(resolved)
         # A resumed run goes on writing where its checkpoint is (last.ckpt replaced, the best kept track of).
@@ -233,8 +234,6 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, extra_tags: Mapping[st
         timer, *others = measurement_callbacks(cfg)
         callbacks = [timer, *others, identity,
                      StopAtSignal(signals, checkpoint_file, weights_only=cfg.checkpoint.save == "weights")]
-        if not is_terminal():
-            callbacks.append(EpochLines())  # a progress bar cannot redraw in a file or a pipe
         trainer = build_trainer(cfg, plan, logger, output_dir, callbacks, checkpoint_dir)
     except ConfigError as err:
         if "sweep_id" in tags and rank0:
@@ -250,7 +249,7 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, extra_tags: Mapping[st
     # 2. Train: from the run's opening, every way out ends it (FINISHED, FAILED, KILLED).
     with signals:
         open_run = (lambda: reopen_run(logger, tags)) if resume_run else \
-            (lambda: start_run(logger, flatten_config(resolved), config_file, tags))
+            (lambda: start_run(logger, params, config_file, tags))
         status, run_id = "FAILED", None
         try:
             with recorded(logger, open_run) as run_id:
@@ -260,12 +259,12 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, extra_tags: Mapping[st
             status = "KILLED"
             raise
         finally:
+            metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
             if run_id is not None:  # rank 0, once its run is open: how it went, where it is
-                metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
                 summary = RunSummary(status, run_id, logger.experiment_id, cfg.logger.tracking_uri, len(timer.epoch_times),
                                      timer.summary(), metrics, checkpoint_file, output_dir)
                 print("\n".join(summary.lines()), flush=True)
-    return {k: float(v) for k, v in trainer.callback_metrics.items()}
+    return metrics
 
 
 def fit(cfg: DictConfig, trainer: pl.Trainer, module: ClassifierModule, datamodule, run_id: str | None,
@@ -288,7 +287,7 @@ def forward_gflops(cfg: DictConfig) -> float:
     from .predict.profile import profile_model
 
     profile = profile_model(cfg.model.name, cfg.data.num_classes, cfg.data.channels, cfg.data.image_size)
-    return sum(layer.forward_flops for layer in profile.layers) / 1e9
+    return profile.forward_flops_per_sample / 1e9
 
 
 def check_job(cfg: DictConfig, resolved: dict, tags: dict, rank0: bool):

@@ -73,10 +73,11 @@ def _mode(path: str) -> str:
         raise ConfigError(f"unreadable image {path} ({err}); delete or replace it") from err
 
 
-def complete_data_config(data) -> None:
+def complete_data_config(data) -> FolderContents | None:
     """Fill the ``data`` keys left null (``data=imagefolder``) from the folder at ``data.root``, or,
     for a named dataset given a folder, check that the folder holds that dataset's classes.
-    ``data`` is the composed (typed) ``data`` config; it is changed in place."""
+    ``data`` is the composed (typed) ``data`` config; it is changed in place. Returns what the
+    folder holds (None without ``data.root``)."""
     # Left null, these can only come from a folder (classes may stay null: synthetic sets name them).
     open_keys = [key for key in FROM_THE_FOLDER if data[key] is None and key not in ("classes", "num_images")]
     if data.root is None:
@@ -84,7 +85,7 @@ def complete_data_config(data) -> None:
             raise ConfigError(f"data.root is not set, but data.{open_keys[0]} is to be read from the folder there "
                               f"(data=imagefolder): give data.root=DIR (an ImageFolder: one sub-folder of images per "
                               f"class), or train on a named dataset (data=firesmall)")
-        return
+        return None
     folder = read_folder(data.root)
     if data.name is not None:
         _check_named_dataset(data, folder)
@@ -106,6 +107,7 @@ def complete_data_config(data) -> None:
              "" if "channels" in given else (" (every sampled image single-channel)" if folder.channels == 1
                                              else " (colour images among them; grayscale ones are converted)"),
              folder.root)
+    return folder
 
 
 def _check_named_dataset(data, folder: FolderContents) -> None:

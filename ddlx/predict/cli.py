@@ -12,13 +12,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..allocator import apply_allocator, check_allocator, resolve_allocator
 from ..config_check import check_bounds
-from ..data.folder import complete_data_config, read_folder
+from ..data.folder import complete_data_config
 from ..errors import ConfigError
 from ..models import check_request
 from ..records import left_out
 from ..strategies import BASELINE
 from ..tracking import check_tracking_uri, load_runs, log_result_run, store_exists
-from .hardware import HardwareSpec, detect_local, validate
+from .hardware import HardwareSpec, detect_local, machine_identity, validate
 from .job import Job
 from .kept import forget, kept
 from .prediction import Predictor, Recommendation, data_config_of_job
@@ -78,12 +78,12 @@ def load_hw_file(path: Path) -> DictConfig:
 
 def job_from_config(cfg: DictConfig) -> Job:
     data = cfg.data
-    complete_data_config(data)
+    folder = complete_data_config(data)
     count = data.num_images
     if count is None:
-        if not data.root:
+        if folder is None:
             raise ConfigError("data.num_images=null needs data.root to count the images; give data.num_images=N")
-        count = len(read_folder(data.root).samples)
+        count = len(folder.samples)
     train = count - round(count * data.val_fraction)
     check_request(cfg.model.name, data.num_classes, data.channels, data.image_size)
     return Job(cfg.model.name, data.name, data.num_classes, data.channels, data.image_size, data.batch_size, train,
@@ -175,8 +175,7 @@ def kept_probes(cfg: DictConfig, runs, local: HardwareSpec, detected_dir: Path |
     """The training and loading probes of a job, each timed once per machine and what its time
     depends on, and kept in ``detected_dir`` (:mod:`.kept`): asked twice, a question gets the
     same answer."""
-    machine = {"host": local.host, "device_name": local.device_name, "cores_per_node": local.cores_per_node,
-               "devices_per_node": local.devices_per_node}
+    machine = machine_identity(local)
 
     def what(job: Job) -> dict:
         data = OmegaConf.to_container(_probe_data(cfg, job, runs), resolve=True)

@@ -147,8 +147,7 @@ def detect_local(spec: HardwareSpec, cache_dir: Path | None = None, refresh: boo
         spec.device_kind, spec.device_name = "cpu", cpu_model()
         spec.devices_per_node = spec.cores_per_node
         spec.memory_per_device_gb = spec.ram_per_node_gb
-    machine = {"host": spec.host, "device_name": spec.device_name, "cores_per_node": spec.cores_per_node,
-               "devices_per_node": spec.devices_per_node}
+    machine = machine_identity(spec)
     path = cache_dir / f"detected_{spec.host}.json" if cache_dir is not None else None
     rates = None if refresh or path is None else _cached_rates(path, machine, TIMED_RATES[spec.device_kind])
     if rates is None:
@@ -165,6 +164,13 @@ def detect_local(spec: HardwareSpec, cache_dir: Path | None = None, refresh: boo
     for key, value in rates.items():
         setattr(spec, key, value)
     return spec
+
+
+def machine_identity(spec: HardwareSpec) -> dict:
+    """What tells this machine's kept measurements from another's (another host, or another
+    container on this host with other cores or devices)."""
+    return {"host": spec.host, "device_name": spec.device_name, "cores_per_node": spec.cores_per_node,
+            "devices_per_node": spec.devices_per_node}
 
 
 def _cached_rates(path: Path, machine: dict, timed: tuple[str, ...]) -> dict | None:

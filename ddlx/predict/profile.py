@@ -53,8 +53,12 @@ class ModelProfile:
         return self.params * FLOAT_BYTES / 1e6
 
     @property
+    def forward_flops_per_sample(self) -> float:
+        return sum(layer.forward_flops for layer in self.layers)
+
+    @property
     def train_flops_per_sample(self) -> float:
-        return (1 + BACKWARD_FLOPS_FACTOR) * sum(layer.forward_flops for layer in self.layers)
+        return (1 + BACKWARD_FLOPS_FACTOR) * self.forward_flops_per_sample
 
     @property
     def activation_bytes_per_sample(self) -> int:

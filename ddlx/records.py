@@ -6,10 +6,13 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .allocator import SYSTEM
-from .predict.hardware import HardwareSpec
-from .predict.job import FP32, Job, precision_of
+from .job import FP32, Job, precision_of
+
+if TYPE_CHECKING:  # a type only: the record layer does not import the predictor's
+    from .predict.hardware import HardwareSpec
 
 # The workload: runs that differ in any of these are not comparable.
 WORKLOAD_PARAMS = (

@@ -32,13 +32,13 @@ from .console import EpochLines, RunSummary, is_terminal, silence_known_noise
 from .data import ImageFolderDataModule
 from .data.folder import complete_data_config
 from .errors import ConfigError, Stopped
+from .job import precision_of
 from .machine import machine_tags
 from .measure.resources import ResourceMonitor
 from .measure.timing import EpochTimer
 from .models import build_model
 from .module import ClassifierModule
 from .parallel.launch import RelaunchingDDPStrategy, end_distributed_job, launch_rank
-from .predict.job import precision_of
 from .predict.memory import GIB, estimate_training_memory
 from .records import run_name
 from .stopping import StopAtSignal, StopSignals, disable_lightning_signal_handlers

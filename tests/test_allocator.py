@@ -8,10 +8,15 @@ import sys
 import textwrap
 
 import pytest
-
 from conftest import subprocess_env
+
 from ddlx import allocator
-from ddlx.allocator import check_allocator, malloc_library, replacement_of, resolve_allocator
+from ddlx.allocator import (
+    check_allocator,
+    malloc_library,
+    replacement_of,
+    resolve_allocator,
+)
 from ddlx.errors import ConfigError
 
 # How many more blocks glibc has mapped on their own while a 64 MiB block is held.

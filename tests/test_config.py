@@ -9,8 +9,8 @@ import sys
 import time
 
 import pytest
-
 from conftest import PROJECT_DIR, compose_config, subprocess_env
+
 from ddlx.config import STRATEGY_CONFIGS, TRAINER_ARGS_SET_BY_DDLX, TrainerConfig
 from ddlx.config_check import check_config
 from ddlx.errors import ConfigError

@@ -8,7 +8,13 @@ import pytest
 import torch
 from PIL import Image
 
-from ddlx.data import ImageFolderDataModule, SyntheticSpec, build_transform, ensure_synthetic_imagefolder, flips
+from ddlx.data import (
+    ImageFolderDataModule,
+    SyntheticSpec,
+    build_transform,
+    ensure_synthetic_imagefolder,
+    flips,
+)
 from ddlx.errors import ConfigError
 
 FIRE = ("fire", "nofire", "smoke")

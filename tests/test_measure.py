@@ -6,9 +6,9 @@ import sys
 import time
 
 import pytest
+from conftest import runs
 from mlflow.tracking import MlflowClient
 
-from conftest import runs
 from ddlx.errors import ConfigError
 from ddlx.measure.resources import ResourceSampler, ResourceSeries, Sample, plot_series
 from ddlx.measure.timing import EpochTimer

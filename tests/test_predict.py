@@ -11,23 +11,30 @@ from dataclasses import replace
 
 import pytest
 import torchvision
+from conftest import CONF_DIR, PROJECT_DIR, subprocess_env
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from conftest import CONF_DIR, PROJECT_DIR, subprocess_env
 from ddlx.errors import ConfigError
-from ddlx.records import MeasuredRun, job_of_run, workload_of
+from ddlx.job import Job
 from ddlx.predict import perf_models as pm
+from ddlx.predict.calibration import Calibration
 from ddlx.predict.cli import hardware, load_hw_file
 from ddlx.predict.hardware import HardwareSpec, LinkSpec
-from ddlx.predict.job import Job
-from ddlx.predict.profile import profile_model
-from ddlx.predict.calibration import Calibration
 from ddlx.predict.prediction import Predictor
-from ddlx.predict.validation import ValidationRow, pick, validate
-from ddlx.predict.setups import SequentialTime, Setup, memory_need, model_batch_s, model_cost, setup_of_run
+from ddlx.predict.profile import profile_model
+from ddlx.predict.setups import (
+    SequentialTime,
+    Setup,
+    memory_need,
+    model_batch_s,
+    model_cost,
+    setup_of_run,
+)
 from ddlx.predict.tseq import ProbedBatch
+from ddlx.predict.validation import ValidationRow, pick, validate
+from ddlx.records import MeasuredRun, job_of_run, workload_of
 
 FAST = pm.Link(latency_s=1e-5, bandwidth_mb_s=1000.0)  # 10 µs, 1 GB/s
 SLOW = pm.Link(latency_s=1e-4, bandwidth_mb_s=100.0)
@@ -125,8 +132,8 @@ def test_a_steps_tensors_scale_with_the_batch_and_those_of_32_mib_are_mapped_afr
 
 
 def test_the_allocator_advice_names_what_glibc_maps_afresh_for_the_recommended_setup(monkeypatch):
-    from ddlx.predict.profile import mapped_bytes
     from ddlx.predict.prediction import allocator_advice
+    from ddlx.predict.profile import mapped_bytes
     from ddlx.predict.setups import worker_batch
 
     job = Job("mobilenet_v2", "firesmall", 3, 3, 192, 32, 320)

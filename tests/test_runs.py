@@ -15,8 +15,8 @@ import psutil
 import pytest
 import pytorch_lightning as pl
 import torch
-
 from conftest import PROJECT_DIR, TINY, runs, subprocess_env
+
 from ddlx import run as run_module
 from ddlx.errors import ConfigError, Stopped
 from ddlx.run import train

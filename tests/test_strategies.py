@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import PROJECT_DIR, compose_config, runs, subprocess_env
+
 from ddlx.errors import ConfigError
 from ddlx.run import layered_model_meta, train
 from ddlx.strategies import build_strategy

@@ -76,9 +76,8 @@ def test_writers_started_at_once_are_all_recorded_by_a_new_store_and_an_existing
     import subprocess
     import sys
 
-    from mlflow.tracking import MlflowClient
-
     from conftest import subprocess_env
+    from mlflow.tracking import MlflowClient
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     for wave in ("new", "existing"):

@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import PROJECT_DIR, TINY, compose_config, runs, subprocess_env
+
 from ddlx import run as run_module
 from ddlx.errors import ConfigError
 from ddlx.models import ARCHITECTURES

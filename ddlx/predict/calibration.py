@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .job import Job
+from ..job import Job
 from .setups import Cost, splits_batch
 
 MIN_RUNS_FOR_TWO_TERMS = 3

@@ -14,12 +14,12 @@ from ..allocator import apply_allocator, check_allocator, resolve_allocator
 from ..config_check import check_bounds
 from ..data.folder import complete_data_config
 from ..errors import ConfigError
+from ..job import Job
 from ..models import check_request
 from ..records import left_out
 from ..strategies import BASELINE
 from ..tracking import check_tracking_uri, load_runs, log_result_run, store_exists
 from .hardware import HardwareSpec, detect_local, machine_identity, validate
-from .job import Job
 from .kept import forget, kept
 from .prediction import Predictor, Recommendation, data_config_of_job
 from .render import (

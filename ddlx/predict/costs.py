@@ -26,7 +26,7 @@ from .hardware import GB, HardwareSpec, LinkSpec
 from .perf_models import Link
 
 if TYPE_CHECKING:
-    from .job import Job
+    from ..job import Job
     from .profile import ModelProfile
 
 FLOAT_BYTES = 4

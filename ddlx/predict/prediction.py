@@ -14,11 +14,11 @@ import yaml
 from omegaconf import OmegaConf
 
 from ..allocator import MMAP_CEILING_BYTES, SYSTEM, keep_freed_possible
+from ..job import Job
 from ..records import MeasuredRun, job_of_run, measured_per_batch_s, on_hardware, usable
 from ..strategies import BASELINE
 from .calibration import Calibration, fit_group_calibrations, workload_ratios
 from .hardware import HardwareSpec
-from .job import Job
 from .profile import ModelProfile, mapped_bytes, profile_model
 from .setups import (
     Cost,

@@ -3,10 +3,10 @@ answered by the strategy's own spec (:mod:`ddlx.strategies`); the parts the mode
 :mod:`.costs`."""
 from __future__ import annotations
 
+from ..job import Job
 from ..strategies import STRATEGIES, Setup, spec_of
 from .costs import Cost, MemoryNeed, SequentialTime, weight_seconds
 from .hardware import HardwareSpec
-from .job import Job
 from .profile import ModelProfile
 
 __all__ = ["Cost", "MemoryNeed", "SequentialTime", "Setup", "calibration_group", "candidates", "loader_bound_s",

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from ..job import Job
 from ..records import (
     MeasuredRun,
     job_of_run,
@@ -28,7 +29,6 @@ from ..records import (
 )
 from ..strategies import BASELINE
 from .hardware import HardwareSpec, intra_op_threads
-from .job import Job
 from .profile import ModelProfile
 from .setups import SequentialTime, calibration_group, setup_of_run, weight_seconds
 

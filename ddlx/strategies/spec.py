@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from ..errors import ConfigError
 
 if TYPE_CHECKING:
+    from ..job import Job
     from ..models import LayeredModel
     from ..predict.costs import Cost, MemoryNeed, SequentialTime
     from ..predict.hardware import HardwareSpec
-    from ..predict.job import Job
     from ..predict.profile import ModelProfile
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..allocator import SYSTEM
+from .allocator import SYSTEM
 
 FP32 = "32-true"
 # Lightning's short names for its precisions, and what they mean.

@@ -39,7 +39,8 @@ class DataConfig:
     num_classes: Optional[int] = knob(None, low=2)
     channels: Optional[int] = knob(None, choices=(1, 3))
     image_size: int = knob(low=1)
-    batch_size: int = knob(low=1)  # the global batch
+    batch_size: int = knob(low=1)  # the global batch; with batch_per=worker, each data-parallel process's
+    batch_per: str = knob("global", choices=("global", "worker"))
     num_workers: int = knob(0, low=0)
     val_fraction: float = knob(0.2, low=0, high=1, high_open=True)
     mean: Optional[List[float]] = None

@@ -1,7 +1,7 @@
 """The training job a prediction is for."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .allocator import SYSTEM
 
@@ -31,3 +31,29 @@ class Job:
     @property
     def steps(self) -> float:
         return self.train_samples / self.batch_size
+
+
+BATCH_PER = ("global", "worker")
+
+
+@dataclass(frozen=True)
+class Batches:
+    """Each setup's global batch, from the batch as the user stated it: ``per="global"``, it is
+    every setup's global batch; ``per="worker"`` (``data.batch_per=worker``), it is each
+    data-parallel process's (a pipeline's), so the global batch grows with the processes, as
+    the papers state theirs (source 004 Table 3.3). ``own``: strategies given a batch of their
+    own, in the same terms (the thesis gave GPipe 384 where DDP had 32 per GPU)."""
+
+    per: str = "global"
+    own: tuple[tuple[str, int], ...] = ()
+
+    def stated(self, strategy: str) -> int | None:
+        """The batch given to ``strategy`` alone, if any."""
+        return dict(self.own).get(strategy)
+
+    def job_of(self, job: Job, strategy: str, processes: int) -> Job:
+        """``job`` (whose batch is the stated one) with the global batch of a setup of
+        ``strategy`` that runs ``processes`` data-parallel processes."""
+        stated = self.stated(strategy) or job.batch_size
+        batch = stated * processes if self.per == "worker" else stated
+        return job if batch == job.batch_size else replace(job, batch_size=batch)

@@ -68,6 +68,7 @@ MEMORY_HEADROOM = 0.85
 def build_datamodule(data_cfg: DictConfig, data_parallel: int = 1) -> ImageFolderDataModule:
     """The datamodule for one process: ``data.batch_size`` is the global batch, split evenly."""
     kwargs = OmegaConf.to_container(data_cfg, resolve=True)
+    kwargs.pop("batch_per", None)  # made global before (batch_of_workers)
     if kwargs["batch_size"] % data_parallel:
         raise ConfigError(
             f"data.batch_size={kwargs['batch_size']} is the global batch and must split evenly over the "
@@ -115,6 +116,12 @@ def check_measure(cfg: DictConfig) -> None:
             f"use 0 <= warmup_epochs < max_epochs (e.g. trainer.max_epochs={max(1, m.warmup_epochs) + 3} "
             f"measure.warmup_epochs={max(0, m.warmup_epochs)} for the thesis' mean of 3)"
         )
+
+
+def check_validation(cfg: DictConfig) -> None:
+    if cfg.checkpoint.keep_best and cfg.data.val_fraction == 0:
+        raise ConfigError("checkpoint.keep_best=true keeps the checkpoint with the best val_acc, but data.val_fraction=0 "
+                          "holds no images out to validate on; set data.val_fraction=0.2 (or keep_best=false)")
 
 
 def run_tags(cfg: DictConfig, extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -300,15 +307,18 @@ def check_job(cfg: DictConfig, resolved: dict, tags: dict, rank0: bool):
     cfg.cpu_allocator = resolved["cpu_allocator"] = resolve_allocator(cfg.cpu_allocator)
     if rank0:
         log.info(explain_allocator(requested, cfg.cpu_allocator))
+    check_measure(cfg)
+    check_validation(cfg)
+    check_accelerator(cfg)
+    check_allocator(cfg.cpu_allocator)
+    plan = build_strategy(cfg.strategy, cfg.trainer.accelerator, layered_model_meta(cfg), cfg.data)
+    if cfg.data.batch_per == "worker":
+        plan = batch_of_workers(cfg, resolved, plan, rank0)
     if cfg.ckpt_path:
         saved = read_saved_run(cfg.ckpt_path)
         tags["resume_changes"] = " ".join(f"{k}={v}" for k, v in check_resumable(
             saved, flatten_config(resolved), flatten_config).items()) or None
         tags["resumed_from"] = str(saved.path)
-    check_measure(cfg)
-    check_accelerator(cfg)
-    check_allocator(cfg.cpu_allocator)
-    plan = build_strategy(cfg.strategy, cfg.trainer.accelerator, layered_model_meta(cfg), cfg.data)
     datamodule = build_datamodule(cfg.data, plan.data_parallel)
     if cfg.memory_check:
         check_memory(cfg, plan.data_parallel, plan.replicas_per_machine)
@@ -321,6 +331,20 @@ def check_job(cfg: DictConfig, resolved: dict, tags: dict, rank0: bool):
             check_resumable_run(client, saved.run_id, cfg.logger.tracking_uri, cfg.logger.experiment_name,
                                 saved.tracking_uri)
     return saved, plan, datamodule
+
+
+def batch_of_workers(cfg: DictConfig, resolved: dict, plan, rank0: bool):
+    """``data.batch_per=worker``: ``data.batch_size`` is each data-parallel process's batch (a
+    pipeline's), as the papers state theirs (source 004 Table 3.3). It becomes the global batch
+    here, in the config, the recorded params and the ranks' job description, so a run's
+    workload reads the same however its batch was stated; the plan is made again with it."""
+    per_worker = cfg.data.batch_size
+    cfg.data.batch_size = resolved["data"]["batch_size"] = per_worker * plan.data_parallel
+    cfg.data.batch_per = resolved["data"]["batch_per"] = "global"
+    if rank0:
+        log.info("data.batch_per=worker: %d per process x %d process(es) = global batch %d (data.batch_size=%d)",
+                 per_worker, plan.data_parallel, cfg.data.batch_size, cfg.data.batch_size)
+    return build_strategy(cfg.strategy, cfg.trainer.accelerator, layered_model_meta(cfg), cfg.data)
 
 
 def layered_model_meta(cfg: DictConfig):

@@ -17,7 +17,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from ddlx.errors import ConfigError
-from ddlx.job import Job
+from ddlx.job import Batches, Job
 from ddlx.predict import perf_models as pm
 from ddlx.predict.calibration import Calibration
 from ddlx.predict.cli import hardware, load_hw_file
@@ -27,6 +27,7 @@ from ddlx.predict.profile import profile_model
 from ddlx.predict.setups import (
     SequentialTime,
     Setup,
+    check_tries,
     memory_need,
     model_batch_s,
     model_cost,
@@ -596,6 +597,70 @@ def test_checkpointed_pipe_trades_time_for_memory():
     slower = model_batch_s(ckpt, job, gpu, profile, seq) - model_batch_s(plain, job, gpu, profile, seq)
     # Eq. 6.1's compute with every sample's forward (1/3 of its work) done again.
     assert slower == pytest.approx(pm.gpipe_compute_s(256 * 0.01 / 3, 4, 16))
+    # torchgpipe's and fairscale's default names micro-batches: all but the last recompute, on every stage.
+    last = Setup("pipe", (("chunks", 16), ("devices", devices), ("checkpoint", "except_last")))
+    assert model_batch_s(last, job, gpu, profile, seq) - model_batch_s(plain, job, gpu, profile, seq) == \
+        pytest.approx(slower * 15 / 16)
+    always, except_last, never = (memory_need(s, job, gpu, profile).per_device_gb for s in (ckpt, last, plain))
+    assert except_last == pytest.approx(always, rel=0.05) and except_last < never / 4, \
+        "one micro-batch's activations at a time, whichever keeps the last one's"
+
+
+def test_a_batch_stated_per_worker_grows_with_each_setups_processes():
+    """Source 004 Table 3.3 states DDP's batch per GPU and GPipe's per pipeline, each its own."""
+    job = Job("resnet18", "imagenet", 1000, 3, 224, 32, 1280000)
+    per_worker = Batches("worker", (("pipe", 384),))
+    assert per_worker.job_of(job, "ddp_nccl", 4).batch_size == 128
+    assert per_worker.job_of(job, "sequential", 1) is job
+    assert per_worker.job_of(job, "pipe", 1).batch_size == 384
+    assert Batches().job_of(job, "ddp_nccl", 4) is job, "global: every setup trains the stated batch"
+    rec = Predictor(_compose_hw_spec("titanrtx_4x"), []).recommend(job, batches=per_worker, tries={"pipe": {"chunks": [12]}})
+    by_label = {p.setup.label: p for p in rec.predictions}
+    ddp, one = by_label["ddp_nccl processes=4"], by_label["sequential trainer=gpu"]
+    assert (ddp.batch_size, one.batch_size) == (128, 32)
+    assert ddp.speedup == pytest.approx(one.epoch_s / ddp.epoch_s), "epochs compared, whatever each one's batch"
+    pipes = [p for p in rec.predictions if p.setup.strategy == "pipe"]
+    assert pipes and {p.setup.get("chunks") for p in pipes} == {12}, "any micro-batch count"
+    assert {p.batch_size for p in pipes} == {384} and all(p.data_overrides == ("data.batch_size=384",) for p in pipes)
+    assert {p.setup.get("checkpoint", "never") for p in pipes} >= {"never", "except_last"}, "torchgpipe's default tried"
+
+
+def test_the_candidates_option_is_checked_and_names_the_key():
+    assert check_tries({"pipe": {"chunks": [12, 24], "checkpoint": "except_last", "batch_size": 48}}) == \
+        ({"pipe": {"chunks": [12, 24], "checkpoint": ["except_last"]}}, [("pipe", 48)])
+    assert check_tries({"pipe": {"chunks": None, "checkpoint": None, "batch_size": None}}) == ({"pipe": {}}, [])
+    for bad, key in [({"gpipe": {"chunks": [4]}}, "candidates.gpipe"),
+                     ({"pipe": {"micro": [4]}}, "candidates.pipe.micro"),
+                     ({"pipe": {"chunks": [0]}}, r"candidates.pipe.chunks=\[0\]"),
+                     ({"pipe": {"checkpoint": ["sometimes"]}}, "candidates.pipe.checkpoint"),
+                     ({"pipe": {"batch_size": [48]}}, "candidates.pipe.batch_size")]:
+        with pytest.raises(ConfigError, match=key):
+            check_tries(bad)
+
+
+def _compose_hw_spec(name: str) -> HardwareSpec:
+    return hardware(load_hw_file(CONF_DIR / "hw" / f"{name}.yaml"))
+
+
+def test_recommend_py_reproduces_the_thesis_out_of_memory_case(tmp_path):
+    """ResNet-152 on Highres with source 004's settings (32 per GPU; GPipe 48 in 12 micro-batches,
+    recomputing as torchgpipe does): DDP and one GPU run out of memory, GPipe is recommended
+    (its Table 8.1), and the epoch is the whole set."""
+    cmd = [sys.executable, str(PROJECT_DIR / "recommend.py"), "hw=titanrtx_4x", "model=resnet152", "data=highres",
+           "candidates.pipe.batch_size=48", "candidates.pipe.chunks=[12]", "candidates.pipe.checkpoint=[except_last]",
+           "probe=false", "output=json", f"paths.root={tmp_path}", f"hydra.run.dir={tmp_path}/out"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=subprocess_env(), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    answer = json.loads(proc.stdout)
+    by_strategy = {p["strategy"]: p for p in answer["predictions"]}
+    assert answer["job"]["train_samples"] == 60000, "an epoch is the whole of Highres, as the thesis timed it"
+    ddp = by_strategy["ddp_nccl"]
+    assert ddp["global_batch"] == 128 and not ddp["fits"], "32 per GPU does not fit a 24 GB Titan RTX"
+    assert not by_strategy["sequential"]["fits"]
+    best = answer["recommended"]
+    assert best["strategy"] == "pipe" and best["global_batch"] == 48
+    assert best["knobs"]["chunks"] == 12 and best["knobs"]["checkpoint"] == "except_last"
+    assert best["command"].endswith("data=highres data.batch_size=48 " + best["overrides"])
 
 
 def test_calibration_is_chosen_by_how_well_it_predicts_held_out_runs():

@@ -283,5 +283,6 @@ class ImageFolderDataModule(pl.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_set, shuffle=self.shuffle, resumable=True)
 
-    def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_set, shuffle=False)
+    def val_dataloader(self) -> DataLoader | list:
+        # data.val_fraction=0: no validation loop (Lightning skips an empty list), an epoch is all the images
+        return self._loader(self.val_set, shuffle=False) if len(self.val_set) else []

@@ -14,7 +14,7 @@ from ..allocator import apply_allocator, check_allocator, resolve_allocator
 from ..config_check import check_bounds
 from ..data.folder import complete_data_config
 from ..errors import ConfigError
-from ..job import Job
+from ..job import Batches, Job
 from ..models import check_request
 from ..records import left_out
 from ..strategies import BASELINE
@@ -22,6 +22,7 @@ from ..tracking import check_tracking_uri, load_runs, log_result_run, store_exis
 from .hardware import HardwareSpec, detect_local, machine_identity, validate
 from .kept import forget, kept
 from .prediction import Predictor, Recommendation, data_config_of_job
+from .setups import check_tries
 from .render import (
     recommendation_dict,
     recommendation_table,
@@ -149,7 +150,8 @@ def run(cfg: DictConfig, out_dir: Path, hw_dir: Path, job_overrides: list[str] |
     if cfg.mode == "validate":
         report_validation(cfg, predictor, note, out_dir, started)
         return
-    rec = predictor.recommend(job)
+    tries, own = check_tries(OmegaConf.to_container(cfg.candidates, resolve=True))
+    rec = predictor.recommend(job, batches=Batches(cfg.data.batch_per, tuple(own)), tries=tries)
     rec.errors = close_call_errors(Predictor(target, runs, local), cfg.cpu_allocator, rec)
     elapsed = time.perf_counter() - started
     overrides = job_overrides or []

@@ -142,19 +142,27 @@ def replica_bytes(job: Job, batch: int) -> int:
     return estimate.total_bytes
 
 
+def recomputed_share(checkpoint: str, chunks: int) -> float:
+    """The share of a batch's micro-batches whose activations a pipeline recomputes in backward
+    instead of keeping: torchgpipe's and fairscale's ``checkpoint`` names micro-batches, not
+    stages (``except_last``: every micro-batch but the last, on every stage; their default)."""
+    return {"always": 1.0, "except_last": (chunks - 1) / chunks}.get(checkpoint, 0.0)
+
+
 def stage_bytes(profile: ModelProfile, balance: list[int], batch: int, chunks: int, checkpoint: str) -> list[int]:
     """Bytes each stage of a model cut by ``balance`` keeps while training ``batch`` samples in
-    ``chunks`` micro-batches: its weights, gradients and momentum, and its activations; a stage
-    that recomputes (``checkpoint``) keeps only each micro-batch's input, and one micro-batch's
-    activations while it recomputes them in backward."""
+    ``chunks`` micro-batches: its weights, gradients and momentum, and its activations; for a
+    recomputed micro-batch (``checkpoint``) it keeps only the stage's input, and holds one
+    micro-batch's activations at a time when it recomputes them in backward."""
     micro = max(1, batch // chunks)
+    recomputed = round(recomputed_share(checkpoint, chunks) * chunks) * micro
     parts = profile.partitions(balance)
     inputs = [profile.input_bytes] + profile.boundary_bytes(balance)
     out = []
     for i, part in enumerate(parts):
         acts = sum(layer.activation_bytes for layer in part) + (profile.input_bytes if i == 0 else 0)
-        recomputes = checkpoint == "always" or (checkpoint == "except_last" and i < len(parts) - 1)
-        kept = batch * inputs[i] + micro * acts if recomputes else batch * acts
+        # Backward runs the kept micro-batches first and frees them, then recomputes the others one at a time.
+        kept = recomputed * inputs[i] + max(batch - recomputed, micro if recomputed else 0) * acts
         out.append(state_bytes(sum(layer.params for layer in part)) + kept)
     return out
 

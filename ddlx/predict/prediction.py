@@ -14,7 +14,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from ..allocator import MMAP_CEILING_BYTES, SYSTEM, keep_freed_possible
-from ..job import Job
+from ..job import Batches, Job
 from ..records import MeasuredRun, job_of_run, measured_per_batch_s, on_hardware, usable
 from ..strategies import BASELINE
 from .calibration import Calibration, fit_group_calibrations, workload_ratios
@@ -31,6 +31,7 @@ from .setups import (
     memory_need,
     model_cost,
     setup_of_run,
+    training_processes,
     worker_batch,
 )
 from .tseq import ProbedBatch, efficiency_from_runs, from_flops, from_probe, from_runs
@@ -49,6 +50,8 @@ class Prediction:
     # Its time rests on the machine's own runs or probe and a model calibrated on runs; else an
     # estimate (counted FLOPs, or a strategy model no run calibrated), shown to two digits.
     calibrated: bool = True
+    batch_size: int = 0  # its global batch (per data.batch_per and a batch of its own)
+    data_overrides: tuple[str, ...] = ()  # what train.py needs beside the user's data overrides to train that batch
 
     @property
     def basis_kind(self) -> str:
@@ -67,6 +70,7 @@ class Prediction:
             "fits": self.memory.fits,
             "basis": self.basis,
             "basis_kind": self.basis_kind,
+            "global_batch": self.batch_size,
         }
 
 
@@ -80,6 +84,7 @@ class Recommendation:
     # Validated error per calibration group on this hardware (median absolute, leave-one-out:
     # validation.group_errors): what decides close calls; empty where nothing is validated.
     errors: dict[str, float] = field(default_factory=dict)
+    batches: Batches = field(default_factory=Batches)  # how each setup's batch follows from job.batch_size
 
     @property
     def fitting(self) -> list[Prediction]:
@@ -117,7 +122,8 @@ def allocator_advice(rec: Recommendation) -> str | None:
     ``cpu_allocator=keep_freed`` would change; None otherwise (GPUs, keep_freed or a preloaded
     malloc, small tensors, or this machine as the target when keep_freed cannot run here).
     Advice, not a prediction: the time it saves was measured on one workload, not modelled."""
-    best, job = rec.best, rec.job
+    best = rec.best
+    job = replace(rec.job, batch_size=best.batch_size or rec.job.batch_size) if best else rec.job
     if best is None or rec.hw.device_kind != "cpu" or job.cpu_allocator != SYSTEM:
         return None
     if rec.hw.host == socket.gethostname() and not keep_freed_possible():  # train.py here would refuse the command
@@ -208,44 +214,59 @@ class Predictor:
 
     # -- prediction -----------------------------------------------------------------------
     def recommend(self, job: Job, setups: Sequence[Setup] | None = None,
-                  exclude: Callable[[MeasuredRun], bool] | None = None) -> Recommendation:
+                  exclude: Callable[[MeasuredRun], bool] | None = None, batches: Batches = Batches(),
+                  tries: dict | None = None) -> Recommendation:
+        """``job``'s batch is the batch as stated (``batches`` says what each setup's global batch
+        is then); ``setups``: these, else the candidates on the hardware (``tries``: the knob
+        values they try instead of the strategies' own choice)."""
         # Another allocator (docs/allocator.md) or precision changes every timing: not this job's runs.
         runs = [r for r in self.runs if r.workload.cpu_allocator == job.cpu_allocator
                 and r.workload.precision == job.precision and not (exclude and exclude(r))]
         profile = profile_of_job(job)
-        seq = self.sequential(job, self.hw, runs)
-        # Timed only where it is used: as a bound beside the training, or as T_seq's missing loading.
+        seq = self._sequential_with_loading(job, runs)
         load_core = self._load_core_s(job) if job.num_workers > 0 or seq.load_per_sample_s == 0 else None
-        if load_core is not None and job.num_workers == 0:
-            seq = replace(seq, load_per_sample_s=load_core, basis=f"{seq.basis}; plus the loading in the training "
-                          f"process (data.num_workers=0), {1e3 * load_core:.1f} ms/sample timed on this machine's core")
         calibrations, source = self.calibration(runs)
         baseline = seq.batch_s(job.batch_size)
         if load_core is not None:
             baseline = max(baseline, loader_bound_s(Setup(BASELINE), job, self.hw, load_core))
         predictions = []
-        for setup in setups if setups is not None else candidates(self.hw, job):
+        for setup in setups if setups is not None else candidates(self.hw, job, batches, tries):
             group = calibration_group(setup)
-            cost = model_cost(setup, job, self.hw, profile, seq)
+            theirs = batches.job_of(job, setup.strategy, training_processes(setup))
+            their_seq = seq if theirs == job else self._sequential_with_loading(theirs, runs)
+            cost = model_cost(setup, theirs, self.hw, profile, their_seq)
             if group == BASELINE:
                 batch_s, how = cost.total_s, ""
             elif group in calibrations:
                 calibration = calibrations[group]
-                batch_s, how = calibration.apply(cost, job), "; " + calibration.describe(source, job)
+                batch_s, how = calibration.apply(cost, theirs), "; " + calibration.describe(source, theirs)
             else:
                 batch_s = cost.total_s
                 how = f"; model uncalibrated (no measured {group} run on {self.hw.device_kind} hardware)"
-            bound = loader_bound_s(setup, job, self.hw, load_core) if load_core is not None else 0.0
+            bound = loader_bound_s(setup, theirs, self.hw, load_core) if load_core is not None else 0.0
             if bound > batch_s:
                 batch_s = bound
                 how += (f"; bound by data loading: {job.num_workers} worker(s) per process at {1e3 * load_core:.1f} "
                         f"ms/sample (timed on this machine's core) cannot keep up")
-            epoch = batch_s * job.steps
-            calibrated = not seq.estimated and (group == BASELINE or group in calibrations)
-            predictions.append(Prediction(setup, epoch, baseline * job.steps / epoch, memory_need(setup, job, self.hw, profile),
-                                          f"T_seq {seq.basis}{how}", calibrated))
+            epoch = batch_s * theirs.steps
+            calibrated = not their_seq.estimated and (group == BASELINE or group in calibrations)
+            stated = batches.stated(setup.strategy)
+            predictions.append(Prediction(setup, epoch, baseline * job.steps / epoch, memory_need(setup, theirs, self.hw, profile),
+                                          f"T_seq {their_seq.basis}{how}", calibrated, theirs.batch_size,
+                                          (f"data.batch_size={stated}",) if stated else ()))
         predictions.sort(key=lambda p: (not p.memory.fits, p.epoch_s))
-        return Recommendation(job, self.hw, seq, predictions, len(runs))
+        return Recommendation(job, self.hw, seq, predictions, len(runs), batches=batches)
+
+    def _sequential_with_loading(self, job: Job, runs: Sequence[MeasuredRun]) -> SequentialTime:
+        """T_seq of ``job``, with the training process's own loading timed here when it must be
+        added (a GPU target's loaders with ``data.num_workers=0``)."""
+        seq = self.sequential(job, self.hw, runs)
+        if job.num_workers == 0 and seq.load_per_sample_s == 0:
+            load_core = self._load_core_s(job)  # timed only where it is used
+            if load_core is not None:
+                seq = replace(seq, load_per_sample_s=load_core, basis=f"{seq.basis}; plus the loading in the training "
+                              f"process (data.num_workers=0), {1e3 * load_core:.1f} ms/sample timed on this machine's core")
+        return seq
 
     def _load_core_s(self, job: Job) -> float | None:
         """One sample's loading on one core, for GPU targets (their loaders run on host cores,

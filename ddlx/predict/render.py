@@ -16,6 +16,8 @@ def train_command(rec: Recommendation, prediction: Prediction, job_overrides: li
     parts = {"model": f"model={rec.job.model}", "data": f"data={rec.job.data}"}
     for override in job_overrides:
         parts[override.split("=")[0]] = override
+    for override in prediction.data_overrides:
+        parts[override.split("=")[0]] = override
     return " ".join(["python train.py", *parts.values(), prediction.setup.overrides])
 
 
@@ -76,16 +78,21 @@ def allocator_advice_dict(rec: Recommendation, job_overrides: list[str]) -> dict
 
 def recommendation_table(rec: Recommendation, note: str, elapsed: float, close_call: float, job_overrides: list[str]) -> str:
     j = rec.job
-    lines = [f"{j.model} on {j.data} ({j.image_size}px, global batch {j.batch_size}, {j.train_samples} training images) "
+    batch = (f"batch {j.batch_size} per process (data.batch_per=worker)" if rec.batches.per == "worker"
+             else f"global batch {j.batch_size}")
+    own = "".join(f", {name} {b}{' per pipeline' if rec.batches.per == 'worker' else ''}" for name, b in rec.batches.own)
+    lines = [f"{j.model} on {j.data} ({j.image_size}px, {batch}{own}, {j.train_samples} training images) "
              f"on hw={rec.hw.name}: {rec.hw.nodes} node(s) x {rec.hw.devices_per_node} {rec.hw.device_kind}"
              f"{' cores' if rec.hw.device_kind == 'cpu' else 's'} ({rec.hw.device_name})",
              f"measured runs: {note}" + ("" if rec.runs_used else "; none usable: every figure below is a model estimate"),
              f"T_seq basis: {rec.sequential.basis}", ""]
-    header = ["#", "setup", "epoch s", "speedup", "memory/device", "fits", "basis"]
+    batches = len({p.batch_size for p in rec.predictions}) > 1  # a column only when the setups' batches differ
+    header = ["#", "setup", *(["global batch"] if batches else []), "epoch s", "speedup", "memory/device", "fits", "basis"]
     rows = []
     for i, p in enumerate(rec.predictions, 1):
         fits = "yes" if p.memory.fits else f"no (> {p.memory.limit_gb:.1f} GB of {p.memory.what})"
-        rows.append([str(i), p.setup.label, figure(p.epoch_s, p.calibrated), f"{figure(p.speedup, p.calibrated)}x",
+        rows.append([str(i), p.setup.label, *([str(p.batch_size)] if batches else []),
+                     figure(p.epoch_s, p.calibrated), f"{figure(p.speedup, p.calibrated)}x",
                      f"{p.memory.per_device_gb:.2f} GB",
                      fits, p.basis.replace(f"T_seq {rec.sequential.basis}", "T_seq").lstrip("; ") or "T_seq"])
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]

@@ -3,21 +3,81 @@ answered by the strategy's own spec (:mod:`ddlx.strategies`); the parts the mode
 :mod:`.costs`."""
 from __future__ import annotations
 
-from ..job import Job
+from ..errors import ConfigError
+from ..job import Batches, Job
 from ..strategies import STRATEGIES, Setup, spec_of
 from .costs import Cost, MemoryNeed, SequentialTime, weight_seconds
 from .hardware import HardwareSpec
 from .profile import ModelProfile
 
-__all__ = ["Cost", "MemoryNeed", "SequentialTime", "Setup", "calibration_group", "candidates", "loader_bound_s",
+__all__ = ["Cost", "MemoryNeed", "SequentialTime", "Setup", "calibration_group", "candidates", "check_tries", "loader_bound_s",
            "memory_need", "model_batch_s", "model_cost", "setup_of_run", "splits_batch", "training_processes",
            "weight_seconds", "worker_batch"]
 
 
-def candidates(hw: HardwareSpec, job: Job) -> list[Setup]:
-    """The setups worth predicting on ``hw``: every strategy's, each dividing the batch evenly."""
-    out = [setup for spec in STRATEGIES.values() for setup in spec.candidates(hw, job)]
-    return [s for s in out if job.batch_size % training_processes(s) == 0]
+def candidates(hw: HardwareSpec, job: Job, batches: Batches = Batches(), tries: dict | None = None) -> list[Setup]:
+    """The setups worth predicting on ``hw``: every strategy's own choice of knob values, or the
+    values ``tries`` gives it (``{strategy: {knob: [values]}}``, checked by :func:`check_tries`),
+    each on its batch (``batches``) split evenly over its processes."""
+    out = []
+    for spec in STRATEGIES.values():
+        own = batches.job_of(job, spec.name, 1)  # one process's (one pipeline's) batch
+        for setup in tried(spec.candidates(hw, own), (tries or {}).get(spec.name, {}), spec.default_knob_tags):
+            processes = training_processes(setup)
+            theirs = batches.job_of(job, setup.strategy, processes)
+            if theirs.batch_size % processes == 0 and spec.accepts(setup, theirs):
+                out.append(setup)
+    return out
+
+
+def tried(setups: list[Setup], knobs: dict, defaults: dict[str, str]) -> list[Setup]:
+    """``setups`` with each knob of ``knobs`` set to each of its values instead (a knob at its
+    default, e.g. ``checkpoint=never``, is left out of the setup, as a measured run's is)."""
+    if not knobs:
+        return setups
+    out = []
+    for setup in setups:
+        variants = [dict(setup.knobs)]
+        for knob, values in knobs.items():
+            variants = [v | {knob: tuple(value) if isinstance(value, list) else value} for v in variants for value in values]
+        for v in variants:
+            out.append(Setup(setup.strategy, tuple((k, x) for k, x in v.items() if defaults.get(k) != str(x))))
+    return list(dict.fromkeys(out))
+
+
+def check_tries(candidates: dict) -> tuple[dict, Batches]:
+    """recommend.py's ``candidates`` option, checked: the knob values each strategy's candidates
+    try (lists, each value within the knob's declared range) and the batches given to strategies
+    of their own (``batch_size``). Every error names the key."""
+    from dataclasses import fields
+
+    tries, own = {}, []
+    for name, knobs in (candidates or {}).items():
+        if name not in STRATEGIES:
+            raise ConfigError(f"candidates.{name}: no strategy of that name; the strategies are {', '.join(STRATEGIES)}")
+        declared = {f.name: f for f in fields(STRATEGIES[name].config) if f.name != "name"}
+        chosen = {}
+        for knob, values in (knobs or {}).items():
+            key = f"candidates.{name}.{knob}"
+            if values is None:
+                continue  # the strategy's own choice
+            if knob == "batch_size":
+                if not isinstance(values, int) or isinstance(values, bool) or values < 1:
+                    raise ConfigError(f"{key}={values}; expected one batch size >= 1 (in data.batch_per's terms), "
+                                      f"e.g. {key}=48")
+                own.append((name, values))
+                continue
+            if knob not in declared:
+                raise ConfigError(f"{key}: {name} has no knob {knob!r}; its knobs are {', '.join(declared)} (and batch_size)")
+            values = list(values) if isinstance(values, (list, tuple)) else [values]
+            bound = declared[knob].metadata.get("bound")
+            bad = [v for v in values if bound is not None and not bound.accepts(v)]
+            if not values or bad:
+                raise ConfigError(f"{key}={values}; expected a list of values, each {bound.expected() if bound else 'a value'}"
+                                  f", e.g. {key}=[{declared[knob].default}]")
+            chosen[knob] = values
+        tries[name] = chosen
+    return tries, own
 
 
 def setup_of_run(params: dict[str, str], tags: dict[str, str]) -> Setup:

@@ -14,6 +14,7 @@ from ..predict.costs import (
     gpu_index,
     link,
     memory_need,
+    recomputed_share,
     stage_bytes,
     weight_traffic_s,
 )
@@ -107,10 +108,16 @@ class Pipe(StrategySpec):
         out = []
         for stages in sorted({2, n}):
             devices = tuple(f"cuda:{i}" for i in range(stages))
-            out += [Setup(self.name, (("chunks", c), ("devices", devices))) for c in chunks if c >= stages]
-        if chunks:  # when nothing else fits: recompute activations instead of keeping them
+            for c in (c for c in chunks if c >= stages):
+                # Keeping every activation, and torchgpipe's default: recomputing all micro-batches' but the last's.
+                out += [Setup(self.name, (("chunks", c), ("devices", devices))),
+                        Setup(self.name, (("chunks", c), ("devices", devices), ("checkpoint", "except_last")))]
+        if chunks:  # the least memory: recompute every micro-batch
             out.append(Setup(self.name, (("chunks", chunks[-1]), ("devices", devices), ("checkpoint", "always"))))
         return out
+
+    def accepts(self, setup, job) -> bool:
+        return setup.get("chunks", 1) <= job.batch_size  # every micro-batch needs a sample
 
     def cost(self, setup, job, hw, profile, seq):
         b, load = job.batch_size, job.batch_size * seq.load_per_sample_s
@@ -126,8 +133,8 @@ class Pipe(StrategySpec):
         micro = max(1, b // m)
         traffic = 1 + (m - 1) * REPLICA_SHARE
         weights = weight_traffic_s(seq, hw, traffic, w) if hw.device_kind == "cpu" else seq.weight_s * traffic / w
-        recomputing = {"never": 0, "except_last": w - 1, "always": w}.get(setup.get("checkpoint", "never"), 0) / w
-        per_sample = seq.per_sample_s * (1 + recomputing * FORWARD_SHARE)  # the forward again in backward
+        recomputed = recomputed_share(setup.get("checkpoint", "never"), m)
+        per_sample = seq.per_sample_s * (1 + recomputed * FORWARD_SHARE)  # their forward again in backward
         compute = gpipe_compute_s(m * micro * per_sample, w, m) + weights
         boundaries = [x / 1e6 for x in profile.boundary_bytes(pipe_balance(setup, profile))]
         if all(d == "cpu" for d in devices):  # CPU stages: one memory, no link to cross

@@ -87,6 +87,10 @@ class StrategySpec:
         """The setups of it worth predicting on ``hw``, with the knobs a user would try."""
         return []
 
+    def accepts(self, setup: Setup, job: Job) -> bool:
+        """Whether ``setup`` can train ``job`` (its global batch) at all."""
+        return True
+
     def cost(self, setup: Setup, job: Job, hw: HardwareSpec, profile: ModelProfile, seq: SequentialTime) -> Cost:
         """Modelled seconds of one global batch, before calibration."""
         raise NotImplementedError(f"no performance model for strategy {self.name!r}")

@@ -10,10 +10,9 @@ import pytest
 from conftest import runs
 from PIL import Image
 
-from ddlx.data import ImageFolderDataModule
 from ddlx.data.folder import complete_data_config
 from ddlx.errors import ConfigError
-from ddlx.run import train
+from ddlx.run import build_datamodule, train
 
 datasets = pytest.importorskip("sklearn.datasets", reason="scikit-learn ships the real digit images (pip install -e .[dev])")
 
@@ -53,7 +52,7 @@ def test_the_folder_gives_classes_counts_channels_and_name(digits_dir, tiny_conf
     assert cfg.data.name == "digits"
     assert list(cfg.data.classes) == [str(d) for d in range(10)] and cfg.data.num_classes == 10
     assert cfg.data.channels == 1 and len(cfg.data.mean) == 1
-    dm = ImageFolderDataModule(**cfg.data)
+    dm = build_datamodule(cfg.data)
     dm.setup()
     assert len(dm.train_set) + len(dm.val_set) == 1797  # every image, not an inherited count
 
@@ -63,7 +62,7 @@ def test_grayscale_rgba_palette_and_cmyk_files_all_load(tmp_path, tiny_config):
     cfg = tiny_config("data=imagefolder", f"data.root={root}", "data.num_images=null")
     complete_data_config(cfg.data)
     assert cfg.data.channels == 3  # colour files among them: grayscale ones are converted
-    dm = ImageFolderDataModule(**cfg.data)
+    dm = build_datamodule(cfg.data)
     dm.setup()
     seen = set()
     for dataset in (dm.train_set, dm.val_set):
@@ -79,7 +78,7 @@ def test_a_subset_says_how_many_of_how_many(digits_dir, tiny_config, caplog):
     cfg = tiny_config("data=imagefolder", f"data.root={digits_dir}", "data.num_images=100")
     complete_data_config(cfg.data)
     with caplog.at_level(logging.INFO, logger="ddlx.data.datamodule"):
-        ImageFolderDataModule(**cfg.data).setup()
+        build_datamodule(cfg.data).setup()
     assert "100 of the 1797 images" in caplog.text
 
 

@@ -108,7 +108,8 @@ def test_a_sweep_stops_at_the_first_job_the_store_refuses(tmp_path):
 
 @pytest.mark.parametrize("model", ARCHITECTURES)
 def test_every_model_trains(tiny_config, tracking_uri, model):
-    metrics = train(tiny_config(f"model={model}", "data=cifar10", "data.num_images=24"), output_dir=tiny_config().paths.root)
+    metrics = train(tiny_config(f"model={model}", "data=cifar10", "data.num_images=24", "data.val_fraction=0.25"),
+                    output_dir=tiny_config().paths.root)
     assert EPOCH_METRICS <= set(metrics)
 
 

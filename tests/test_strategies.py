@@ -112,6 +112,23 @@ def test_strategy_matches_sequential(case, tmp_path, shared_data, sequential_wei
     assert not [str(w.message) for w in recwarn if "sync_dist=True" in str(w.message)]
 
 
+def test_cpu_mp_resumes_with_its_optimizer_state(tmp_path, shared_data):
+    """cpu_mp's ranks keep the optimizer state by slice; the checkpoint gathers it whole, and a
+    run resumed from it ends with the weights of one that never stopped (momentum included)."""
+    job = ["strategy=cpu_mp", "strategy.processes=2", f"paths.data_dir={shared_data}", *SAME_MATHS]
+    (tmp_path / "whole").mkdir()
+    (tmp_path / "cut").mkdir()
+    train(compose_config([f"paths.root={tmp_path / 'whole'}", *job, "trainer.max_epochs=2"]), output_dir=tmp_path / "whole" / "run")
+    train(compose_config([f"paths.root={tmp_path / 'cut'}", *job]), output_dir=tmp_path / "cut" / "run")
+    checkpoint = tmp_path / "cut" / "run" / "checkpoints" / "last.ckpt"
+    momentum = torch.load(checkpoint, weights_only=False)["optimizer_states"][0]["state"]
+    assert len(momentum) == len(sequential_shapes := [v.shape for v in final_weights(tmp_path / "cut").values()])
+    assert [v["momentum_buffer"].shape for v in momentum.values()] == sequential_shapes, "every slice, gathered"
+    train(compose_config([f"paths.root={tmp_path / 'cut'}", *job, "trainer.max_epochs=2", f"ckpt_path={checkpoint}"]),
+          output_dir=tmp_path / "cut" / "run")
+    _assert_same_weights(final_weights(tmp_path / "cut"), final_weights(tmp_path / "whole"), exact=True)
+
+
 @pytest.mark.parametrize("hook", ["fp16", pytest.param("powersgd", marks=pytest.mark.slow)])
 def test_ddp_gradient_compression_hooks(hook, tmp_path, shared_data, sequential_weights):
     """Compressed allreduce (source 002, section 4) trains, approximately the sequential step."""

@@ -2,10 +2,11 @@
 
 ``processes`` ranks on one machine, each pinned to its own equal share of the cores with that
 many intra-op threads (so ranks never oversubscribe), its own data shard (Lightning's
-DistributedSampler) and its own loader workers (which inherit the pinning). Gradients are
-averaged after every backward through shared memory (:mod:`.shared_memory`) instead of DDP's
-socket allreduce. Processes start like DDP's (the script re-launched per rank); the process
-group carries only barriers, metric reductions and the initial weight broadcast.
+DistributedSampler) and its own loader workers (which inherit the pinning). The ranks train one
+copy of the weights in shared memory, each reducing and stepping its own slice of it
+(:mod:`.shared_memory`), instead of DDP's socket allreduce and a full optimizer step per rank.
+Processes start like DDP's (the script re-launched per rank); the process group carries only
+barriers, metric reductions and, at a checkpoint, the optimizer state's slices.
 """
 from __future__ import annotations
 
@@ -15,10 +16,10 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from pytorch_lightning.overrides.distributed import _sync_module_states
+from pytorch_lightning.core.optimizer import LightningOptimizer
 
 from .launch import RelaunchingDDPStrategy
-from .shared_memory import SharedMemoryGradientAverager
+from .shared_memory import SharedWeights
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ class CpuMultiProcessStrategy(RelaunchingDDPStrategy):
             timeout=timedelta(seconds=timeout_s),
         )
         self.pin_cores = pin_cores
-        self._averager: SharedMemoryGradientAverager | None = None
+        self._shared: SharedWeights | None = None
         self._restore: tuple[set[int], int] | None = None
 
     def setup_environment(self) -> None:
@@ -58,15 +59,9 @@ class CpuMultiProcessStrategy(RelaunchingDDPStrategy):
             raise RuntimeError("cpu_mp averages through shared memory and runs on one machine; use strategy=mpi for several")
 
     def configure_ddp(self) -> None:
-        # No DDP wrapper: same start weights everywhere, then shared-memory averaging after backward.
-        _sync_module_states(self.model)
-        self._averager = SharedMemoryGradientAverager(
-            list(self.model.parameters()),
-            rank=self.global_rank,
-            world_size=self.world_size,
-            barrier=dist.barrier,
-            broadcast_name=self._broadcast_name,
-        )
+        # No DDP wrapper: every rank's parameters become views of one shared copy (rank 0's start weights).
+        self._shared = SharedWeights(list(self.model.parameters()), rank=self.global_rank, world_size=self.world_size,
+                                     barrier=dist.barrier, broadcast_name=self._broadcast_name)
 
     @staticmethod
     def _broadcast_name(name: str | None) -> str:
@@ -75,11 +70,30 @@ class CpuMultiProcessStrategy(RelaunchingDDPStrategy):
         return holder[0]
 
     def post_backward(self, closure_loss: torch.Tensor) -> None:
-        if self._averager is not None and self.lightning_module.training:
-            self._averager.average()
+        if self._shared is not None and self.lightning_module.training:
+            self._shared.reduce()
+
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs):
+        """The configured optimizer's step, taken by :class:`.SharedWeights` on this rank's slice."""
+        if self._shared is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        return super().optimizer_step(_SliceStep(_unwrapped(optimizer), self._shared), closure, model, **kwargs)
+
+    def optimizer_state(self, optimizer) -> dict:
+        """The full state (every rank's slice, gathered: collective), on rank 0."""
+        optimizer = _unwrapped(optimizer)
+        if self._shared is None:
+            return optimizer.state_dict()
+        slices = [None] * self.world_size
+        dist.all_gather_object(slices, self._shared.slice_state())
+        return self._shared.full_state(optimizer, slices) if self.is_global_zero else {}
+
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            self._shared.load_state(_unwrapped(optimizer), state)
 
     def teardown(self) -> None:
-        self._averager = None
+        self._shared = None
         if self._restore is not None:
             cores, threads = self._restore
             if self.pin_cores:
@@ -87,3 +101,24 @@ class CpuMultiProcessStrategy(RelaunchingDDPStrategy):
             torch.set_num_threads(threads)
             self._restore = None
         super().teardown()
+
+
+def _unwrapped(optimizer):
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+class _SliceStep:
+    """What the precision plugin steps: the closure (forward, backward, the reduce), then the
+    configured optimizer's step on this rank's slice of the shared weights. The rest is the
+    optimizer's own (hooks read its groups)."""
+
+    def __init__(self, optimizer, shared: SharedWeights) -> None:
+        self._optimizer, self._shared = optimizer, shared
+
+    def step(self, closure=None, **kwargs):
+        loss = closure() if closure is not None else None
+        self._shared.step(self._optimizer)
+        return loss
+
+    def __getattr__(self, name):
+        return getattr(self._optimizer, name)

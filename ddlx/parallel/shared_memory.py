@@ -1,13 +1,20 @@
-"""Gradient averaging between processes of one machine through shared memory.
+"""One copy of the weights for the ranks of one machine, in shared memory, each rank stepping
+its own slice (ZeRO-1/2 on shared memory rather than over sockets).
 
-On one machine the gradients need not cross a socket: every rank writes its flat gradient into
-its own slot of one shared buffer, each rank then averages its 1/P slice of all slots into a
-shared result, and every rank points its ``.grad`` tensors at that result. Per step each rank
-moves about 3x the gradient size through memory, and the only messages are two tiny barriers,
-where an allreduce over loopback sockets (gloo) moves the whole gradient through the kernel.
+Every rank's parameters are views into one shared buffer. After each backward a rank copies its
+gradient into its own slot of a shared gradient buffer; once every slot is written, rank r sums
+its 1/P slice of all slots (into slot 0) and steps the optimizer on that slice of the shared
+weights, with the optimizer state of that slice only; once every slice is stepped, every rank
+trains on the new weights. Per step the whole model is written once as gradients by each rank,
+reduced once and stepped once in total, not once per rank, and the only messages are two tiny
+barriers. The optimizer is the one the LightningModule configured (any ``torch.optim``
+optimizer that updates element by element: SGD, Adam, AdamW, ...), rebuilt over the slice's
+views with the same parameter groups and hyperparameters, which are read again at every step
+(learning-rate schedules). The checkpoint holds the full state, gathered on save.
 """
 from __future__ import annotations
 
+import inspect
 import os
 import uuid
 from collections.abc import Callable, Sequence
@@ -17,58 +24,149 @@ import torch
 SHM_DIR = "/dev/shm"
 
 
-class SharedMemoryGradientAverager:
-    """Averages the gradients of ``params`` across ``world_size`` ranks on one machine.
+class SharedWeights:
+    """``params`` (the model's, on every rank) made views of one shared buffer, stepped by slice.
 
     ``broadcast_name(name_or_none)`` returns rank 0's name on every rank; ``barrier()`` waits for
     all ranks. Both come from the process group, which carries only these small messages.
     """
 
-    def __init__(
-        self,
-        params: Sequence[torch.Tensor],
-        rank: int,
-        world_size: int,
-        barrier: Callable[[], None],
-        broadcast_name: Callable[[str | None], str],
-    ) -> None:
+    def __init__(self, params: Sequence[torch.Tensor], rank: int, world_size: int, barrier: Callable[[], None],
+                 broadcast_name: Callable[[str | None], str]) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.rank, self.world_size, self.barrier = rank, world_size, barrier
-        self.numel = sum(p.numel() for p in self.params)
-        offsets, total = [], 0
+        self.offsets, total = [], 0
         for p in self.params:
-            offsets.append(total)
+            self.offsets.append(total)
             total += p.numel()
-        self.offsets = offsets
-        folder = SHM_DIR if os.path.isdir(SHM_DIR) else None
-        name = broadcast_name(os.path.join(folder or "/tmp", f"ddlx-grad-{uuid.uuid4().hex}") if rank == 0 else None)
-        size = (world_size + 1) * self.numel
+        self.numel = total
+        folder = SHM_DIR if os.path.isdir(SHM_DIR) else "/tmp"
+        name = broadcast_name(os.path.join(folder, f"ddlx-weights-{uuid.uuid4().hex}") if rank == 0 else None)
+        size = (1 + world_size) * total
         if rank == 0:
             with open(name, "wb") as f:
                 f.truncate(size * 4)
         barrier()
+        if not os.path.exists(name):
+            raise RuntimeError(f"cpu_mp rank {rank}: rank 0's shared weights {name} are not there (another machine?)")
         buffer = torch.from_file(name, shared=True, size=size, dtype=torch.float32)
-        barrier()
+        barrier()  # every rank has mapped it (from_file would create a new file once it is unlinked)
+        self.weights = buffer[:total]
+        self.slots = buffer[total:].view(world_size, total)
         if rank == 0:
             os.unlink(name)  # the mapping stays valid; nothing is left behind if a rank dies
-        self.slots = buffer[: world_size * self.numel].view(world_size, self.numel)
-        self.result = buffer[world_size * self.numel :]
-        chunk = -(-self.numel // world_size)
-        self.slice = slice(rank * chunk, min((rank + 1) * chunk, self.numel))
-        self.result_views = [self.result[o : o + p.numel()].view_as(p) for o, p in zip(offsets, self.params)]
+            for p, o in zip(self.params, self.offsets):
+                self.weights[o : o + p.numel()].copy_(p.detach().reshape(-1))  # rank 0's start weights for all
+        barrier()
+        with torch.no_grad():
+            for p, o in zip(self.params, self.offsets):
+                p.data = self.weights[o : o + p.numel()].view_as(p)
+        chunk = -(-total // world_size)
+        self.start, self.stop = min(rank * chunk, total), min((rank + 1) * chunk, total)
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._pieces: list[tuple[int, int, int, int]] = []  # (group, param index, start, stop) of each slice view
 
-    def average(self) -> None:
+    # ---- one step ---------------------------------------------------------------------------
+    def reduce(self) -> None:
+        """This rank's gradient into its slot; then the sum of this rank's slice of all slots,
+        averaged, into slot 0 (the gradient its slice of the optimizer steps with)."""
         mine = self.slots[self.rank]
-        for p, offset in zip(self.params, self.offsets):
-            target = mine[offset : offset + p.numel()].view_as(p)
+        for p, o in zip(self.params, self.offsets):
+            target = mine[o : o + p.numel()]
             if p.grad is None:
                 target.zero_()
             else:
-                target.copy_(p.grad)
-        self.barrier()  # every slot written (and every rank done reading last step's result)
-        s = self.slice
-        torch.sum(self.slots[:, s], dim=0, out=self.result[s])
-        self.result[s].div_(self.world_size)
-        self.barrier()  # the whole result is written
-        for p, view in zip(self.params, self.result_views):
-            p.grad = view
+                target.copy_(p.grad.reshape(-1))
+        self.barrier()  # every slot written, and every rank's step done with the previous result
+        s = slice(self.start, self.stop)
+        total = self.slots[0, s]
+        for other in range(1, self.world_size):
+            total.add_(self.slots[other, s])
+        total.div_(self.world_size)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer``'s step (its class, groups and current hyperparameters) on this rank's
+        slice of the shared weights; returns once every rank's slice is stepped."""
+        sliced = self.sliced(optimizer)
+        for group, theirs in zip(sliced.param_groups, self._groups):
+            group.update({k: v for k, v in optimizer.param_groups[theirs].items() if k != "params"})
+        sliced.step()
+        self.barrier()  # every slice stepped: the next forward reads the new weights
+
+    def sliced(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The optimizer of this rank's slice: ``optimizer``'s class over views of the shared
+        weights (their gradients: the averaged slot 0), grouped as its groups are."""
+        if self._optimizer is not None:
+            return self._optimizer
+        index = {id(p): i for i, p in enumerate(self.params)}
+        groups, self._groups = [], []
+        for g, group in enumerate(optimizer.param_groups):
+            views = []
+            for p in group["params"]:
+                i = index[id(p)]
+                o = self.offsets[i]
+                a, b = max(o, self.start), min(o + p.numel(), self.stop)
+                if a < b:
+                    view = self.weights[a:b]
+                    view.grad = self.slots[0, a:b]
+                    views.append(view)
+                    self._pieces.append((len(groups), i, a - o, b - o))
+            if views:
+                groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": views})
+                self._groups.append(g)
+        if not groups:  # more ranks than elements: a placeholder group that never changes
+            empty = torch.zeros(0)
+            empty.grad = torch.zeros(0)
+            groups, self._groups = [{**{k: v for k, v in optimizer.param_groups[0].items() if k != "params"},
+                                     "params": [empty]}], [0]
+        # Each group carries every hyperparameter; the defaults its constructor takes are passed too.
+        accepted = inspect.signature(type(optimizer)).parameters
+        self._optimizer = type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
+        return self._optimizer
+
+    # ---- checkpoints ------------------------------------------------------------------------
+    def slice_state(self) -> list[tuple[int, int, int, dict]]:
+        """This rank's optimizer state: (param index, start, stop, state) per slice view."""
+        if self._optimizer is None:
+            return []
+        views = [v for g in self._optimizer.param_groups for v in g["params"]]
+        out = []
+        for view, (_, i, a, b) in zip(views, self._pieces):
+            state = self._optimizer.state.get(view, {})
+            out.append((i, a, b, {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()}))
+        return out
+
+    def full_state(self, optimizer: torch.optim.Optimizer, slices: list) -> dict:
+        """``optimizer``'s state dict, as if it had stepped the whole model, from every rank's
+        :meth:`slice_state`."""
+        state: dict[int, dict] = {}
+        for i, a, b, part in (piece for rank in slices for piece in rank):
+            p = self.params[i]
+            into = state.setdefault(i, {})
+            for key, value in part.items():
+                if torch.is_tensor(value) and value.dim() == 1 and value.numel() == b - a:
+                    into.setdefault(key, torch.zeros(p.numel(), dtype=value.dtype))[a:b] = value
+                else:
+                    into.setdefault(key, value)
+        for i, values in state.items():
+            for key, value in values.items():
+                if torch.is_tensor(value) and value.dim() == 1 and value.numel() == self.params[i].numel():
+                    values[key] = value.view_as(self.params[i])
+        order = {id(p): i for i, p in enumerate(self.params)}
+        ids = [order[id(p)] for g in optimizer.param_groups for p in g["params"]]
+        doc = optimizer.state_dict()
+        doc["state"] = {n: state[i] for n, i in enumerate(ids) if i in state}
+        return doc
+
+    def load_state(self, optimizer: torch.optim.Optimizer, doc: dict) -> None:
+        """Resume: ``optimizer``'s hyperparameters from ``doc``, this rank's slice of its state."""
+        optimizer.load_state_dict({**doc, "state": {}})
+        order = {id(p): i for i, p in enumerate(self.params)}
+        ids = [order[id(p)] for g in optimizer.param_groups for p in g["params"]]
+        full = {ids[n]: values for n, values in doc["state"].items()}
+        sliced = self.sliced(optimizer)
+        views = [v for g in sliced.param_groups for v in g["params"]]
+        for view, (_, i, a, b) in zip(views, self._pieces):
+            if i in full:
+                sliced.state[view] = {k: v.reshape(-1)[a:b].clone() if torch.is_tensor(v) and v.numel() == self.params[i].numel()
+                                      else v for k, v in full[i].items()}

@@ -33,8 +33,8 @@ SETUPS = {
 }
 
 
-def run_setup(name: str, overrides: list[str], args: argparse.Namespace, sweep: str) -> list[float]:
-    """Epoch times (after the first) of one train.py run of ``name``."""
+def run_setup(name: str, overrides: list[str], args: argparse.Namespace, sweep: str) -> tuple[list[float], float]:
+    """Epoch times (after the first) of one train.py run of ``name``, and its peak RAM (MB)."""
     slug = re.sub(r"[^a-z0-9]+", "-", name).strip("-")
     cmd = [
         sys.executable, str(ROOT / "train.py"), *overrides,
@@ -55,7 +55,7 @@ def run_setup(name: str, overrides: list[str], args: argparse.Namespace, sweep: 
     (run,) = client.search_runs([exp.experiment_id], f"tags.bench_round = '{sweep}' and tags.bench_setup = '{slug}'")
     history = sorted(client.get_metric_history(run.info.run_id, "epoch_time_s"), key=lambda m: m.step)
     times = [m.value for m in history]
-    return times[1:] if len(times) > 1 else times
+    return (times[1:] if len(times) > 1 else times), run.data.metrics.get("peak_ram_mb", float("nan"))
 
 
 def main() -> None:
@@ -73,17 +73,20 @@ def main() -> None:
     chosen = {k: v for k, v in SETUPS.items() if not args.only or k in args.only}
     sweep = time.strftime("%Y%m%d-%H%M%S")
     times: dict[str, list[float]] = {name: [] for name in chosen}
+    peaks: dict[str, list[float]] = {name: [] for name in chosen}
     for r in range(args.rounds):
         for name, overrides in chosen.items():
-            times[name] += run_setup(name, overrides, args, f"{sweep}-{r}")
+            epochs, peak = run_setup(name, overrides, args, f"{sweep}-{r}")
+            times[name] += epochs
+            peaks[name].append(peak)
             print(f"  round {r + 1}: {name}: {statistics.mean(times[name]):.2f} s/epoch", file=sys.stderr)
 
     base = statistics.mean(times.get("sequential threads=1") or [float("nan")])
     print(f"\n{args.model} {args.data} ({args.num_images} images, batch {args.batch_size}, {args.num_workers} loader workers) on {_cores()} cores")
-    print(f"{'setup':28s} {'epoch s':>9s} {'min':>7s} {'max':>7s} {'speedup':>8s}")
+    print(f"{'setup':28s} {'epoch s':>9s} {'min':>7s} {'max':>7s} {'speedup':>8s} {'peak RAM MB':>12s}")
     for name, values in times.items():
         mean = statistics.mean(values)
-        print(f"{name:28s} {mean:9.2f} {min(values):7.2f} {max(values):7.2f} {base / mean:8.2f}x")
+        print(f"{name:28s} {mean:9.2f} {min(values):7.2f} {max(values):7.2f} {base / mean:8.2f}x {max(peaks[name]):12.0f}")
 
 
 def _cores() -> int:

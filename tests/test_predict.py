@@ -76,8 +76,10 @@ def test_gpipe_comm_is_eq_6_2():
 def test_split_threads_cpu_mp_and_hybrid():
     assert pm.split_s(1.0, 32, 0.1, FAST) == pytest.approx(1.0 + 2 * (1e-5 + 3.2 / 1000))
     assert pm.threads_s(1.0, 4, join_s=0.01) == pytest.approx(0.26)
-    assert pm.cpu_mp_s(1.0, 2, gradient_mb=100.0, memory_bandwidth_mb_s=10000.0, barrier_s=1e-4) == pytest.approx(
-        0.5 + 3 * 100 / 10000 + 2e-4)
+    # Shared weights: (3P - 1) passes over the gradient by the ranks together, two barriers.
+    assert pm.cpu_mp_s(1.0, 2, gradient_mb=100.0, bandwidth_mb_s=10000.0, barrier_s=1e-4) == pytest.approx(
+        0.5 + 5 * 100 / 10000 + 2e-4)
+    assert pm.cpu_mp_s(1.0, 1, gradient_mb=100.0, bandwidth_mb_s=10000.0, barrier_s=1e-4) == 1.0
     assert pm.hybrid_s(0.4, 2, 60.0, 25.0, [FAST, FAST], 0.0) == pytest.approx(0.4 + 2 * (1e-5 + 25 / 2000))
 
 

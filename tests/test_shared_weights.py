@@ -26,7 +26,7 @@ def _groups(net, optimizer_class):
 
 def _batches(steps: int):
     g = torch.Generator().manual_seed(1)
-    return [(torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(steps)]
+    return [(torch.randn(12, 6, generator=g), torch.randint(0, 3, (12,), generator=g)) for _ in range(steps)]
 
 
 def _loss(net, x, y):
@@ -59,9 +59,10 @@ def _ranks(world: int, work):
         raise errors[0]
 
 
+@pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("optimizer_class", [torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW])
-def test_slices_step_as_one_optimizer_on_the_whole_batch_and_resume(optimizer_class):
-    steps, world = 3, 2
+def test_slices_step_as_one_optimizer_on_the_whole_batch_and_resume(optimizer_class, world):
+    steps = 3
     reference = _net()
     ref_opt = _groups(reference, optimizer_class)
     for x, y in _batches(steps + 1):

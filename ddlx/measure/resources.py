@@ -33,7 +33,7 @@ MPI_LAUNCHERS = {"mpirun", "mpiexec", "orterun", "orted", "prted", "prterun", "h
 class Sample:
     elapsed_s: float
     cpu_percent: float  # summed over the tree: 100 = one core busy
-    ram_mb: float  # resident set size summed over the tree
+    ram_mb: float  # proportional set size summed over the tree (shared pages counted once; RSS where PSS is unknown)
     threads: int
     processes: int
 
@@ -131,12 +131,23 @@ class ResourceSampler:
             try:
                 with proc.oneshot():
                     cpu += proc.cpu_percent(None)
-                    ram += proc.memory_info().rss / MIB
+                    ram += _proportional_bytes(proc) / MIB
                     threads += proc.num_threads()
                 processes += 1
             except psutil.Error:  # a worker that ended between listing and reading
                 continue
         self.series.samples.append(Sample(time.perf_counter() - self._t0, cpu, ram, threads, processes))
+
+
+def _proportional_bytes(proc: psutil.Process) -> int:
+    """The process's share of the memory: each page divided by the processes that map it (PSS),
+    so the ranks' shared weights and the pages loader workers share with their parent are
+    counted once over the tree, as RSS would count them once per process; RSS where the system
+    does not tell PSS."""
+    try:
+        return proc.memory_full_info().pss
+    except (AttributeError, psutil.AccessDenied):
+        return proc.memory_info().rss
 
 
 def peak_gpu_memory_mb(strategy) -> dict[str, float]:

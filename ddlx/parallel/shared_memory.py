@@ -1,13 +1,13 @@
 """One copy of the weights for the ranks of one machine, in shared memory, each rank stepping
 its own slice (ZeRO-1/2 on shared memory rather than over sockets).
 
-Every rank's parameters are views into one shared buffer. After each backward a rank copies its
-gradient into its own slot of a shared gradient buffer; once every slot is written, rank r sums
-its 1/P slice of all slots (into slot 0) and steps the optimizer on that slice of the shared
-weights, with the optimizer state of that slice only; once every slice is stepped, every rank
-trains on the new weights. Per step the whole model is written once as gradients by each rank,
-reduced once and stepped once in total, not once per rank, and the only messages are two tiny
-barriers. The optimizer is the one the LightningModule configured (any ``torch.optim``
+Every rank's parameters are views into one shared buffer. After each backward a rank writes the
+parts of its gradient that other ranks own into its slot of a shared gradient buffer; once every
+slot is written, rank r adds the others' parts of its 1/P slice to its own and steps the
+optimizer on that slice of the shared weights, with the optimizer state of that slice only; once
+every slice is stepped, every rank trains on the new weights. Per step each rank publishes
+(P-1)/P of its gradient, and the whole model is reduced once and stepped once in total, not once
+per rank; the only messages are two tiny barriers. The optimizer is the one the LightningModule configured (any ``torch.optim``
 optimizer that updates element by element: SGD, Adam, AdamW, ...), rebuilt over the slice's
 views with the same parameter groups and hyperparameters, which are read again at every step
 (learning-rate schedules). The checkpoint holds the full state, gathered on save.
@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 SHM_DIR = "/dev/shm"
+KERNEL_CHOICE = ("foreach", "fused")  # how an optimizer computes, not what
 
 
 class SharedWeights:
@@ -68,34 +69,54 @@ class SharedWeights:
 
     # ---- one step ---------------------------------------------------------------------------
     def reduce(self) -> None:
-        """This rank's gradient into its slot; then the sum of this rank's slice of all slots,
-        averaged, into slot 0 (the gradient its slice of the optimizer steps with)."""
+        """The parts of this rank's gradient other ranks own into its slot; then, in the same
+        slot, its own slice of the gradient plus every other rank's, averaged: the gradient its
+        slice of the optimizer steps with. Each rank writes only what others read."""
         mine = self.slots[self.rank]
-        for p, o in zip(self.params, self.offsets):
-            target = mine[o : o + p.numel()]
-            if p.grad is None:
-                target.zero_()
+        grads = [None if p.grad is None else p.grad.reshape(-1) for p in self.params]
+        for grad, (a, b), o in self._outside(grads):
+            if grad is None:
+                mine[a:b].zero_()
             else:
-                target.copy_(p.grad.reshape(-1))
+                mine[a:b].copy_(grad[a - o : b - o])
         self.barrier()  # every slot written, and every rank's step done with the previous result
-        s = slice(self.start, self.stop)
-        total = self.slots[0, s]
-        for other in range(1, self.world_size):
-            total.add_(self.slots[other, s])
-        total.div_(self.world_size)
+        others = [r for r in range(self.world_size) if r != self.rank]
+        for grad, (a, b), o in self._inside(grads):
+            total = mine[a:b]
+            if grad is not None and len(others) == 1:  # (own + other) / 2 in one pass
+                torch.lerp(grad[a - o : b - o], self.slots[others[0], a:b], 0.5, out=total)
+                continue
+            total.copy_(grad[a - o : b - o]) if grad is not None else total.zero_()
+            for other in others:
+                total.add_(self.slots[other, a:b])
+            total.div_(self.world_size)
+
+    def _outside(self, grads):
+        """(gradient, a flat range of it outside this rank's slice, its offset), every parameter."""
+        for grad, p, o in zip(grads, self.params, self.offsets):
+            for a, b in ((o, min(o + p.numel(), self.start)), (max(o, self.stop), o + p.numel())):
+                if a < b:
+                    yield grad, (a, b), o
+
+    def _inside(self, grads):
+        """(gradient, its flat range inside this rank's slice, its offset), every parameter."""
+        for grad, p, o in zip(grads, self.params, self.offsets):
+            a, b = max(o, self.start), min(o + p.numel(), self.stop)
+            if a < b:
+                yield grad, (a, b), o
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """``optimizer``'s step (its class, groups and current hyperparameters) on this rank's
         slice of the shared weights; returns once every rank's slice is stepped."""
         sliced = self.sliced(optimizer)
         for group, theirs in zip(sliced.param_groups, self._groups):
-            group.update({k: v for k, v in optimizer.param_groups[theirs].items() if k != "params"})
+            group.update({k: v for k, v in optimizer.param_groups[theirs].items() if k not in ("params", *KERNEL_CHOICE)})
         sliced.step()
         self.barrier()  # every slice stepped: the next forward reads the new weights
 
     def sliced(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The optimizer of this rank's slice: ``optimizer``'s class over views of the shared
-        weights (their gradients: the averaged slot 0), grouped as its groups are."""
+        weights (their gradients: the averaged slice in this rank's slot), grouped as its groups are."""
         if self._optimizer is not None:
             return self._optimizer
         index = {id(p): i for i, p in enumerate(self.params)}
@@ -108,7 +129,7 @@ class SharedWeights:
                 a, b = max(o, self.start), min(o + p.numel(), self.stop)
                 if a < b:
                     view = self.weights[a:b]
-                    view.grad = self.slots[0, a:b]
+                    view.grad = self.slots[self.rank, a:b]
                     views.append(view)
                     self._pieces.append((len(groups), i, a - o, b - o))
             if views:
@@ -121,7 +142,16 @@ class SharedWeights:
                                      "params": [empty]}], [0]
         # Each group carries every hyperparameter; the defaults its constructor takes are passed too.
         accepted = inspect.signature(type(optimizer)).parameters
-        self._optimizer = type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
+        defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+        self._optimizer = None
+        if "fused" in accepted and all(g.get(k) is None for g in groups for k in KERNEL_CHOICE):
+            # The kernel left to torch: its fused one, a pass over the slice instead of one per operation.
+            try:
+                self._optimizer = type(optimizer)([g | {"fused": True} for g in groups], **defaults | {"fused": True})
+            except (RuntimeError, ValueError, TypeError):
+                self._optimizer = None
+        if self._optimizer is None:
+            self._optimizer = type(optimizer)(groups, **defaults)
         return self._optimizer
 
     # ---- checkpoints ------------------------------------------------------------------------

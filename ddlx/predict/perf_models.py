@@ -79,17 +79,20 @@ def threads_s(t_seq_one_core: float, threads: int, join_s: float = 0.0) -> float
     return t_seq_one_core / threads + join_s
 
 
-def shared_memory_average_s(gradient_mb: float, processes: int, memory_bandwidth_mb_s: float, barrier_s: float) -> float:
-    """cpu_mp's averaging: every rank adds its gradients into one shared buffer slice-wise and
-    reads the mean back (about 3 passes over G per rank, in parallel), with two barriers."""
+def shared_weights_reduce_s(gradient_mb: float, processes: int, bandwidth_mb_s: float, barrier_s: float) -> float:
+    """cpu_mp's gradient reduce on one shared copy of the weights: each rank publishes the
+    (P-1)/P of its gradient the others own (read and written: 2(P-1)G over all ranks) and sums
+    its 1/P slice of all P (read G, written G/P each: (P+1)G), (3P-1)G moved in all by the
+    ranks together at ``bandwidth_mb_s``, plus two barriers."""
     if processes <= 1:
         return 0.0
-    return 3 * gradient_mb / memory_bandwidth_mb_s + 2 * barrier_s
+    return (3 * processes - 1) * gradient_mb / bandwidth_mb_s + 2 * barrier_s
 
 
-def cpu_mp_s(t_seq_one_core: float, processes: int, gradient_mb: float, memory_bandwidth_mb_s: float, barrier_s: float) -> float:
-    """p processes on p cores, b/p samples each (one core's time / p), plus the shared-memory average."""
-    return t_seq_one_core / processes + shared_memory_average_s(gradient_mb, processes, memory_bandwidth_mb_s, barrier_s)
+def cpu_mp_s(t_seq_one_core: float, processes: int, gradient_mb: float, bandwidth_mb_s: float, barrier_s: float) -> float:
+    """p processes on p cores, b/p samples each (one core's time / p), plus the shared-memory
+    reduce (the optimizer step, done once over the ranks' slices, is in the weight traffic)."""
+    return t_seq_one_core / processes + shared_weights_reduce_s(gradient_mb, processes, bandwidth_mb_s, barrier_s)
 
 
 def hybrid_s(t_local: float, processes: int, gradient_mb: float, bucket_mb: float, ring: Sequence[Link], fixed_s: float) -> float:

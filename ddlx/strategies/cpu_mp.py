@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..knobs import knob
-from ..predict.costs import cost, memory_need, replica_bytes, weight_traffic_s
+from ..predict.costs import FLOAT_BYTES, REPLICA_SHARE, cost, memory_need, replica_bytes, state_bytes, weight_traffic_s
 from ..predict.perf_models import cpu_mp_s
 from .spec import Setup, StrategyPlan, StrategySpec, require_cpu, warn_oversubscription
 
@@ -47,15 +47,24 @@ class CpuMp(StrategySpec):
         return [Setup(self.name, (("processes", n),))] if hw.device_kind == "cpu" and n > 1 else []
 
     def cost(self, setup, job, hw, profile, seq):
+        """One copy of the weights: the optimizer's passes over them are made once in all (each
+        rank steps its slice), each extra rank repeats only its forward and backward passes."""
         p = setup.get("processes")
         work = job.batch_size * (seq.per_sample_s + seq.load_per_sample_s)
         barrier = hw.intra_node.latency_us * 1e-6
-        total = cpu_mp_s(work, p, profile.gradient_mb, hw.memory_bandwidth_gb_s * 1e3, barrier) + weight_traffic_s(seq, hw, p, p)
+        together = min(hw.node_memory_bandwidth_gb_s or hw.memory_bandwidth_gb_s * p, hw.memory_bandwidth_gb_s * p)
+        total = (cpu_mp_s(work, p, profile.gradient_mb, together * 1e3, barrier)
+                 + weight_traffic_s(seq, hw, 1 + (p - 1) * REPLICA_SHARE, p))
         return cost(work / p, total)
 
     def memory(self, setup, job, hw, profile):
+        """Each rank's activations and gradient, one shared copy of the weights, the optimizer
+        state once over the slices, and the shared gradient slots (one per rank)."""
         p = setup.get("processes")
-        return memory_need(hw, replica_bytes(job, job.batch_size // p), min(p, hw.devices_per_node))
+        shared = (1 + 1 + p) * profile.params * FLOAT_BYTES  # weights, momentum (split), slots
+        ranks = min(p, hw.devices_per_node)
+        per_rank = replica_bytes(job, job.batch_size // p) - state_bytes(profile.params) + profile.params * FLOAT_BYTES
+        return memory_need(hw, per_rank + shared / ranks, ranks)
 
 
 SPECS = (CpuMp(),)

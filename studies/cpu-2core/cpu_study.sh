@@ -4,7 +4,7 @@
 #
 #   bash studies/cpu-2core/cpu_study.sh [ROUNDS] [WORKLOAD-SET] [CPU-ALLOCATOR]   # defaults: 1 round, "new", auto
 #
-# Sets: "first" (the first study's 5 workloads), "new" (6 more), "check" (4 predicted first),
+# Sets: "fixture" (the 9 workloads of tests/fixtures/cpu2core_runs.json), "first" (the first study's 5 workloads), "new" (6 more), "check" (4 predicted first),
 # "ties" (the 6 whose two fastest setups were within 7% of each other, 2 more repeats each),
 # "check2" (2 more predicted first, with the recommender as of 2026-11-22; 4 repeats, as ties),
 # "ties2" (the 4 workloads whose fastest setup was 0.7-1.5% ahead of the next in 4 repeats: 4 more),
@@ -49,6 +49,16 @@ case $set_name in
       "model=resnet18 data.image_size=96"
       "model=alexnet data.image_size=64 data.batch_size=64"
       "model=resnet18 data.image_size=64 data.batch_size=16") ;;
+  fixture) workloads=(  # the 9 of tests/fixtures/cpu2core_runs.json, measured again with cpu_mp's shared weights
+      "model=resnet18 data.image_size=64"
+      "model=resnet18 data.image_size=96"
+      "model=resnet18 data.image_size=128"
+      "model=resnet50 data.image_size=96"
+      "model=alexnet data.image_size=64"
+      "model=alexnet data.image_size=128"
+      "model=vgg11 data.image_size=64"
+      "model=mobilenet_v2 data.image_size=64"
+      "model=mobilenet_v2 data.image_size=128") ;;
   first) workloads=(
       "model=alexnet data.image_size=64"
       "model=alexnet data.image_size=128"
@@ -153,7 +163,7 @@ case $set_name in
       "model=alexnet data.image_size=160"
       "model=vgg11 data.image_size=96"
       "model=vgg16 data.image_size=64") ;;
-  *) echo "unknown workload set '$set_name': expected new, first, check, check2, ties, ties2, check3 to check8, misses, around_misses, other_networks, rest" >&2; exit 2 ;;
+  *) echo "unknown workload set '$set_name': expected fixture, new, first, check, check2, ties, ties2, check3 to check8, misses, around_misses, other_networks, rest" >&2; exit 2 ;;
 esac
 
 for ((r = 1; r <= rounds; r++)); do

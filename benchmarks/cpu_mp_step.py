@@ -183,12 +183,13 @@ def measure(setup: str, model: str, size: int, steps: int, port: int) -> list[di
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--size", type=int, help="image size for every model (default: 224 AlexNet/VGG11, 128 the others)")
     parser.add_argument("--steps", type=int, default=10, help="steps per setup; the first 3 are warm-up")
     args = parser.parse_args()
     print("| model | setup | ms/step | speedup | compute | reduce | step | waiting |\n|---|---|---|---|---|---|---|---|")
     port = 29700 + os.getpid() % 1000
     for model in args.models:
-        size = MODELS[model]
+        size = args.size or MODELS[model]
         base = None
         for setup in SETUPS:
             port += 1

@@ -312,6 +312,10 @@ def check_job(cfg: DictConfig, resolved: dict, tags: dict, rank0: bool):
     check_accelerator(cfg)
     check_allocator(cfg.cpu_allocator)
     plan = build_strategy(cfg.strategy, cfg.trainer.accelerator, layered_model_meta(cfg), cfg.data)
+    for key, why in plan.refused_trainer_args.items():
+        if cfg.trainer.get(key) is not None:
+            raise ConfigError(f"trainer.{key}={cfg.trainer[key]} with strategy={cfg.strategy.name}: {why}, "
+                              f"or trainer.{key}=null")
     if cfg.data.batch_per == "worker":
         plan = batch_of_workers(cfg, resolved, plan, rank0)
     if cfg.ckpt_path:

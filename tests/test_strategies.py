@@ -129,6 +129,13 @@ def test_cpu_mp_resumes_with_its_optimizer_state(tmp_path, shared_data):
     _assert_same_weights(final_weights(tmp_path / "cut"), final_weights(tmp_path / "whole"), exact=True)
 
 
+def test_cpu_mp_refuses_gradient_clipping_it_would_not_apply(tmp_path, shared_data):
+    with pytest.raises(ConfigError, match=r"trainer.gradient_clip_val=1.0 with strategy=cpu_mp"):
+        train_here(tmp_path, "strategy=cpu_mp", "strategy.processes=2", "trainer.gradient_clip_val=1.0",
+                   f"paths.data_dir={shared_data}", *SAME_MATHS)
+    _assert_no_process_left(tmp_path)
+
+
 @pytest.mark.parametrize("hook", ["fp16", pytest.param("powersgd", marks=pytest.mark.slow)])
 def test_ddp_gradient_compression_hooks(hook, tmp_path, shared_data, sequential_weights):
     """Compressed allreduce (source 002, section 4) trains, approximately the sequential step."""

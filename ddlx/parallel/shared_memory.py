@@ -65,13 +65,14 @@ class SharedWeights:
         chunk = -(-total // world_size)
         self.start, self.stop = min(rank * chunk, total), min((rank + 1) * chunk, total)
         self._optimizer: torch.optim.Optimizer | None = None
+        self._averaged: dict[int, torch.Tensor] = {}  # this step's averaged gradient of each parameter's part in the slice
         self._pieces: list[tuple[int, int, int, int]] = []  # (group, param index, start, stop) of each slice view
 
     # ---- one step ---------------------------------------------------------------------------
     def reduce(self) -> None:
-        """The parts of this rank's gradient other ranks own into its slot; then, in the same
-        slot, its own slice of the gradient plus every other rank's, averaged: the gradient its
-        slice of the optimizer steps with. Each rank writes only what others read."""
+        """The parts of this rank's gradient other ranks own into its slot; then its own slice
+        of the gradient plus every other rank's, averaged, in place: the gradient its slice of
+        the optimizer steps with. Each rank writes into shared memory only what others read."""
         mine = self.slots[self.rank]
         grads = [None if p.grad is None else p.grad.reshape(-1) for p in self.params]
         for grad, (a, b), o in self._outside(grads):
@@ -81,15 +82,17 @@ class SharedWeights:
                 mine[a:b].copy_(grad[a - o : b - o])
         self.barrier()  # every slot written, and every rank's step done with the previous result
         others = [r for r in range(self.world_size) if r != self.rank]
-        for grad, (a, b), o in self._inside(grads):
-            total = mine[a:b]
+        self._averaged = {}
+        for i, (grad, (a, b), o) in self._inside(grads):
+            # Into the rank's own gradient where it has one: its slot's own slice is never touched (nor resident).
+            total = grad[a - o : b - o] if grad is not None else mine[a:b].zero_()
             if grad is not None and len(others) == 1:  # (own + other) / 2 in one pass
-                torch.lerp(grad[a - o : b - o], self.slots[others[0], a:b], 0.5, out=total)
-                continue
-            total.copy_(grad[a - o : b - o]) if grad is not None else total.zero_()
-            for other in others:
-                total.add_(self.slots[other, a:b])
-            total.div_(self.world_size)
+                torch.lerp(total, self.slots[others[0], a:b], 0.5, out=total)
+            else:
+                for other in others:
+                    total.add_(self.slots[other, a:b])
+                total.div_(self.world_size)
+            self._averaged[i] = total
 
     def _outside(self, grads):
         """(gradient, a flat range of it outside this rank's slice, its offset), every parameter."""
@@ -99,24 +102,30 @@ class SharedWeights:
                     yield grad, (a, b), o
 
     def _inside(self, grads):
-        """(gradient, its flat range inside this rank's slice, its offset), every parameter."""
-        for grad, p, o in zip(grads, self.params, self.offsets):
+        """(index, (gradient, its flat range inside this rank's slice, its offset)), every parameter."""
+        for i, (grad, p, o) in enumerate(zip(grads, self.params, self.offsets)):
             a, b = max(o, self.start), min(o + p.numel(), self.stop)
             if a < b:
-                yield grad, (a, b), o
+                yield i, (grad, (a, b), o)
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """``optimizer``'s step (its class, groups and current hyperparameters) on this rank's
         slice of the shared weights; returns once every rank's slice is stepped."""
         sliced = self.sliced(optimizer)
+        views = [v for g in sliced.param_groups for v in g["params"]]
+        for view, (_, i, _, _) in zip(views, self._pieces):
+            view.grad = self._averaged[i]
         for group, theirs in zip(sliced.param_groups, self._groups):
             group.update({k: v for k, v in optimizer.param_groups[theirs].items() if k not in ("params", *KERNEL_CHOICE)})
         sliced.step()
+        for view in views:  # let the gradients go with the model's (zero_grad): not kept through the next backward
+            view.grad = None
+        self._averaged = {}
         self.barrier()  # every slice stepped: the next forward reads the new weights
 
     def sliced(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The optimizer of this rank's slice: ``optimizer``'s class over views of the shared
-        weights (their gradients: the averaged slice in this rank's slot), grouped as its groups are."""
+        weights (their gradients: this step's averaged slice), grouped as its groups are."""
         if self._optimizer is not None:
             return self._optimizer
         index = {id(p): i for i, p in enumerate(self.params)}
@@ -128,9 +137,7 @@ class SharedWeights:
                 o = self.offsets[i]
                 a, b = max(o, self.start), min(o + p.numel(), self.stop)
                 if a < b:
-                    view = self.weights[a:b]
-                    view.grad = self.slots[self.rank, a:b]
-                    views.append(view)
+                    views.append(self.weights[a:b])  # its gradient: set by each step (reduce)
                     self._pieces.append((len(groups), i, a - o, b - o))
             if views:
                 groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": views})

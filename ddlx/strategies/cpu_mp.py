@@ -35,9 +35,12 @@ class CpuMp(StrategySpec):
         require_cpu(self.name, accelerator)
         warn_oversubscription(self.name, cfg.processes, "processes")
         strategy = CpuMultiProcessStrategy(cfg.processes, pin_cores=cfg.pin_cores, timeout_s=cfg.timeout_s)
+        # Lightning would clip each rank's own gradient after the reduce has averaged the slices.
+        clipping = ("each rank steps its slice of the averaged gradient, which Lightning's clipping does not see; "
+                    "use strategy=ddp_gloo to clip")
         return StrategyPlan(trainer_kwargs={"strategy": strategy, "devices": cfg.processes, "accelerator": "cpu"},
                             tags={"processes": str(cfg.processes)}, data_parallel=cfg.processes,
-                            replicas_per_machine=cfg.processes)
+                            replicas_per_machine=cfg.processes, refused_trainer_args={"gradient_clip_val": clipping})
 
     def setup_of_run(self, params, tags) -> Setup:
         return Setup(self.name, (("processes", int(params["strategy.processes"])),))

@@ -35,6 +35,8 @@ class StrategyPlan:
     tags: dict[str, str] = field(default_factory=dict)
     data_parallel: int = 1  # processes sharing the global batch (data.batch_size)
     replicas_per_machine: int = 1  # model copies in this machine's memory, for the memory check
+    # Trainer arguments the strategy cannot honour, with why and what to use instead: refused when set.
+    refused_trainer_args: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

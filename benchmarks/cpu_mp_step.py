@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from ddlx.models import build_model  # noqa: E402
-from ddlx.parallel.cpu_mp import core_share  # noqa: E402
+from ddlx.parallel.cpu_mp import CpuMultiProcessStrategy, core_share  # noqa: E402
 from ddlx.parallel.shared_memory import SharedWeights  # noqa: E402
 
 MODELS = {"alexnet": 224, "vgg11": 224, "resnet18": 128, "mobilenet_v2": 128}
@@ -125,7 +125,7 @@ def rank_main(rank: int, world: int, design: str, model: str, size: int, steps: 
     clock = Clock()
     barrier = lambda: clock.timed("waiting", dist.barrier)  # noqa: E731
     if design == "new":
-        shared = SharedWeights(list(net.parameters()), rank, world, dist.barrier, lambda n: dist_name(n))
+        shared = SharedWeights(list(net.parameters()), rank, world, dist.barrier, CpuMultiProcessStrategy._broadcast_name)
         shared.barrier = barrier
     else:
         averager = OldAverager(net.parameters(), rank, world, barrier, name)
@@ -142,12 +142,6 @@ def rank_main(rank: int, world: int, design: str, model: str, size: int, steps: 
         clock.end_step()
     out.put((rank, clock.steps))
     dist.destroy_process_group()
-
-
-def dist_name(name: str | None) -> str:
-    holder = [name]
-    dist.broadcast_object_list(holder, src=0)
-    return holder[0]
 
 
 def multi_process(design: str, model: str, size: int, steps: int, port: int) -> list[dict[str, float]]:

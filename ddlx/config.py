@@ -15,6 +15,7 @@ from omegaconf import MISSING
 
 from .allocator import AUTO
 from .allocator import CHOICES as ALLOCATORS
+from .job import BATCH_PER
 from .knobs import knob
 from .strategies import STRATEGIES
 
@@ -40,7 +41,7 @@ class DataConfig:
     channels: Optional[int] = knob(None, choices=(1, 3))
     image_size: int = knob(low=1)
     batch_size: int = knob(low=1)  # the global batch; with batch_per=worker, each data-parallel process's
-    batch_per: str = knob("global", choices=("global", "worker"))
+    batch_per: str = knob("global", choices=BATCH_PER)
     num_workers: int = knob(0, low=0)
     val_fraction: float = knob(0.2, low=0, high=1, high_open=True)
     mean: Optional[List[float]] = None

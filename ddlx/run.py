@@ -311,13 +311,14 @@ def check_job(cfg: DictConfig, resolved: dict, tags: dict, rank0: bool):
     check_validation(cfg)
     check_accelerator(cfg)
     check_allocator(cfg.cpu_allocator)
-    plan = build_strategy(cfg.strategy, cfg.trainer.accelerator, layered_model_meta(cfg), cfg.data)
+    meta = layered_model_meta(cfg)
+    plan = build_strategy(cfg.strategy, cfg.trainer.accelerator, meta, cfg.data)
     for key, why in plan.refused_trainer_args.items():
         if cfg.trainer.get(key) is not None:
             raise ConfigError(f"trainer.{key}={cfg.trainer[key]} with strategy={cfg.strategy.name}: {why}, "
                               f"or trainer.{key}=null")
     if cfg.data.batch_per == "worker":
-        plan = batch_of_workers(cfg, resolved, plan, rank0)
+        plan = batch_of_workers(cfg, resolved, plan, meta, rank0)
     if cfg.ckpt_path:
         saved = read_saved_run(cfg.ckpt_path)
         tags["resume_changes"] = " ".join(f"{k}={v}" for k, v in check_resumable(
@@ -337,7 +338,7 @@ def check_job(cfg: DictConfig, resolved: dict, tags: dict, rank0: bool):
     return saved, plan, datamodule
 
 
-def batch_of_workers(cfg: DictConfig, resolved: dict, plan, rank0: bool):
+def batch_of_workers(cfg: DictConfig, resolved: dict, plan, meta, rank0: bool):
     """``data.batch_per=worker``: ``data.batch_size`` is each data-parallel process's batch (a
     pipeline's), as the papers state theirs (source 004 Table 3.3). It becomes the global batch
     here, in the config, the recorded params and the ranks' job description, so a run's
@@ -348,7 +349,7 @@ def batch_of_workers(cfg: DictConfig, resolved: dict, plan, rank0: bool):
     if rank0:
         log.info("data.batch_per=worker: %d per process x %d process(es) = global batch %d (data.batch_size=%d)",
                  per_worker, plan.data_parallel, cfg.data.batch_size, cfg.data.batch_size)
-    return build_strategy(cfg.strategy, cfg.trainer.accelerator, layered_model_meta(cfg), cfg.data)
+    return build_strategy(cfg.strategy, cfg.trainer.accelerator, meta, cfg.data)
 
 
 def layered_model_meta(cfg: DictConfig):

@@ -92,7 +92,7 @@ def test_slices_step_as_one_optimizer_on_the_whole_batch_and_resume(optimizer_cl
         # Resume from the gathered state into fresh optimizers over the same shared weights.
         again = _groups(net, optimizer_class)
         resumed = SharedWeights.__new__(SharedWeights)
-        resumed.__dict__.update(shared.__dict__ | {"_optimizer": None, "_pieces": []})
+        resumed.__dict__.update(shared.__dict__ | {"_optimizer": None, "_pieces": [], "_views": []})  # a fresh process
         resumed.load_state(again, copy.deepcopy(saved["doc"]))
         x, y = batches[steps]
         again.zero_grad()

@@ -40,7 +40,6 @@ class SharedWeights:
         for p in self.params:
             self.offsets.append(total)
             total += p.numel()
-        self.numel = total
         folder = SHM_DIR if os.path.isdir(SHM_DIR) else "/tmp"
         name = broadcast_name(os.path.join(folder, f"ddlx-weights-{uuid.uuid4().hex}") if rank == 0 else None)
         size = (1 + world_size) * total
@@ -65,6 +64,7 @@ class SharedWeights:
         chunk = -(-total // world_size)
         self.start, self.stop = min(rank * chunk, total), min((rank + 1) * chunk, total)
         self._optimizer: torch.optim.Optimizer | None = None
+        self._views: list[torch.Tensor] = []  # the slice optimizer's parameters, one per piece
         self._averaged: dict[int, torch.Tensor] = {}  # this step's averaged gradient of each parameter's part in the slice
         self._pieces: list[tuple[int, int, int, int]] = []  # (group, param index, start, stop) of each slice view
 
@@ -112,13 +112,12 @@ class SharedWeights:
         """``optimizer``'s step (its class, groups and current hyperparameters) on this rank's
         slice of the shared weights; returns once every rank's slice is stepped."""
         sliced = self.sliced(optimizer)
-        views = [v for g in sliced.param_groups for v in g["params"]]
-        for view, (_, i, _, _) in zip(views, self._pieces):
+        for view, (_, i, _, _) in zip(self._views, self._pieces):
             view.grad = self._averaged[i]
         for group, theirs in zip(sliced.param_groups, self._groups):
             group.update({k: v for k, v in optimizer.param_groups[theirs].items() if k not in ("params", *KERNEL_CHOICE)})
         sliced.step()
-        for view in views:  # let the gradients go with the model's (zero_grad): not kept through the next backward
+        for view in self._views:  # let the gradients go with the model's (zero_grad): not kept through the next backward
             view.grad = None
         self._averaged = {}
         self.barrier()  # every slice stepped: the next forward reads the new weights
@@ -128,12 +127,12 @@ class SharedWeights:
         weights (their gradients: this step's averaged slice), grouped as its groups are."""
         if self._optimizer is not None:
             return self._optimizer
-        index = {id(p): i for i, p in enumerate(self.params)}
+        indices = iter(self._indices(optimizer))
         groups, self._groups = [], []
         for g, group in enumerate(optimizer.param_groups):
             views = []
             for p in group["params"]:
-                i = index[id(p)]
+                i = next(indices)
                 o = self.offsets[i]
                 a, b = max(o, self.start), min(o + p.numel(), self.stop)
                 if a < b:
@@ -142,6 +141,7 @@ class SharedWeights:
             if views:
                 groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": views})
                 self._groups.append(g)
+            self._views += views
         if not groups:  # more ranks than elements: a placeholder group that never changes
             empty = torch.zeros(0)
             empty.grad = torch.zeros(0)
@@ -161,14 +161,18 @@ class SharedWeights:
             self._optimizer = type(optimizer)(groups, **defaults)
         return self._optimizer
 
+    def _indices(self, optimizer: torch.optim.Optimizer) -> list[int]:
+        """The index in :attr:`params` of each of ``optimizer``'s parameters, in its state dict's order."""
+        order = {id(p): i for i, p in enumerate(self.params)}
+        return [order[id(p)] for g in optimizer.param_groups for p in g["params"]]
+
     # ---- checkpoints ------------------------------------------------------------------------
     def slice_state(self) -> list[tuple[int, int, int, dict]]:
         """This rank's optimizer state: (param index, start, stop, state) per slice view."""
         if self._optimizer is None:
             return []
-        views = [v for g in self._optimizer.param_groups for v in g["params"]]
         out = []
-        for view, (_, i, a, b) in zip(views, self._pieces):
+        for view, (_, i, a, b) in zip(self._views, self._pieces):
             state = self._optimizer.state.get(view, {})
             out.append((i, a, b, {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()}))
         return out
@@ -189,21 +193,17 @@ class SharedWeights:
             for key, value in values.items():
                 if torch.is_tensor(value) and value.dim() == 1 and value.numel() == self.params[i].numel():
                     values[key] = value.view_as(self.params[i])
-        order = {id(p): i for i, p in enumerate(self.params)}
-        ids = [order[id(p)] for g in optimizer.param_groups for p in g["params"]]
         doc = optimizer.state_dict()
-        doc["state"] = {n: state[i] for n, i in enumerate(ids) if i in state}
+        doc["state"] = {n: state[i] for n, i in enumerate(self._indices(optimizer)) if i in state}
         return doc
 
     def load_state(self, optimizer: torch.optim.Optimizer, doc: dict) -> None:
         """Resume: ``optimizer``'s hyperparameters from ``doc``, this rank's slice of its state."""
         optimizer.load_state_dict({**doc, "state": {}})
-        order = {id(p): i for i, p in enumerate(self.params)}
-        ids = [order[id(p)] for g in optimizer.param_groups for p in g["params"]]
+        ids = self._indices(optimizer)
         full = {ids[n]: values for n, values in doc["state"].items()}
         sliced = self.sliced(optimizer)
-        views = [v for g in sliced.param_groups for v in g["params"]]
-        for view, (_, i, a, b) in zip(views, self._pieces):
+        for view, (_, i, a, b) in zip(self._views, self._pieces):
             if i in full:
                 sliced.state[view] = {k: v.reshape(-1)[a:b].clone() if torch.is_tensor(v) and v.numel() == self.params[i].numel()
                                       else v for k, v in full[i].items()}

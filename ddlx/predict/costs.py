@@ -92,9 +92,14 @@ def weight_traffic_s(seq: SequentialTime, hw: HardwareSpec, replicas: float, cor
     one device's share."""
     if hw.device_kind != "cpu":
         return seq.weight_s * replicas
+    return seq.weight_s * replicas * hw.memory_bandwidth_gb_s / node_copy_gb_s(hw, cores)
+
+
+def node_copy_gb_s(hw: HardwareSpec, cores: int) -> float:
+    """What ``cores`` cores of one CPU node copy together: each ``memory_bandwidth_gb_s``, all of
+    them at most the node's ``node_memory_bandwidth_gb_s``."""
     per_core = hw.memory_bandwidth_gb_s
-    together = min(hw.node_memory_bandwidth_gb_s or per_core * cores, per_core * max(1, cores))
-    return seq.weight_s * replicas * per_core / together
+    return min(hw.node_memory_bandwidth_gb_s or per_core * cores, per_core * max(1, cores))
 
 
 def link(spec: LinkSpec) -> Link:

@@ -123,7 +123,7 @@ def allocator_advice(rec: Recommendation) -> str | None:
     malloc, small tensors, or this machine as the target when keep_freed cannot run here).
     Advice, not a prediction: the time it saves was measured on one workload, not modelled."""
     best = rec.best
-    job = replace(rec.job, batch_size=best.batch_size or rec.job.batch_size) if best else rec.job
+    job = replace(rec.job, batch_size=best.batch_size) if best else rec.job
     if best is None or rec.hw.device_kind != "cpu" or job.cpu_allocator != SYSTEM:
         return None
     if rec.hw.host == socket.gethostname() and not keep_freed_possible():  # train.py here would refuse the command

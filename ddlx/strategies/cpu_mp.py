@@ -5,7 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..knobs import knob
-from ..predict.costs import FLOAT_BYTES, REPLICA_SHARE, cost, memory_need, replica_bytes, state_bytes, weight_traffic_s
+from ..predict.costs import (
+    FLOAT_BYTES,
+    REPLICA_SHARE,
+    cost,
+    memory_need,
+    node_copy_gb_s,
+    replica_bytes,
+    state_bytes,
+    weight_traffic_s,
+)
 from ..predict.perf_models import cpu_mp_s
 from .spec import Setup, StrategyPlan, StrategySpec, require_cpu, warn_oversubscription
 
@@ -55,8 +64,7 @@ class CpuMp(StrategySpec):
         p = setup.get("processes")
         work = job.batch_size * (seq.per_sample_s + seq.load_per_sample_s)
         barrier = hw.intra_node.latency_us * 1e-6
-        together = min(hw.node_memory_bandwidth_gb_s or hw.memory_bandwidth_gb_s * p, hw.memory_bandwidth_gb_s * p)
-        total = (cpu_mp_s(work, p, profile.gradient_mb, together * 1e3, barrier)
+        total = (cpu_mp_s(work, p, profile.gradient_mb, node_copy_gb_s(hw, p) * 1e3, barrier)
                  + weight_traffic_s(seq, hw, 1 + (p - 1) * REPLICA_SHARE, p))
         return cost(work / p, total)
 

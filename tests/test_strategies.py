@@ -93,6 +93,13 @@ CASES = {
     # AlexNet's layer 1 is an in-place ReLU: the 2nd partition starts with it and is recomputed.
     "pipe_checkpoint_inplace_head": (["strategy=pipe", "strategy.chunks=2", "strategy.balance=[1,21]", "strategy.checkpoint=always"], False),
     "pipe_auto_balance": (["strategy=pipe", "strategy.chunks=2", "strategy.balance=auto", "strategy.checkpoint=except_last"], False),
+    # PyTorch's pipelining: one process per stage, every schedule (interleaved: 4 stages cut by profiled time).
+    "pipe_torch_gpipe": (["strategy=pipe", "strategy.engine=torch", "strategy.chunks=4"], False),
+    "pipe_torch_1f1b": (["strategy=pipe", "strategy.engine=torch", "strategy.schedule=1f1b", "strategy.chunks=4"], False),
+    "pipe_torch_interleaved_1f1b": (["strategy=pipe", "strategy.engine=torch", "strategy.schedule=interleaved_1f1b",
+                                     "strategy.chunks=2"], False),
+    "pipe_torch_zero_bubble": (["strategy=pipe", "strategy.engine=torch", "strategy.schedule=zero_bubble", "strategy.chunks=4",
+                                "strategy.balance=[4,6,5,7]"], False),
     "hybrid_split": (["strategy=hybrid", "strategy.processes=2", "strategy.local=split"], False),
     "hybrid_pipe": pytest.param((["strategy=hybrid", "strategy.processes=2", "strategy.local=pipe", "strategy.chunks=2"], False), marks=pytest.mark.slow),
 }
@@ -127,6 +134,28 @@ def test_cpu_mp_resumes_with_its_optimizer_state(tmp_path, shared_data):
     train(compose_config([f"paths.root={tmp_path / 'cut'}", *job, "trainer.max_epochs=2", f"ckpt_path={checkpoint}"]),
           output_dir=tmp_path / "cut" / "run")
     _assert_same_weights(final_weights(tmp_path / "cut"), final_weights(tmp_path / "whole"), exact=True)
+
+
+def test_torch_pipe_resumes_and_trains_a_smaller_last_batch(tmp_path, shared_data):
+    """Each stage's weights and momentum are gathered into one checkpoint under the sequential
+    model's names; a resumed run ends with the weights of one that never stopped, and an epoch's
+    last, smaller batch (8 of 12, in 2 micro-batches instead of 3) keeps the sequential maths."""
+    epoch = [f"paths.data_dir={shared_data}", *SAME_MATHS, "data.batch_size=12", "trainer.limit_train_batches=1.0"]
+    job = ["strategy=pipe", "strategy.engine=torch", "strategy.schedule=1f1b", "strategy.chunks=3", *epoch]
+    for folder in ("sequential", "whole", "cut"):
+        (tmp_path / folder).mkdir()
+    def run(folder, *overrides):
+        train(compose_config([f"paths.root={tmp_path / folder}", *overrides]), output_dir=tmp_path / folder / "run")
+    run("sequential", "strategy=sequential", "strategy.threads=1", *epoch, "trainer.max_epochs=2")
+    run("whole", *job, "trainer.max_epochs=2")
+    run("cut", *job)
+    checkpoint = tmp_path / "cut" / "run" / "checkpoints" / "last.ckpt"
+    momentum = torch.load(checkpoint, weights_only=False)["optimizer_states"][0]["state"]
+    assert [v["momentum_buffer"].shape for v in momentum.values()] == [v.shape for v in final_weights(tmp_path / "cut").values()]
+    run("cut", *job, "trainer.max_epochs=2", f"ckpt_path={checkpoint}")
+    _assert_same_weights(final_weights(tmp_path / "cut"), final_weights(tmp_path / "whole"), exact=True)
+    _assert_same_weights(final_weights(tmp_path / "whole"), final_weights(tmp_path / "sequential"), exact=False)
+    _assert_no_process_left(tmp_path)
 
 
 def test_cpu_mp_refuses_gradient_clipping_it_would_not_apply(tmp_path, shared_data):
@@ -263,6 +292,16 @@ def test_pipe_knobs_are_checked():
         _plan("strategy=pipe", "strategy.balance=[3,3]")
     with pytest.raises(ConfigError, match=r"strategy.chunks=64 is larger than the batch of 32"):
         _plan("strategy=pipe", "strategy.chunks=64")
+    with pytest.raises(ConfigError, match=r"strategy.schedule=1f1b needs strategy.engine=torch"):
+        _plan("strategy=pipe", "strategy.schedule=1f1b")
+    with pytest.raises(ConfigError, match=r"strategy.chunks=5 does not divide data.batch_size=32.*strategy.chunks=4"):
+        _plan("strategy=pipe", "strategy.engine=torch", "strategy.chunks=5")
+    with pytest.raises(ConfigError, match=r"strategy.schedule=1f1b needs at least one micro-batch per stage.*chunks>=2"):
+        _plan("strategy=pipe", "strategy.engine=torch", "strategy.schedule=1f1b", "strategy.chunks=1")
+    with pytest.raises(ConfigError, match=r"strategy.checkpoint=always .*strategy.engine=torch"):
+        _plan("strategy=pipe", "strategy.engine=torch", "strategy.checkpoint=always")
+    with pytest.raises(ConfigError, match=r"strategy.balance=\[10, 12\] must give 4 positive layer counts"):
+        _plan("strategy=pipe", "strategy.engine=torch", "strategy.schedule=zero_bubble", "strategy.balance=[10,12]")
     with pytest.raises(ConfigError, match=r"strategy.cut_point='after_conv9'.*after_conv4"):
         _plan("strategy=split", "strategy.cut_point=after_conv9")
 

@@ -247,11 +247,11 @@ class ImageFolderDataModule(pl.LightningDataModule):
         same global batches, shuffled or not. (Lightning's own sampler injection always shuffles
         training data and is switched off with ``use_distributed_sampler=False``.)
         """
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        replicas, rank = self._replica()
         sampler = ResumableSampler(
             dataset,
-            num_replicas=torch.distributed.get_world_size() if distributed else 1,
-            rank=torch.distributed.get_rank() if distributed else 0,
+            num_replicas=replicas,
+            rank=rank,
             shuffle=shuffle,
             seed=self.seed,
             batch_size=self.batch_size,
@@ -270,6 +270,16 @@ class ImageFolderDataModule(pl.LightningDataModule):
         if resumable:
             return ResumableLoader(dataset, position=self._training_position, **kwargs)
         return DataLoader(dataset, **kwargs)
+
+    def _replica(self) -> tuple[int, int]:
+        """(data-parallel replicas, this process's) as the strategy shards data: the processes of
+        one pipeline all read the same batches; otherwise every rank is a replica."""
+        sharding = getattr(getattr(self.trainer, "strategy", None), "distributed_sampler_kwargs", None)
+        if sharding:
+            return sharding["num_replicas"], sharding["rank"]
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return torch.distributed.get_world_size(), torch.distributed.get_rank()
+        return 1, 0
 
     def _training_position(self) -> tuple[int, int]:
         """(epoch, its batches trained) when a checkpoint is written; after an epoch's last batch,

@@ -10,8 +10,6 @@ barriers, metric reductions and, at a checkpoint, the optimizer state's slices.
 """
 from __future__ import annotations
 
-import logging
-import os
 from datetime import timedelta
 
 import torch
@@ -19,16 +17,8 @@ import torch.distributed as dist
 from pytorch_lightning.core.optimizer import LightningOptimizer
 
 from .launch import RelaunchingDDPStrategy
+from .pinning import Restore, pin_rank, unpin
 from .shared_memory import SharedWeights
-
-log = logging.getLogger(__name__)
-
-
-def core_share(cores: list[int], processes: int, rank: int) -> list[int]:
-    """The cores of ``rank`` when ``cores`` are split evenly into ``processes`` contiguous shares."""
-    per = max(1, len(cores) // processes)
-    start = (rank * per) % len(cores)
-    return cores[start : start + per]
 
 
 class CpuMultiProcessStrategy(RelaunchingDDPStrategy):
@@ -43,17 +33,11 @@ class CpuMultiProcessStrategy(RelaunchingDDPStrategy):
         )
         self.pin_cores = pin_cores
         self._shared: SharedWeights | None = None
-        self._restore: tuple[set[int], int] | None = None
+        self._restore: Restore | None = None
 
     def setup_environment(self) -> None:
         # Before the process group and the model: threads and affinity are per process.
-        cores = sorted(os.sched_getaffinity(0))
-        mine = core_share(cores, self.num_processes, self.local_rank)
-        self._restore = (set(cores), torch.get_num_threads())  # the process may outlive the job (a sweep)
-        if self.pin_cores:
-            os.sched_setaffinity(0, mine)
-        torch.set_num_threads(len(mine))
-        log.info("cpu_mp rank %d: cores %s, %d threads", self.local_rank, mine, len(mine))
+        self._restore = pin_rank(self.num_processes, self.local_rank, self.pin_cores, "cpu_mp")
         super().setup_environment()
         if self.num_nodes > 1:
             raise RuntimeError("cpu_mp averages through shared memory and runs on one machine; use strategy=mpi for several")
@@ -94,12 +78,8 @@ class CpuMultiProcessStrategy(RelaunchingDDPStrategy):
 
     def teardown(self) -> None:
         self._shared = None
-        if self._restore is not None:
-            cores, threads = self._restore
-            if self.pin_cores:
-                os.sched_setaffinity(0, cores)
-            torch.set_num_threads(threads)
-            self._restore = None
+        unpin(self._restore, self.pin_cores)
+        self._restore = None
         super().teardown()
 
 

@@ -8,7 +8,6 @@ on [cpu, cpu] both stages share one worker: the pipeline runs, without overlap.
 """
 from __future__ import annotations
 
-import copy
 import logging
 import warnings
 from collections.abc import Sequence
@@ -16,24 +15,10 @@ from collections.abc import Sequence
 import torch
 
 from ..models import LayeredModel
+from .balance import balance_by_time
 from .split import DevicesOf
 
 log = logging.getLogger(__name__)
-
-
-def auto_balance(model: LayeredModel, partitions: int, sample: torch.Tensor, device: torch.device) -> list[int]:
-    """Partition sizes that roughly equalise profiled layer time (fairscale's balance_by_time)."""
-    from fairscale.nn.pipe.balance import balance_by_time
-
-    # fairscale profiles with a leaf input that requires grad, which in-place ReLUs reject:
-    # profile a copy with in-place ops turned off (same work, same timing).
-    profiled = copy.deepcopy(model)
-    for module in profiled.modules():
-        if getattr(module, "inplace", False):
-            module.inplace = False
-    balance = list(balance_by_time(partitions, profiled, sample, timeout=1.0, device=device))
-    log.info("pipe: balance by profiled layer time: %s", balance)
-    return balance
 
 
 class PipeForward:
@@ -60,7 +45,7 @@ class PipeForward:
 def pipe_parallelizer(devices_of: DevicesOf, chunks: int, balance: Sequence[int] | str, checkpoint: str, sample_shape: tuple[int, ...]):
     def parallelize(model: LayeredModel, local_rank: int) -> PipeForward:
         devices = devices_of(local_rank)
-        sizes = auto_balance(model, len(devices), torch.randn(sample_shape), devices[0]) if balance == "auto" else list(balance)
+        sizes = balance_by_time(model, len(devices), torch.randn(sample_shape, device=devices[0])) if balance == "auto" else list(balance)
         return PipeForward(model, sizes, devices, chunks, checkpoint)
 
     return parallelize

@@ -1,5 +1,7 @@
-"""A pipeline (GPipe, with fairscale's ``Pipe``): the batch in ``chunks`` micro-batches flowing
-through stages on several devices (source 004, chapter 6)."""
+"""A pipeline: the batch in ``chunks`` micro-batches flowing through stages on several devices
+(source 004, chapter 6). Two engines: fairscale's ``Pipe`` (GPipe in one process, the design's
+original; fairscale is unmaintained upstream) and PyTorch's ``torch.distributed.pipelining``
+(one process per device, under GPipe, 1F1B, interleaved 1F1B or zero-bubble schedules)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,22 +21,30 @@ from ..predict.costs import (
     weight_traffic_s,
 )
 from ..predict.perf_models import Link, gpipe_comm_s, gpipe_compute_s
+from ..parallel.schedules import SCHEDULES, micro_batches
 from .spec import Setup, StrategyPlan, StrategySpec, accelerator_of
 
 PIPE_CHECKPOINT = ("never", "except_last", "always")
+ENGINES = ("fairscale", "torch")
+TIMEOUT_S = 300.0  # engine=torch: a stage that waits longer than this for the others fails instead of hanging
 CHUNKS = (2, 4, 8, 16)  # the micro-batch counts a user would try
 
 
 @dataclass
 class PipeConfig:
-    """fairscale Pipe (GPipe): the batch in ``chunks`` micro-batches through the stages. balance:
-    null = two stages at the split point, auto = by profiled layer time, or layer counts per device."""
+    """The batch in ``chunks`` micro-batches through the stages. balance: null = two stages at the
+    split point, auto = by profiled layer time, or layer counts per stage. engine=torch: one
+    process per device (pinned to its share of the cores on CPU), running ``schedule``."""
 
     name: str = "pipe"
     devices: Any = "auto"
     chunks: int = knob(4, low=1)
     balance: Any = None
     checkpoint: str = knob("never", choices=PIPE_CHECKPOINT)  # recompute activations in backward
+    engine: str = knob("fairscale", choices=ENGINES)
+    schedule: str = knob("gpipe", choices=tuple(SCHEDULES))  # engine=torch
+    pin_cores: bool = True  # engine=torch on CPU
+    timeout_s: float = knob(TIMEOUT_S, low=0, low_open=True)  # engine=torch
 
 
 def pipe_knobs(cfg, model, data, per_process_batch: int, stages: int):
@@ -87,11 +97,58 @@ class Pipe(StrategySpec):
         devices = cfg.get("devices")
         stages = 2 if devices in (None, "auto") or isinstance(devices, str) else len(devices)
         devices = resolve_devices(devices, stages, self.name)
+        if cfg.engine == "torch":
+            return self._plan_torch(cfg, devices, model, data)
+        if cfg.schedule != "gpipe":
+            raise ConfigError(f"strategy.schedule={cfg.schedule} needs strategy.engine=torch: fairscale's Pipe runs GPipe "
+                              f"only; use strategy.engine=torch strategy.schedule={cfg.schedule}")
         chunks, balance, checkpoint, sample = pipe_knobs(cfg, model, data, data["batch_size"], len(devices))
         strategy = NetworkStrategy(devices[0], pipe_parallelizer(lambda rank: devices, chunks, balance, checkpoint, sample))
         return StrategyPlan(
             trainer_kwargs={"strategy": strategy, "devices": 1, "accelerator": accelerator_of(devices[0])},
             tags={"devices": ",".join(map(str, devices)), "chunks": str(chunks), "balance": str(balance), "checkpoint": checkpoint},
+        )
+
+    def _plan_torch(self, cfg, devices, model, data) -> StrategyPlan:
+        """One process per device, each running its stages under PyTorch's ``cfg.schedule``."""
+        from ..parallel.torch_pipe import TorchPipelineStrategy
+
+        kinds = {d.type for d in devices}
+        if len(kinds) > 1 or ("cuda" in kinds and len(set(devices)) < len(devices)):
+            raise ConfigError(f"strategy.devices={[str(d) for d in devices]} with strategy.engine=torch: one process per "
+                              f"device, all CPU or all distinct GPUs; use e.g. strategy.devices=[cpu,cpu] or [cuda:0,cuda:1]")
+        if cfg.checkpoint != "never":
+            raise ConfigError(f"strategy.checkpoint={cfg.checkpoint} is fairscale's recomputation; with strategy.engine=torch "
+                              f"use strategy.checkpoint=never, or strategy.engine=fairscale to recompute")
+        schedule, ranks, batch = SCHEDULES[cfg.schedule], len(devices), data["batch_size"]
+        chunks = cfg.chunks
+        if batch % chunks:
+            raise ConfigError(f"strategy.chunks={chunks} does not divide data.batch_size={batch}: PyTorch's schedules need "
+                              f"equal micro-batches; use a divisor of {batch}, e.g. strategy.chunks={micro_batches(batch, chunks)}")
+        if schedule.micro_at_least_ranks and chunks < ranks:
+            raise ConfigError(f"strategy.schedule={cfg.schedule} needs at least one micro-batch per stage: strategy.chunks={chunks} "
+                              f"< {ranks} stages; use strategy.chunks>={ranks}")
+        stages = ranks * schedule.stages_per_rank
+        balance, layers = cfg.get("balance"), len(model)
+        if balance is None:
+            balance = [model.split_index, layers - model.split_index] if stages == 2 else "auto"
+        elif balance != "auto":
+            balance = list(balance)
+            if len(balance) != stages or any(not isinstance(b, int) or b < 1 for b in balance) or sum(balance) != layers:
+                raise ConfigError(
+                    f"strategy.balance={balance} must give {stages} positive layer counts ({schedule.stages_per_rank} stage(s) "
+                    f"per device under schedule={cfg.schedule}) summing to {model.arch}'s {layers} layers, or "
+                    f"strategy.balance=auto to balance by profiled layer time")
+        if stages > layers:
+            raise ConfigError(f"strategy.schedule={cfg.schedule} on {ranks} devices needs {stages} stages, more than "
+                              f"{model.arch}'s {layers} layers; use fewer devices or strategy.schedule=gpipe")
+        sample = (max(1, batch // chunks), data["channels"], data["image_size"], data["image_size"])
+        strategy = TorchPipelineStrategy(devices, cfg.schedule, chunks, balance, sample, pin_cores=cfg.pin_cores,
+                                         timeout_s=cfg.timeout_s)
+        return StrategyPlan(
+            trainer_kwargs={"strategy": strategy, "devices": ranks, "accelerator": accelerator_of(devices[0])},
+            tags={"devices": ",".join(map(str, devices)), "chunks": str(chunks), "balance": str(balance),
+                  "checkpoint": cfg.checkpoint, "engine": "torch", "schedule": cfg.schedule},
         )
 
     def setup_of_run(self, params, tags) -> Setup:

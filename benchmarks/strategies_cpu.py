@@ -2,6 +2,8 @@
 
     python benchmarks/strategies_cpu.py                       # AlexNet 224x224, firesmall, batch 32
     python benchmarks/strategies_cpu.py --model vgg11 --epochs 2 --num-images 400
+    python benchmarks/strategies_cpu.py --model vgg11 --num-images 80 --pipe-balance auto --only \
+        "sequential threads=1" "sequential threads=2" "pipe chunks=4 [cpu,cpu]" "pipe torch gpipe chunks=4" ...
 
 Each setup is one ``train.py`` run (its own MLflow run in the ``benchmark-strategies``
 experiment of the project's mlflow.db). The table gives the mean ``epoch_time_s`` over the
@@ -29,13 +31,19 @@ SETUPS = {
     "threads k=2": ["strategy=threads", "strategy.threads=2"],
     "cpu_mp processes=2": ["strategy=cpu_mp", "strategy.processes=2"],
     "ddp_gloo processes=2": ["strategy=ddp_gloo", "strategy.processes=2"],
-    "pipe chunks=4 [cpu,cpu]": ["strategy=pipe", "strategy.chunks=4"],
+    "pipe chunks=4 [cpu,cpu]": ["strategy=pipe", "strategy.chunks=4"],  # fairscale: one worker thread for both stages
+    # PyTorch's pipelining: one process per stage, one core each.
+    **{f"pipe torch {schedule} chunks={chunks}": ["strategy=pipe", "strategy.engine=torch", f"strategy.schedule={schedule}",
+                                                  f"strategy.chunks={chunks}"]
+       for schedule in ("gpipe", "1f1b") for chunks in (4, 8)},
 }
 
 
 def run_setup(name: str, overrides: list[str], args: argparse.Namespace, sweep: str) -> tuple[list[float], float]:
     """Epoch times (after the first) of one train.py run of ``name``, and its peak RAM (MB)."""
     slug = re.sub(r"[^a-z0-9]+", "-", name).strip("-")
+    if args.pipe_balance and "strategy=pipe" in overrides:
+        overrides = [*overrides, f"strategy.balance={args.pipe_balance}"]
     cmd = [
         sys.executable, str(ROOT / "train.py"), *overrides,
         f"model={args.model}", f"data={args.data}", f"data.num_images={args.num_images}",
@@ -68,6 +76,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2, help="the first is warm-up when there are several")
     parser.add_argument("--rounds", type=int, default=1, help="repeat every setup, interleaved, this many times")
     parser.add_argument("--only", nargs="*", help="names from: " + "; ".join(SETUPS))
+    parser.add_argument("--pipe-balance", help="strategy.balance of the pipe setups (auto: by profiled time; "
+                        "default: the model's split point)")
     args = parser.parse_args()
 
     chosen = {k: v for k, v in SETUPS.items() if not args.only or k in args.only}

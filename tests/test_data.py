@@ -79,6 +79,24 @@ def test_split_counts_and_loaders(tmp_path):
     assert labels.min() >= 0 and labels.max() <= 2
 
 
+def test_a_strategy_shards_the_batches_and_may_skip_the_images(tmp_path):
+    """The strategy says how the data is sharded (a pipeline's stages all read the whole batch)
+    and whether this process reads the images (a pipeline's later stages need only the labels)."""
+    from types import SimpleNamespace
+
+    dm = fire_module(tmp_path, num_images=30, val_fraction=0.2, num_workers=2)
+    dm.prepare_data()
+    dm.setup("fit")
+    batches = iter(dm.train_dataloader())
+    labels = torch.cat([next(batches)[1], next(batches)[1]])
+    strategy = SimpleNamespace(distributed_sampler_kwargs={"num_replicas": 2, "rank": 1}, needs_inputs=False)
+    dm.trainer = SimpleNamespace(strategy=strategy)
+    loader = dm.train_dataloader()
+    placeholders, second = next(iter(loader))
+    assert placeholders.shape == (8, 0) and loader.num_workers == 0, "labels only: nothing decoded, no workers"
+    assert second.tolist() == labels[1::2].tolist(), "rank 1 of 2 takes every other sample of the same global batch"
+
+
 def test_grayscale_dataset(tmp_path):
     dm = fire_module(
         tmp_path, name="mnist", num_classes=10, classes=[str(i) for i in range(10)], channels=1, image_size=28,

@@ -51,6 +51,21 @@ class ImageFileDataset(Dataset):
         return tensor, label
 
 
+class LabelsOnly(Dataset):
+    """A dataset's labels, each with an empty tensor for its image: for the processes that never
+    read the images (a pipeline's later stages, which need only the loss's labels)."""
+
+    def __init__(self, dataset: ImageFileDataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: int | tuple[int, int]):
+        index = key[0] if isinstance(key, tuple) else key
+        return torch.zeros(0), self.dataset.samples[index][1]
+
+
 def to_mode(image: Image.Image, mode: str) -> Image.Image:
     """``image`` as ``mode`` (RGB or L) whatever it was saved as: grayscale, RGB(A), CMYK, or a
     palette, whose transparency PIL wants taken through RGBA first."""
@@ -248,6 +263,10 @@ class ImageFolderDataModule(pl.LightningDataModule):
         training data and is switched off with ``use_distributed_sampler=False``.)
         """
         replicas, rank = self._replica()
+        images = getattr(getattr(self.trainer, "strategy", None), "needs_inputs", True)
+        workers = self.num_workers if images else 0  # labels alone: nothing to decode
+        if not images:
+            dataset = LabelsOnly(dataset)
         sampler = ResumableSampler(
             dataset,
             num_replicas=replicas,
@@ -259,10 +278,10 @@ class ImageFolderDataModule(pl.LightningDataModule):
         kwargs = dict(
             batch_size=self.batch_size,
             sampler=sampler,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
+            num_workers=workers,
+            persistent_workers=workers > 0,
             pin_memory=self.pin_memory,
-            worker_init_fn=_quiet_worker if self.num_workers > 0 else None,
+            worker_init_fn=_quiet_worker if workers > 0 else None,
             # Its workers' seeds from its own generator: loading draws nothing from the training
             # process's random state (dropout's), which a checkpoint keeps and a resume restores.
             generator=torch.Generator().manual_seed(self.seed),

@@ -177,6 +177,11 @@ class TorchPipelineStrategy(RelaunchingDDPStrategy):
     def distributed_sampler_kwargs(self) -> dict:
         return {"num_replicas": 1, "rank": 0}  # every stage sees the whole batch (images first, labels last)
 
+    @property
+    def needs_inputs(self) -> bool:
+        """Whether this rank reads the images (it runs the first stage); the others load labels only."""
+        return 0 in stages_of(self.schedule, self.global_rank, self.world_size)
+
     def training_step(self, *args, **kwargs):
         if self._forward is not None:
             self._forward.target = args[0][1]  # the labels, for the last stage's loss

@@ -462,6 +462,38 @@ def test_every_described_machine_loads(name):
     assert spec.name == name and spec.total_devices >= 1
 
 
+@pytest.mark.parametrize("name", ["titanrtx_4x", "v100_8x", "cpu_2core_cluster"])
+def test_every_machine_with_two_devices_gets_torch_pipeline_setups_with_time_memory_and_basis(name):
+    spec = hardware(_compose_hw(f"hw={name}"))
+    rec = Predictor(spec, []).recommend(Job("vgg11", "firesmall", 3, 3, 224, 32, 633))
+    torch_pipes = [p for p in rec.predictions if p.setup.get("engine") == "torch"]
+    assert {p.setup.get("schedule") for p in torch_pipes} == {"gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"}
+    for p in torch_pipes:
+        assert p.epoch_s > 0 and p.memory.per_device_gb > 0 and p.basis
+        assert "strategy.engine=torch" in p.setup.overrides and p.setup.get("chunks") >= len(p.setup.get("devices"))
+
+
+def test_pipeline_schedules_follow_their_papers():
+    from ddlx.parallel.schedules import bubble_steps, in_flight
+
+    t, w, m = 12.0, 4, 8
+    balanced = [t / (m * w)] * w
+    assert pm.pipeline_schedule_s(balanced, m, bubble_steps("gpipe", w, m)) == pytest.approx(pm.gpipe_compute_s(t, w, m))
+    assert bubble_steps("1f1b", w, m) == bubble_steps("gpipe", w, m) == w - 1, "PipeDream-flush saves memory, not time"
+    assert bubble_steps("interleaved_1f1b", w, m) == (w - 1) / 2
+    assert bubble_steps("zero_bubble", w, m) == 0 and bubble_steps("zero_bubble", w, 4) == (w - 1) / 2
+    assert [in_flight("gpipe", r, w, m) for r in range(w)] == [m] * w
+    assert [in_flight("1f1b", r, w, m) for r in range(w)] == [4, 3, 2, 1]
+    job = Job("vgg16", "firesmall", 3, 3, 224, 256, 633)
+    gpu = _hw(device_kind="gpu", memory_per_device_gb=80, devices_per_node=4, peak_tflops=10.0)
+    devices = tuple(f"cuda:{i}" for i in range(4))
+    setups = [Setup("pipe", (("chunks", 16), ("devices", devices), ("engine", "torch"), ("schedule", s)))
+              for s in ("gpipe", "1f1b")]
+    gpipe, one_f_one_b = sorted(Predictor(gpu, []).recommend(job, setups).predictions, key=lambda p: p.setup.get("schedule") != "gpipe")
+    assert one_f_one_b.epoch_s == pytest.approx(gpipe.epoch_s)
+    assert one_f_one_b.memory.per_device_gb < gpipe.memory.per_device_gb / 2, "4 micro-batches in flight at most, not 16"
+
+
 def test_titanrtx_links_follow_the_nvlink_pairs():
     spec = hardware(_compose_hw("hw=titanrtx_4x", "hw.nodes=2"))
     assert spec.link(0, 1).bandwidth_gb_s == 25.0 and spec.link(1, 2).bandwidth_gb_s == 10.0

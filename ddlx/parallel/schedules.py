@@ -21,6 +21,29 @@ SCHEDULES = {
 }
 
 
+def bubble_steps(schedule: str, ranks: int, micro: int) -> float:
+    """Idle micro-batch steps of the slowest rank in one batch (in units of its time per
+    micro-batch): GPipe's W-1 (source 004 Eq. 6.1); 1F1B the same bubble (PipeDream-flush,
+    Narayanan et al. 2021: it saves memory, not time); interleaving v stages per rank divides it
+    by v (Narayanan et al., SC'21); ZB-V fills it with deferred weight gradients once there are at
+    least 2W micro-batches (Qi et al., ICLR 2024), and is interleaved's otherwise."""
+    spec = SCHEDULES[schedule]
+    if schedule == "zero_bubble" and micro >= 2 * ranks:
+        return 0.0
+    return (ranks - 1) / spec.stages_per_rank
+
+
+def in_flight(schedule: str, rank: int, ranks: int, micro: int) -> int:
+    """Micro-batches whose activations a stage of ``rank`` holds at its peak: all of them under
+    GPipe; at most W - rank under 1F1B; about W for the interleaved and zero-bubble schedules
+    (their papers report 1F1B's peak, a factor 1 + (W-1)/(vW) above it for interleaving)."""
+    if schedule == "gpipe":
+        return micro
+    if schedule == "1f1b":
+        return min(micro, ranks - rank)
+    return min(micro, ranks)
+
+
 def stages_of(schedule: str, rank: int, ranks: int) -> list[int]:
     """The pipeline stages process ``rank`` of ``ranks`` runs under ``schedule``."""
     spec = SCHEDULES[schedule]

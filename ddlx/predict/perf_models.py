@@ -53,6 +53,12 @@ def gpipe_compute_s(t_seq: float, workers: int, micro_batches: int) -> float:
     return t_seq * (workers + micro_batches - 1) / (workers * micro_batches)
 
 
+def pipeline_schedule_s(rank_micro_s: Sequence[float], micro_batches: int, bubble: float) -> float:
+    """A synchronous pipeline's batch: #mb steps of its slowest rank plus the schedule's bubble,
+    in the same steps. With balanced ranks and GPipe's bubble (W-1) this is Eq. 6.1."""
+    return (micro_batches + bubble) * max(rank_micro_s)
+
+
 def gpipe_comm_s(micro_batch: int, micro_batches: int, boundary_mb: Sequence[float], links: Sequence[Link]) -> float:
     """Eq. 6.2: activations forward and gradients backward over the W-1 boundaries, in lockstep:
     the pipeline fill (W-2 steps), #mb-(W-2) full steps, the drain (W-2 steps), each as slow as

@@ -10,6 +10,7 @@ from typing import Any
 from ..errors import ConfigError
 from ..knobs import knob
 from ..predict.costs import (
+    FLOAT_BYTES,
     FORWARD_SHARE,
     REPLICA_SHARE,
     cost,
@@ -18,10 +19,11 @@ from ..predict.costs import (
     memory_need,
     recomputed_share,
     stage_bytes,
+    state_bytes,
     weight_traffic_s,
 )
-from ..predict.perf_models import Link, gpipe_comm_s, gpipe_compute_s
-from ..parallel.schedules import SCHEDULES, micro_batches
+from ..parallel.schedules import SCHEDULES, bubble_steps, in_flight, micro_batches, stages_of
+from ..predict.perf_models import Link, gpipe_comm_s, gpipe_compute_s, pipeline_schedule_s
 from .spec import Setup, StrategyPlan, StrategySpec, accelerator_of
 
 PIPE_CHECKPOINT = ("never", "except_last", "always")
@@ -79,14 +81,19 @@ def pipe_balance(setup: Setup, profile) -> list[int]:
     return profile.even_balance(stages)
 
 
+def _torch_balance(profile, stages: int) -> list[int]:
+    """The cut the torch engine runs by default: the split point for two stages, else even FLOPs."""
+    return [profile.split_index, len(profile.layers) - profile.split_index] if stages == 2 else profile.even_balance(stages)
+
+
 def chunk_counts(job) -> list[int]:
     return [c for c in CHUNKS if c <= job.batch_size]
 
 
 class Pipe(StrategySpec):
     name, config, order = "pipe", PipeConfig, 6
-    knob_tags = ("devices", "chunks", "checkpoint")
-    default_knob_tags = {"checkpoint": "never"}
+    knob_tags = ("devices", "chunks", "checkpoint", "engine", "schedule")
+    default_knob_tags = {"checkpoint": "never", "engine": "fairscale", "schedule": "gpipe"}
     label_params = ("strategy.balance",)  # the resolved default differs per model: shown only when set
 
     def plan(self, cfg, accelerator, model, data) -> StrategyPlan:
@@ -154,15 +161,19 @@ class Pipe(StrategySpec):
     def setup_of_run(self, params, tags) -> Setup:
         knobs = (("chunks", int(params["strategy.chunks"])), ("devices", tuple(tags.get("devices", "cpu,cpu").split(","))))
         checkpoint = params.get("strategy.checkpoint", "never")
-        return Setup(self.name, knobs + ((("checkpoint", checkpoint),) if checkpoint != "never" else ()))
+        knobs += (("checkpoint", checkpoint),) if checkpoint != "never" else ()
+        if params.get("strategy.engine", "fairscale") == "torch":
+            knobs += (("engine", "torch"), ("schedule", params.get("strategy.schedule", "gpipe")))
+        return Setup(self.name, knobs)
 
     def candidates(self, hw, job) -> list[Setup]:
         n, chunks = hw.devices_per_node, chunk_counts(job)
         if n < 2:
             return []
         if hw.device_kind == "cpu":
-            return [Setup(self.name, (("chunks", c), ("devices", ("cpu", "cpu")))) for c in chunks]
-        out = []
+            return ([Setup(self.name, (("chunks", c), ("devices", ("cpu", "cpu")))) for c in chunks]
+                    + self._torch_candidates(("cpu", "cpu"), job))
+        out = self._torch_candidates(tuple(f"cuda:{i}" for i in range(n)), job)
         for stages in sorted({2, n}):
             devices = tuple(f"cuda:{i}" for i in range(stages))
             for c in (c for c in chunks if c >= stages):
@@ -173,11 +184,28 @@ class Pipe(StrategySpec):
             out.append(Setup(self.name, (("chunks", chunks[-1]), ("devices", devices), ("checkpoint", "always"))))
         return out
 
+    def _torch_candidates(self, devices: tuple[str, ...], job) -> list[Setup]:
+        """PyTorch's schedules, one process per device, with the micro-batch counts they accept."""
+        out = []
+        for schedule in SCHEDULES:
+            for c in chunk_counts(job):
+                if job.batch_size % c == 0 and c >= len(devices):  # a micro-batch per stage at least
+                    out.append(Setup(self.name, (("chunks", c), ("devices", devices), ("engine", "torch"), ("schedule", schedule))))
+        return out
+
     def accepts(self, setup, job) -> bool:
+        if setup.get("engine") == "torch" and job.batch_size % setup.get("chunks", 1):
+            return False  # PyTorch's schedules need equal micro-batches
         return setup.get("chunks", 1) <= job.batch_size  # every micro-batch needs a sample
+
+    def calibration_group(self, setup) -> str:
+        return f"{self.name} engine=torch" if setup.get("engine") == "torch" else self.name
 
     def cost(self, setup, job, hw, profile, seq):
         b, load = job.batch_size, job.batch_size * seq.load_per_sample_s
+        if setup.get("engine") == "torch":
+            compute, total = self._torch_batch_s(setup, hw, profile, seq, b)
+            return cost(compute + load, total + load)
         w, m = len(setup.get("devices")), setup.get("chunks")
         return cost(gpipe_compute_s(m * max(1, b // m) * seq.per_sample_s, w, m) + load,
                     self._batch_s(setup, hw, profile, seq, b) + load)
@@ -200,7 +228,51 @@ class Pipe(StrategySpec):
             links = [link(hw.link(gpu_index(devices[j]), gpu_index(devices[j + 1]))) for j in range(w - 1)]
         return compute + gpipe_comm_s(micro, m, boundaries, links)
 
+    def _torch_batch_s(self, setup, hw, profile, seq, b: int) -> tuple[float, float]:
+        """(compute, total) of one batch under PyTorch's schedule: #mb steps of the slowest rank
+        (its stages' share of the FLOPs) plus the schedule's bubble; each micro-batch reads its
+        stage's weights again; activations cross between ranks (loopback between CPU processes,
+        the GPUs' link), in lockstep as in Eq. 6.2."""
+        devices, m, name = setup.get("devices"), setup.get("chunks"), setup.get("schedule", "gpipe")
+        w = len(devices)
+        balance = _torch_balance(profile, w * SCHEDULES[name].stages_per_rank)
+        flops = [sum(layer.forward_flops for layer in part) for part in profile.partitions(balance)]
+        micro = max(1, b // m)
+        per_rank = [sum(flops[i] for i in stages_of(name, r, w)) / sum(flops) * micro * seq.per_sample_s for r in range(w)]
+        compute = pipeline_schedule_s(per_rank, m, bubble_steps(name, w, m))
+        traffic = 1 + (m - 1) * REPLICA_SHARE
+        weights = weight_traffic_s(seq, hw, traffic, w) if hw.device_kind == "cpu" else seq.weight_s * traffic / w
+        owner = [r for i in range(len(balance)) for r in range(w) if i in stages_of(name, r, w)]
+
+        def between(a: int, b: int) -> Link:
+            if a == b:  # two stages of one rank (interleaved, ZB-V): nothing crosses
+                return Link(0.0, float("inf"))
+            return link(hw.intra_node) if hw.device_kind == "cpu" else link(hw.link(gpu_index(devices[a]), gpu_index(devices[b])))
+
+        links = [between(owner[j], owner[j + 1]) for j in range(len(balance) - 1)]
+        comm = gpipe_comm_s(micro, m, [x / 1e6 for x in profile.boundary_bytes(balance)], links)
+        return compute, compute + weights + comm
+
+    def _torch_memory(self, setup, job, hw, profile):
+        """Per rank: its stages' weights, gradients and optimizer state, and the activations of the
+        micro-batches the schedule keeps in flight; on CPU each rank's process also holds the
+        other stages' weights (the whole model is built in every process) and the ranks share RAM."""
+        devices, m, name = setup.get("devices"), setup.get("chunks"), setup.get("schedule", "gpipe")
+        w, micro = len(devices), max(1, job.batch_size // m)
+        balance = _torch_balance(profile, w * SCHEDULES[name].stages_per_rank)
+        parts = profile.partitions(balance)
+        ranks = []
+        for r in range(w):
+            mine = stages_of(name, r, w)
+            params = sum(layer.params for i in mine for layer in parts[i])
+            acts = sum(layer.activation_bytes for i in mine for layer in parts[i]) + (profile.input_bytes if 0 in mine else 0)
+            held = state_bytes(params) + in_flight(name, r, w, m) * micro * acts
+            ranks.append(held + ((profile.params - params) * FLOAT_BYTES if hw.device_kind == "cpu" else 0))
+        return memory_need(hw, sum(ranks) if hw.device_kind == "cpu" else max(ranks))
+
     def memory(self, setup, job, hw, profile):
+        if setup.get("engine") == "torch":
+            return self._torch_memory(setup, job, hw, profile)
         stages = stage_bytes(profile, pipe_balance(setup, profile), job.batch_size, setup.get("chunks", 1),
                              setup.get("checkpoint", "never"))
         return memory_need(hw, sum(stages) if hw.device_kind == "cpu" else max(stages))

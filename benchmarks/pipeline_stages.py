@@ -1,5 +1,6 @@
 """Where a two-stage CPU pipeline's time goes: each stage's busy time per micro-batch, measured
-layer by layer on one core, and the step time a perfect schedule would take with them.
+layer by layer on one core, and the step time a perfect schedule would take with them; then
+PyTorch's schedules themselves, without ddlx, one process per core, against one core.
 
     python benchmarks/pipeline_stages.py --model vgg11 --balance auto --chunks 4 8
     python benchmarks/pipeline_stages.py --model alexnet --chunks 4 8      # the model's split point
@@ -9,15 +10,24 @@ every layer: it includes re-reading each stage's weights per micro-batch), the s
 time per micro-batch, and the GPipe/1F1B schedule time (m + W - 1) x that (Eq. 6.1 with unequal
 stages): the speedup a pipeline could reach if sending activations cost nothing. Dividing a
 measured epoch ratio (benchmarks/strategies_cpu.py) by this ceiling gives what the transfers,
-the schedule's bookkeeping and the data loading cost on top.
+the schedule's bookkeeping and the data loading cost on top. The second table times
+``torch.distributed.pipelining`` alone (in-memory batch, gloo, each stage pinned to one core,
+SGD step) against one core training the same batch: what the engine reaches before ddlx's loop,
+data loading and logging are added.
 """
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -34,6 +44,8 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--balance", default=None, help="auto (by profiled time, as strategy.balance=auto) or a,b; default: the split point")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--schedules", nargs="*", default=["gpipe", "1f1b"], help="timed without ddlx (none: skip)")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps after a warm-up one")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -42,6 +54,7 @@ def main() -> None:
     print(f"{args.model} at {args.image_size} px, batch {args.batch_size}, 2 stages of one core each\n")
     print("| micro-batches | balance | stage 1 s/mb | stage 2 s/mb | one core s/batch | schedule s/batch | ceiling | of which bubble | of which imbalance |")
     print("|---|---|---|---|---|---|---|---|---|")
+    balances = {}
     for m in args.chunks:
         micro = args.batch_size // m
         times = layer_times(model, torch.randn(micro, 3, args.image_size, args.image_size), rounds=args.rounds)
@@ -57,6 +70,74 @@ def main() -> None:
         balanced = (m + 1) * sum(stages) / 2
         print(f"| {m} | {balance} | {stages[0]:.3f} | {stages[1]:.3f} | {one_core:.2f} | {schedule:.2f} | {one_core / schedule:.2f}x "
               f"| {1 / m:.0%} | {schedule / balanced - 1:.0%} |")
+        balances[m] = balance
+    if not args.schedules:
+        return
+    one = statistics.median(_one_core_steps(model, args))
+    print(f"\nPyTorch's schedules alone, median s/step of {args.steps} (one core: {one:.2f} s/step)\n")
+    print("| schedule | micro-batches | balance | s/step | speedup over one core |")
+    print("|---|---|---|---|---|")
+    for schedule in args.schedules:
+        for m in args.chunks:
+            out = mp.get_context("spawn").SimpleQueue()
+            mp.spawn(_stage, args=(args, schedule, m, balances[m], out), nprocs=2)
+            step = out.get()
+            print(f"| {schedule} | {m} | {balances[m]} | {step:.2f} | {one / step:.2f}x |")
+
+
+def _batch(args):
+    g = torch.Generator().manual_seed(1)
+    return (torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=g),
+            torch.randint(0, args.classes, (args.batch_size,), generator=g))
+
+
+def _one_core_steps(model, args) -> list[float]:
+    cores = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, [min(cores)])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.001, momentum=0.9)
+    x, y = _batch(args)
+    times = []
+    for _ in range(args.steps + 1):
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        times.append(time.perf_counter() - start)
+    os.sched_setaffinity(0, cores)  # the stages started next inherit it
+    return times[1:]
+
+
+def _stage(rank: int, args, schedule: str, m: int, balance: list[int], out) -> None:
+    from torch.distributed import pipelining
+
+    from ddlx.parallel.schedules import SCHEDULES
+
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, [cores[rank % len(cores)]])
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("PIPELINE_PORT", "29631"))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = build_model(args.model, args.classes, 3, args.image_size)
+    part = model[: balance[0]] if rank == 0 else model[balance[0] :]
+    if getattr(part[0], "inplace", False):
+        part[0].inplace = False
+    stage = pipelining.PipelineStage(part, rank, 2, torch.device("cpu"))
+    runner = getattr(pipelining, SCHEDULES[schedule].torch_class)(
+        stage, n_microbatches=m, loss_fn=lambda o, t: nn.functional.cross_entropy(o, t) / m, scale_grads=False)
+    optimizer = torch.optim.SGD(part.parameters(), lr=0.001, momentum=0.9)
+    x, y = _batch(args)
+    times = []
+    for _ in range(args.steps + 1):
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        runner.step(x) if rank == 0 else runner.step(target=y, losses=[])
+        optimizer.step()
+        dist.barrier()
+        times.append(time.perf_counter() - start)
+    if rank == 0:
+        out.put(statistics.median(times[1:]))
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

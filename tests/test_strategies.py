@@ -94,10 +94,11 @@ CASES = {
     "pipe_checkpoint_inplace_head": (["strategy=pipe", "strategy.chunks=2", "strategy.balance=[1,21]", "strategy.checkpoint=always"], False),
     "pipe_auto_balance": (["strategy=pipe", "strategy.chunks=2", "strategy.balance=auto", "strategy.checkpoint=except_last"], False),
     # PyTorch's pipelining: one process per stage, every schedule (interleaved: 4 stages cut by profiled time).
-    "pipe_torch_gpipe": (["strategy=pipe", "strategy.engine=torch", "strategy.chunks=4"], False),
+    # GPipe and interleaving are slow-marked to keep the default suite short: 1F1B and ZB-V share their code paths.
+    "pipe_torch_gpipe": pytest.param((["strategy=pipe", "strategy.engine=torch", "strategy.chunks=4"], False), marks=pytest.mark.slow),
     "pipe_torch_1f1b": (["strategy=pipe", "strategy.engine=torch", "strategy.schedule=1f1b", "strategy.chunks=4"], False),
-    "pipe_torch_interleaved_1f1b": (["strategy=pipe", "strategy.engine=torch", "strategy.schedule=interleaved_1f1b",
-                                     "strategy.chunks=2"], False),
+    "pipe_torch_interleaved_1f1b": pytest.param((["strategy=pipe", "strategy.engine=torch", "strategy.schedule=interleaved_1f1b",
+                                                  "strategy.chunks=2"], False), marks=pytest.mark.slow),
     "pipe_torch_zero_bubble": (["strategy=pipe", "strategy.engine=torch", "strategy.schedule=zero_bubble", "strategy.chunks=4",
                                 "strategy.balance=[4,6,5,7]"], False),
     "hybrid_split": (["strategy=hybrid", "strategy.processes=2", "strategy.local=split"], False),

@@ -101,6 +101,9 @@ CASES = {
                                                   "strategy.chunks=2"], False), marks=pytest.mark.slow),
     "pipe_torch_zero_bubble": (["strategy=pipe", "strategy.engine=torch", "strategy.schedule=zero_bubble", "strategy.chunks=4",
                                 "strategy.balance=[4,6,5,7]"], False),
+    # FSDP2 on CPU over gloo, each level (default suite: full, through the resume test below).
+    **{f"fsdp_{level}": pytest.param((["strategy=fsdp", "strategy.processes=2", f"strategy.sharding={level}"], False),
+                                     marks=pytest.mark.slow) for level in ("full", "grad_op", "none")},
     "hybrid_split": (["strategy=hybrid", "strategy.processes=2", "strategy.local=split"], False),
     "hybrid_pipe": pytest.param((["strategy=hybrid", "strategy.processes=2", "strategy.local=pipe", "strategy.chunks=2"], False), marks=pytest.mark.slow),
 }
@@ -156,6 +159,27 @@ def test_torch_pipe_resumes_and_trains_a_smaller_last_batch(tmp_path, shared_dat
     run("cut", *job, "trainer.max_epochs=2", f"ckpt_path={checkpoint}")
     _assert_same_weights(final_weights(tmp_path / "cut"), final_weights(tmp_path / "whole"), exact=True)
     _assert_same_weights(final_weights(tmp_path / "whole"), final_weights(tmp_path / "sequential"), exact=False)
+    _assert_no_process_left(tmp_path)
+
+
+def test_fsdp_checkpoint_resumes_under_sharding_with_the_sequential_maths(tmp_path, shared_data):
+    """FSDP's full state dict is saved under the sequential names and the optimizer's index keys;
+    a run resumed from it (momentum resharded) ends with the weights of a sequential run that
+    never stopped."""
+    epoch = [f"paths.data_dir={shared_data}", *SAME_MATHS, "trainer.limit_train_batches=1"]
+    job = ["strategy=fsdp", "strategy.processes=2", "strategy.sharding=full", *epoch]
+    for folder in ("sequential", "cut"):
+        (tmp_path / folder).mkdir()
+    def run(folder, *overrides):
+        train(compose_config([f"paths.root={tmp_path / folder}", *overrides]), output_dir=tmp_path / folder / "run")
+    run("sequential", "strategy=sequential", "strategy.threads=1", *epoch, "trainer.max_epochs=2")
+    run("cut", *job)
+    checkpoint = tmp_path / "cut" / "run" / "checkpoints" / "last.ckpt"
+    saved = torch.load(checkpoint, weights_only=False)
+    assert list(saved["optimizer_states"][0]["state"]) == list(range(len(final_weights(tmp_path / "cut"))))
+    run("cut", *job, "trainer.max_epochs=2", f"ckpt_path={checkpoint}")
+    _assert_same_weights(final_weights(tmp_path / "cut"), final_weights(tmp_path / "sequential"), exact=False)
+    _assert_one_run(tmp_path / "cut", "fsdp")
     _assert_no_process_left(tmp_path)
 
 

@@ -1,0 +1,100 @@
+"""Sharded data parallelism (FSDP2, ``fully_shard``): DDP's maths, each rank keeping only its
+shard of the weights, gradients and optimizer state (ZeRO-3 ``full``, ZeRO-2 ``grad_op``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+from ..knobs import knob
+from ..predict.costs import FLOAT_BYTES, cost, memory_need, replica_bytes, ring, state_bytes, weight_traffic_s
+from ..predict.perf_models import data_parallel_s
+from .cpu_mp import TIMEOUT_S
+from .spec import Setup, StrategyPlan, StrategySpec, warn_oversubscription
+
+SHARDINGS = ("full", "grad_op", "none")
+# Ring volume per step against DDP's allreduce (2(W-1)/W of the gradients): full gathers the
+# weights before forward and again before backward and reduce-scatters the gradients (3 x (W-1)/W);
+# grad_op gathers them once (2 x); none is DDP's allreduce.
+VOLUME = {"full": 1.5, "grad_op": 1.0, "none": 1.0}
+
+
+@dataclass
+class FsdpConfig:
+    """``processes`` ranks (CPU shares over gloo, or GPUs over NCCL with trainer=gpu), each with
+    its share of the batch and 1/processes of the model's state: ``sharding`` full (weights,
+    gradients, optimizer state), grad_op (gradients, optimizer state) or none (replicated)."""
+
+    name: str = "fsdp"
+    processes: int = knob(2, low=1)
+    sharding: str = knob("full", choices=SHARDINGS)
+    pin_cores: bool = True  # on CPU: each rank on its own share of the cores
+    timeout_s: float = knob(TIMEOUT_S, low=0, low_open=True)
+
+
+class Fsdp(StrategySpec):
+    name, config, order = "fsdp", FsdpConfig, 5
+    knob_tags = ("processes", "sharding")
+    splits_batch = True
+
+    def plan(self, cfg, accelerator, model, data) -> StrategyPlan:
+        import torch
+
+        from ..parallel.devices import gpu_count
+        from ..parallel.fsdp import FullyShardedStrategy
+
+        p = cfg.processes
+        if accelerator in ("gpu", "cuda"):
+            if gpu_count() < p:
+                raise ConfigError(f"strategy=fsdp strategy.processes={p} with trainer.accelerator={accelerator} needs {p} "
+                                  f"GPU(s), this machine has {gpu_count()}; use strategy.processes={max(1, gpu_count())} "
+                                  f"or trainer.accelerator=cpu")
+            devices = [torch.device(f"cuda:{i}") for i in range(p)]
+        else:
+            warn_oversubscription(self.name, p, "processes")
+            devices = [torch.device("cpu")] * p
+        strategy = FullyShardedStrategy(devices, cfg.sharding, pin_cores=cfg.pin_cores, timeout_s=cfg.timeout_s)
+        return StrategyPlan(
+            trainer_kwargs={"strategy": strategy, "devices": p, "accelerator": "gpu" if devices[0].type == "cuda" else "cpu"},
+            tags={"processes": str(p), "sharding": cfg.sharding},
+            data_parallel=p, replicas_per_machine=p,
+        )
+
+    def setup_of_run(self, params, tags) -> Setup:
+        return Setup(self.name, (("processes", int(params["strategy.processes"])),
+                                 ("sharding", params.get("strategy.sharding", "full"))))
+
+    def candidates(self, hw, job) -> list[Setup]:
+        n = hw.devices_per_node
+        return [Setup(self.name, (("processes", n), ("sharding", s))) for s in ("full", "grad_op")] if n > 1 else []
+
+    def cost(self, setup, job, hw, profile, seq):
+        """DDP's Eq. 5.1 with FSDP's ring volume (``VOLUME``): the gathers and the reduce-scatter
+        run per layer beside the computation on GPUs, in turn with it on CPU (shared cores)."""
+        w, shared_bus = setup.get("processes"), hw.device_kind == "cpu"
+        work = job.batch_size * (seq.per_sample_s + seq.load_per_sample_s)
+        volume = VOLUME[setup.get("sharding", "full")] * profile.gradient_mb
+        largest = max(layer.params for layer in profile.layers) * FLOAT_BYTES / 1e6  # one unit's transfer
+        local = min(w, hw.devices_per_node) if shared_bus else 1
+        total = data_parallel_s(work, w, volume, largest, ring(hw, w), hw.allreduce_fixed_us * 1e-6,
+                                overlap=not shared_bus) + weight_traffic_s(seq, hw, local, local)
+        return cost(work / w, total)
+
+    def memory(self, setup, job, hw, profile):
+        """A replica's activations at its share of the batch; the state sharded by level: full
+        keeps 1/W of the weights, gradients and momentum plus the largest layer gathered,
+        grad_op the whole weights and 1/W of the rest, none all of it."""
+        w, sharding = setup.get("processes"), setup.get("sharding", "full")
+        replica = replica_bytes(job, job.batch_size // w)
+        state = state_bytes(profile.params)
+        weights = profile.params * FLOAT_BYTES
+        largest = max(layer.params for layer in profile.layers) * FLOAT_BYTES
+        if sharding == "full":
+            kept = state / w + 2 * largest  # the layer in use and the next, prefetched
+        elif sharding == "grad_op":
+            kept = weights + (state - weights) / w
+        else:
+            kept = state
+        return memory_need(hw, replica - state + kept, min(w, hw.devices_per_node))
+
+
+SPECS = (Fsdp(),)

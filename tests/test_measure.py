@@ -141,3 +141,27 @@ def test_the_resource_plot_names_its_run_marks_epochs_and_uses_the_metric_unit()
     assert len(marks) == 4, "one mark per epoch"
     labels = [t for ax in fig.axes for t in ax.get_yticklabels() + ax.get_xticklabels()]
     assert overlapping_labels(fig, labels) == []
+
+
+def test_the_sampler_reads_pss_every_tenth_sample_and_scales_rss_in_between(monkeypatch):
+    """A PSS reading walks the page tables (costly for big processes): between readings each
+    process's RSS is scaled by its last PSS/RSS ratio."""
+    import psutil
+
+    from ddlx.measure import resources
+
+    readings = []
+
+    def pss(proc):
+        readings.append(proc.pid)
+        return proc.memory_info().rss // 2  # as if half of every page were shared
+
+    monkeypatch.setattr(resources, "_proportional_bytes", pss)
+    sampler = ResourceSampler(interval_s=1.0, root=psutil.Process())
+    for _ in range(resources.PSS_EVERY + 1):
+        sampler._sample()
+    from collections import Counter
+
+    assert set(Counter(readings).values()) == {2}, "each process at the first sample and the PSS_EVERY-th"
+    first = sampler.series.samples[0].ram_mb
+    assert all(s.ram_mb == pytest.approx(first, rel=0.05) for s in sampler.series.samples), "RSS scaled in between"

@@ -14,9 +14,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from pytorch_lightning.core.optimizer import LightningOptimizer
 
-from .launch import RelaunchingDDPStrategy
+from .launch import RelaunchingDDPStrategy, plain_optimizer
 from .pinning import Restore, pin_rank, unpin
 from .shared_memory import SharedWeights
 
@@ -61,11 +60,11 @@ class CpuMultiProcessStrategy(RelaunchingDDPStrategy):
         """The configured optimizer's step, taken by :class:`.SharedWeights` on this rank's slice."""
         if self._shared is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
-        return super().optimizer_step(_SliceStep(_unwrapped(optimizer), self._shared), closure, model, **kwargs)
+        return super().optimizer_step(_SliceStep(plain_optimizer(optimizer), self._shared), closure, model, **kwargs)
 
     def optimizer_state(self, optimizer) -> dict:
         """The full state (every rank's slice, gathered: collective), on rank 0."""
-        optimizer = _unwrapped(optimizer)
+        optimizer = plain_optimizer(optimizer)
         if self._shared is None:
             return optimizer.state_dict()
         slices = [None] * self.world_size
@@ -74,17 +73,13 @@ class CpuMultiProcessStrategy(RelaunchingDDPStrategy):
 
     def load_optimizer_state_dict(self, checkpoint) -> None:
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            self._shared.load_state(_unwrapped(optimizer), state)
+            self._shared.load_state(plain_optimizer(optimizer), state)
 
     def teardown(self) -> None:
         self._shared = None
         unpin(self._restore, self.pin_cores)
         self._restore = None
         super().teardown()
-
-
-def _unwrapped(optimizer):
-    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
 class _SliceStep:

@@ -14,30 +14,24 @@ stays the same for every strategy.
 
 Sharding levels, as device meshes: ``full`` (ZeRO-3: weights resharded after forward),
 ``grad_op`` (ZeRO-2: weights kept whole from forward to backward), ``none`` (replicated, DDP's
-memory: a mesh of W replicas of one shard) and ``hybrid`` (HSDP: sharded within a node,
-replicated across nodes). Checkpoints hold the full state under the sequential model's names
-and the optimizer's index keys, so they load under any strategy.
+memory: a mesh of W replicas of one shard). Checkpoints hold the full state under the
+sequential model's names and the optimizer's index keys, so they load under any strategy.
 """
 from __future__ import annotations
 
 from datetime import timedelta
 
 import torch
-from pytorch_lightning.core.optimizer import LightningOptimizer
 
-from .launch import RelaunchingDDPStrategy
+from .launch import RelaunchingDDPStrategy, plain_optimizer
 from .network import find_layered_model
 from .pinning import Restore, pin_rank, unpin
-
-SHARDINGS = ("full", "grad_op", "none", "hybrid")
-
 
 class FullyShardedStrategy(RelaunchingDDPStrategy):
     strategy_name = "ddlx_fsdp"
 
-    def __init__(self, devices: list[torch.device], sharding: str, pin_cores: bool = True, timeout_s: float = 300.0,
-                 num_nodes: int = 1) -> None:
-        super().__init__(accelerator=None, parallel_devices=list(devices), num_nodes=num_nodes,
+    def __init__(self, devices: list[torch.device], sharding: str, pin_cores: bool = True, timeout_s: float = 300.0) -> None:
+        super().__init__(accelerator=None, parallel_devices=list(devices),
                          process_group_backend="nccl" if devices[0].type == "cuda" else "gloo",
                          timeout=timedelta(seconds=timeout_s))
         self.sharding, self.pin_cores = sharding, pin_cores
@@ -55,9 +49,6 @@ class FullyShardedStrategy(RelaunchingDDPStrategy):
         kind = self.root_device.type
         if self.sharding == "none":
             return init_device_mesh(kind, (self.world_size, 1), mesh_dim_names=("replicate", "shard"))
-        if self.sharding == "hybrid":
-            return init_device_mesh(kind, (self.num_nodes, self.world_size // self.num_nodes),
-                                    mesh_dim_names=("replicate", "shard"))
         return init_device_mesh(kind, (self.world_size,))
 
     def configure_ddp(self) -> None:
@@ -92,7 +83,7 @@ class FullyShardedStrategy(RelaunchingDDPStrategy):
 
     def optimizer_state(self, optimizer) -> dict:
         """The whole optimizer state keyed by parameter index, as an unsharded optimizer's (collective)."""
-        optimizer = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        optimizer = plain_optimizer(optimizer)
         if not self._sharded:
             return optimizer.state_dict()
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
@@ -109,7 +100,7 @@ class FullyShardedStrategy(RelaunchingDDPStrategy):
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
         for optimizer, doc in zip(self.optimizers, checkpoint["optimizer_states"]):
-            optimizer = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+            optimizer = plain_optimizer(optimizer)
             names = self._names(optimizer)
             full = {"state": {names[i]: state for i, state in doc["state"].items()},
                     "param_groups": [{**group, "params": [names[i] for i in group["params"]]} for group in doc["param_groups"]]}

@@ -18,6 +18,7 @@ from lightning_fabric.strategies.launchers.subprocess_script import (
     _ChildProcessObserver,
 )
 from lightning_fabric.utilities.distributed import _set_num_threads_if_needed
+from pytorch_lightning.core.optimizer import LightningOptimizer
 from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.strategies.launchers.subprocess_script import (
     _SubprocessScriptLauncher,
@@ -121,6 +122,11 @@ class WorkerLauncher(_SubprocessScriptLauncher):
             child_env = {**os.environ, "LOCAL_RANK": str(local_rank), WORKER_ENV: "1", PARENT_ENV: str(os.getpid())}
             command = [sys.executable, "-m", "ddlx.rank_worker", *self.worker_args]
             self.procs.append(subprocess.Popen(command, env=child_env))
+
+
+def plain_optimizer(optimizer):
+    """The torch optimizer inside Lightning's wrapper (strategies' state hooks receive either)."""
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
 class RelaunchingDDPStrategy(DDPStrategy):

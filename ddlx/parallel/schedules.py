@@ -52,6 +52,12 @@ def stages_of(schedule: str, rank: int, ranks: int) -> list[int]:
     return [rank + k * ranks for k in range(spec.stages_per_rank)]
 
 
+def stage_owners(schedule: str, ranks: int) -> list[int]:
+    """The rank that runs each pipeline stage, in stage order."""
+    spec = SCHEDULES[schedule]
+    return [r for i in range(ranks * spec.stages_per_rank) for r in range(ranks) if i in stages_of(schedule, r, ranks)]
+
+
 def micro_batches(batch: int, chunks: int) -> int:
     """Equal micro-batches for ``batch``: ``chunks`` when it divides, else the largest count below that does
     (an epoch's last, smaller batch), so every step stays the mean over the batch."""

@@ -32,10 +32,10 @@ from torch import nn
 
 from ..models import LayeredModel
 from .balance import balance_by_time
-from .launch import RelaunchingDDPStrategy
+from .launch import RelaunchingDDPStrategy, plain_optimizer
 from .network import InstalledForward, install, uninstall
 from .pinning import Restore, pin_rank, unpin
-from .schedules import SCHEDULES, micro_batches, stages_of
+from .schedules import SCHEDULES, micro_batches, stage_owners, stages_of
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +68,7 @@ class PipelineForward:
         self.accumulate = 1  # Lightning's accumulate_grad_batches: each loss's share of an optimizer step
         self.held: list[tuple[nn.Parameter, torch.Tensor | None]] = []  # this step's gradients, until the backward
         self._schedules: dict[int, object] = {}  # one per batch size: stages keep the shapes they first saw
-        self.rank, self.owner = rank, [next(r for r in range(ranks) if i in stages_of(schedule, r, ranks))
-                                       for i in range(self.num_stages)]
+        self.rank, self.owner = rank, stage_owners(schedule, ranks)
 
     def _schedule_for(self, batch: int):
         if batch not in self._schedules:
@@ -108,16 +107,14 @@ class PipelineForward:
         return h
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        training = torch.is_grad_enabled()
-        schedule = self._schedule_for(x.shape[0]) if training else None
         first, last = 0 in self.mine, self.num_stages - 1 in self.mine
         inputs = (x.to(self.device),) if first else ()
-        if training:
+        if torch.is_grad_enabled():
             target = self.target.to(self.device) if last else None
             before = [p.grad for p in self.parameters]  # what Lightning may zero before the backward
             for p in self.parameters:
                 p.grad = None
-            out = schedule.step(*inputs, target=target, losses=[] if last else None)
+            out = self._schedule_for(x.shape[0]).step(*inputs, target=target, losses=[] if last else None)
             self.held = [(p, p.grad) for p in self.parameters]
             for p, grad in zip(self.parameters, before):
                 p.grad = grad
@@ -216,7 +213,7 @@ class TorchPipelineStrategy(RelaunchingDDPStrategy):
 
     def optimizer_state(self, optimizer) -> dict:
         """The optimizer's state dict with each parameter's state from the rank that steps it (collective)."""
-        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        optimizer = plain_optimizer(optimizer)
         doc = optimizer.state_dict()
         if self._forward is None:
             return doc

@@ -22,13 +22,13 @@ from ..predict.costs import (
     state_bytes,
     weight_traffic_s,
 )
-from ..parallel.schedules import SCHEDULES, bubble_steps, in_flight, micro_batches, stages_of
+from ..parallel.schedules import SCHEDULES, bubble_steps, in_flight, micro_batches, stage_owners, stages_of
 from ..predict.perf_models import Link, gpipe_comm_s, gpipe_compute_s, pipeline_schedule_s
+from .cpu_mp import TIMEOUT_S
 from .spec import Setup, StrategyPlan, StrategySpec, accelerator_of
 
 PIPE_CHECKPOINT = ("never", "except_last", "always")
 ENGINES = ("fairscale", "torch")
-TIMEOUT_S = 300.0  # engine=torch: a stage that waits longer than this for the others fails instead of hanging
 CHUNKS = (2, 4, 8, 16)  # the micro-batch counts a user would try
 
 
@@ -57,33 +57,37 @@ def pipe_knobs(cfg, model, data, per_process_batch: int, stages: int):
             f"strategy.chunks={chunks} is larger than the batch of {per_process_batch} each pipeline gets "
             f"(data.batch_size={data['batch_size']}): every micro-batch needs a sample; use strategy.chunks<={per_process_batch}"
         )
-    balance = cfg.get("balance")
-    layers = len(model)
-    if balance is None:
-        # Two stages cut at the model's own split point; more stages are balanced by profiling.
-        balance = [model.split_index, layers - model.split_index] if stages == 2 else "auto"
-    elif balance != "auto":
-        balance = list(balance)
-        if len(balance) != stages or any(not isinstance(b, int) or b < 1 for b in balance) or sum(balance) != layers:
-            raise ConfigError(
-                f"strategy.balance={balance} must give {stages} positive layer counts (one per device) summing to "
-                f"{model.arch}'s {layers} layers, e.g. strategy.balance=[{model.split_index},{layers - model.split_index}], "
-                f"or strategy.balance=auto to balance by profiled layer time"
-            )
+    balance = checked_balance(cfg.get("balance"), model, stages, "one per device")
     sample = (max(1, per_process_batch // chunks), data["channels"], data["image_size"], data["image_size"])
     return chunks, balance, cfg.checkpoint, sample
 
 
-def pipe_balance(setup: Setup, profile) -> list[int]:
-    stages = len(setup.get("devices"))
-    if stages == 2:
-        return [profile.split_index, len(profile.layers) - profile.split_index]
-    return profile.even_balance(stages)
+def checked_balance(balance, model, stages: int, per: str) -> list[int] | str:
+    """``strategy.balance`` for ``stages`` stages of ``model``: null = two stages at the model's own
+    split point, more balanced by profiling (``auto``); a list is checked (``per``: what a count is for)."""
+    layers = len(model)
+    if balance is None:
+        return [model.split_index, layers - model.split_index] if stages == 2 else "auto"
+    if balance == "auto":
+        return balance
+    balance = list(balance)
+    if len(balance) != stages or any(not isinstance(b, int) or b < 1 for b in balance) or sum(balance) != layers:
+        example = f"strategy.balance=[{model.split_index},{layers - model.split_index}], " if stages == 2 else ""
+        raise ConfigError(
+            f"strategy.balance={balance} must give {stages} positive layer counts ({per}) summing to "
+            f"{model.arch}'s {layers} layers, e.g. {example}or strategy.balance=auto to balance by profiled layer time"
+        )
+    return balance
 
 
-def _torch_balance(profile, stages: int) -> list[int]:
-    """The cut the torch engine runs by default: the split point for two stages, else even FLOPs."""
+def default_balance(profile, stages: int) -> list[int]:
+    """The cut a pipeline runs by default, as the models see it: the split point for two stages,
+    else even FLOPs (standing in for profiled time)."""
     return [profile.split_index, len(profile.layers) - profile.split_index] if stages == 2 else profile.even_balance(stages)
+
+
+def pipe_balance(setup: Setup, profile) -> list[int]:
+    return default_balance(profile, len(setup.get("devices")))
 
 
 def chunk_counts(job) -> list[int]:
@@ -136,16 +140,9 @@ class Pipe(StrategySpec):
             raise ConfigError(f"strategy.schedule={cfg.schedule} needs at least one micro-batch per stage: strategy.chunks={chunks} "
                               f"< {ranks} stages; use strategy.chunks>={ranks}")
         stages = ranks * schedule.stages_per_rank
-        balance, layers = cfg.get("balance"), len(model)
-        if balance is None:
-            balance = [model.split_index, layers - model.split_index] if stages == 2 else "auto"
-        elif balance != "auto":
-            balance = list(balance)
-            if len(balance) != stages or any(not isinstance(b, int) or b < 1 for b in balance) or sum(balance) != layers:
-                raise ConfigError(
-                    f"strategy.balance={balance} must give {stages} positive layer counts ({schedule.stages_per_rank} stage(s) "
-                    f"per device under schedule={cfg.schedule}) summing to {model.arch}'s {layers} layers, or "
-                    f"strategy.balance=auto to balance by profiled layer time")
+        layers = len(model)
+        balance = checked_balance(cfg.get("balance"), model, stages,
+                                  f"{schedule.stages_per_rank} stage(s) per device under schedule={cfg.schedule}")
         if stages > layers:
             raise ConfigError(f"strategy.schedule={cfg.schedule} on {ranks} devices needs {stages} stages, more than "
                               f"{model.arch}'s {layers} layers; use fewer devices or strategy.schedule=gpipe")
@@ -235,14 +232,14 @@ class Pipe(StrategySpec):
         the GPUs' link), in lockstep as in Eq. 6.2."""
         devices, m, name = setup.get("devices"), setup.get("chunks"), setup.get("schedule", "gpipe")
         w = len(devices)
-        balance = _torch_balance(profile, w * SCHEDULES[name].stages_per_rank)
+        balance = default_balance(profile, w * SCHEDULES[name].stages_per_rank)
         flops = [sum(layer.forward_flops for layer in part) for part in profile.partitions(balance)]
         micro = max(1, b // m)
         per_rank = [sum(flops[i] for i in stages_of(name, r, w)) / sum(flops) * micro * seq.per_sample_s for r in range(w)]
         compute = pipeline_schedule_s(per_rank, m, bubble_steps(name, w, m))
         traffic = 1 + (m - 1) * REPLICA_SHARE
         weights = weight_traffic_s(seq, hw, traffic, w) if hw.device_kind == "cpu" else seq.weight_s * traffic / w
-        owner = [r for i in range(len(balance)) for r in range(w) if i in stages_of(name, r, w)]
+        owner = stage_owners(name, w)
 
         def between(a: int, b: int) -> Link:
             if a == b:  # two stages of one rank (interleaved, ZB-V): nothing crosses
@@ -259,7 +256,7 @@ class Pipe(StrategySpec):
         other stages' weights (the whole model is built in every process) and the ranks share RAM."""
         devices, m, name = setup.get("devices"), setup.get("chunks"), setup.get("schedule", "gpipe")
         w, micro = len(devices), max(1, job.batch_size // m)
-        balance = _torch_balance(profile, w * SCHEDULES[name].stages_per_rank)
+        balance = default_balance(profile, w * SCHEDULES[name].stages_per_rank)
         parts = profile.partitions(balance)
         ranks = []
         for r in range(w):

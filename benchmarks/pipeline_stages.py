@@ -94,16 +94,23 @@ def _batch(args):
 def _one_core_steps(model, args) -> list[float]:
     cores = os.sched_getaffinity(0)
     os.sched_setaffinity(0, [min(cores)])
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.001, momentum=0.9)
     x, y = _batch(args)
+    times = _timed_steps(lambda: nn.functional.cross_entropy(model(x), y).backward(), model, args.steps)
+    os.sched_setaffinity(0, cores)  # the stages started next inherit it
+    return times
+
+
+def _timed_steps(forward_backward, model, steps: int, settle=lambda: None) -> list[float]:
+    """Seconds of each SGD step (forward_backward, the update, then ``settle``) after a warm-up one."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.001, momentum=0.9)
     times = []
-    for _ in range(args.steps + 1):
+    for _ in range(steps + 1):
         start = time.perf_counter()
         optimizer.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
+        forward_backward()
         optimizer.step()
+        settle()
         times.append(time.perf_counter() - start)
-    os.sched_setaffinity(0, cores)  # the stages started next inherit it
     return times[1:]
 
 
@@ -125,18 +132,14 @@ def _stage(rank: int, args, schedule: str, m: int, balance: list[int], out) -> N
     stage = pipelining.PipelineStage(part, rank, 2, torch.device("cpu"))
     runner = getattr(pipelining, SCHEDULES[schedule].torch_class)(
         stage, n_microbatches=m, loss_fn=lambda o, t: nn.functional.cross_entropy(o, t) / m, scale_grads=False)
-    optimizer = torch.optim.SGD(part.parameters(), lr=0.001, momentum=0.9)
     x, y = _batch(args)
-    times = []
-    for _ in range(args.steps + 1):
-        start = time.perf_counter()
-        optimizer.zero_grad()
+
+    def step() -> None:
         runner.step(x) if rank == 0 else runner.step(target=y, losses=[])
-        optimizer.step()
-        dist.barrier()
-        times.append(time.perf_counter() - start)
+
+    times = _timed_steps(step, part, args.steps, settle=dist.barrier)  # a step ends when both stages have stepped
     if rank == 0:
-        out.put(statistics.median(times[1:]))
+        out.put(statistics.median(times))
     dist.destroy_process_group()
 
 

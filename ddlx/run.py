@@ -32,7 +32,7 @@ from .console import EpochLines, RunSummary, is_terminal, silence_known_noise
 from .data import ImageFolderDataModule
 from .data.folder import complete_data_config
 from .errors import ConfigError, Stopped
-from .job import precision_of
+from .job import FP32, precision_of
 from .machine import machine_tags
 from .measure.resources import ResourceMonitor
 from .measure.timing import EpochTimer
@@ -40,6 +40,7 @@ from .models import build_model
 from .module import ClassifierModule
 from .parallel.launch import RelaunchingDDPStrategy, end_distributed_job, launch_rank
 from .predict.memory import GIB, estimate_training_memory
+from .predict.numerics import PRECISION_NUMERICS
 from .records import run_name
 from .stopping import StopAtSignal, StopSignals, disable_lightning_signal_handlers
 from .strategies import build_strategy
@@ -91,8 +92,10 @@ def check_memory(cfg: DictConfig, data_parallel: int = 1, replicas: int = 1) -> 
     Each of ``replicas`` model copies on this machine trains ``batch_size / data_parallel`` samples.
     """
     data = cfg.data
+    precision = precision_of(cfg.trainer.precision)
     estimate, per_sample = estimate_training_memory(
-        cfg.model.name, data.num_classes, data.channels, data.image_size, max(1, data.batch_size // data_parallel)
+        cfg.model.name, data.num_classes, data.channels, data.image_size, max(1, data.batch_size // data_parallel),
+        precision=precision if precision in PRECISION_NUMERICS else FP32,  # one it has no model of: as fp32
     )
     need = estimate.total_bytes * replicas
     have, what = available_memory_bytes(cfg.trainer.accelerator)
@@ -317,6 +320,9 @@ def check_job(cfg: DictConfig, resolved: dict, tags: dict, rank0: bool):
         if cfg.trainer.get(key) is not None:
             raise ConfigError(f"trainer.{key}={cfg.trainer[key]} with strategy={cfg.strategy.name}: {why}, "
                               f"or trainer.{key}=null")
+    why = plan.refused_precisions.get(precision_of(cfg.trainer.precision))
+    if why is not None:
+        raise ConfigError(f"trainer.precision={cfg.trainer.precision} with strategy={cfg.strategy.name}: {why}")
     if cfg.data.batch_per == "worker":
         plan = batch_of_workers(cfg, resolved, plan, meta, rank0)
     if cfg.ckpt_path:

@@ -111,3 +111,35 @@ def test_slices_step_as_one_optimizer_on_the_whole_batch_and_resume(optimizer_cl
     assert doc["param_groups"][0].get("weight_decay", 0) == (0.01 if optimizer_class is torch.optim.SGD else doc["param_groups"][0]["weight_decay"])
     for state in doc["state"].values():
         assert all(not torch.is_tensor(v) or v.dim() == 0 or v.shape[0] in (5, 3) for v in state.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_one_buffer_in_the_models_format(dtype):
+    """Lightning's 64-true and bf16-true convert the model before the ranks share it: the shared
+    buffer takes the model's format, and the slices step as one optimizer in it."""
+    steps, world = 2, 2
+    reference = _net().to(dtype)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for x, y in _batches(steps):
+        ref_opt.zero_grad()
+        _loss(reference, x.to(dtype), y).backward()
+        ref_opt.step()
+    nets, after = [_net().to(dtype) for _ in range(world)], {}
+
+    def work(rank, barrier, broadcast):
+        net = nets[rank]
+        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        shared = SharedWeights(list(net.parameters()), rank, world, barrier, broadcast)
+        for x, y in _batches(steps):
+            opt.zero_grad()
+            _loss(net, x[rank::world].to(dtype), y[rank::world]).backward()
+            shared.reduce()
+            shared.step(opt)
+        if rank == 0:
+            after.update({k: v.detach().clone() for k, v in net.state_dict().items()})
+
+    _ranks(world, work)
+    tolerance = {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 2e-2, "atol": 2e-2}
+    for key, want in reference.state_dict().items():
+        assert after[key].dtype == dtype, key
+        torch.testing.assert_close(after[key], want, **tolerance, msg=key)

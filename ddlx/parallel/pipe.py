@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from ..models import LayeredModel
+from .autocast import CarriedAutocast
 from .balance import balance_by_time
 from .split import DevicesOf
 
@@ -37,9 +38,14 @@ class PipeForward:
 
             self.pipe = Pipe(model, balance=balance, devices=devices, chunks=chunks, checkpoint=checkpoint)
         self.first = devices[0]
+        self.autocast = CarriedAutocast(list(self.pipe.partitions))  # the partitions run in fairscale's worker threads
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self.autocast.capture()
         return self.pipe(x.to(self.first)).to(self.first)
+
+    def close(self) -> None:
+        self.autocast.remove()
 
 
 def pipe_parallelizer(devices_of: DevicesOf, chunks: int, balance: Sequence[int] | str, checkpoint: str, sample_shape: tuple[int, ...]):

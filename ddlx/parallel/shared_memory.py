@@ -43,13 +43,16 @@ class SharedWeights:
         folder = SHM_DIR if os.path.isdir(SHM_DIR) else "/tmp"
         name = broadcast_name(os.path.join(folder, f"ddlx-weights-{uuid.uuid4().hex}") if rank == 0 else None)
         size = (1 + world_size) * total
+        dtype = self.params[0].dtype  # the model's format (Lightning's *-true precisions convert it), one for all
+        if any(p.dtype != dtype for p in self.params):
+            raise RuntimeError(f"cpu_mp shares one buffer of one format; the parameters are in {sorted({str(p.dtype) for p in self.params})}")
         if rank == 0:
             with open(name, "wb") as f:
-                f.truncate(size * 4)
+                f.truncate(size * dtype.itemsize)
         barrier()
         if not os.path.exists(name):
             raise RuntimeError(f"cpu_mp rank {rank}: rank 0's shared weights {name} are not there (another machine?)")
-        buffer = torch.from_file(name, shared=True, size=size, dtype=torch.float32)
+        buffer = torch.from_file(name, shared=True, size=size, dtype=dtype)
         barrier()  # every rank has mapped it (from_file would create a new file once it is unlinked)
         self.weights = buffer[:total]
         self.slots = buffer[total:].view(world_size, total)

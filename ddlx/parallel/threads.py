@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ..models import LayeredModel
+from .autocast import AutocastState, autocast_as, autocast_state
 
 log = logging.getLogger(__name__)
 
@@ -52,15 +53,16 @@ class ThreadedForward:
         self.threads = threads
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="ddlx-dp")
 
-    def _run(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.enable_grad():
+    def _run(self, x: torch.Tensor, autocast: AutocastState) -> torch.Tensor:
+        with torch.enable_grad(), autocast_as(autocast):
             return self.model.sequential_forward(x)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled() or x.shape[0] < 2:
             return self.model.sequential_forward(x)  # validation: no gradients to share out
         chunks = x.tensor_split(min(self.threads, x.shape[0]))
-        graphs = list(self.pool.map(self._run, chunks))
+        autocast = autocast_state()  # per thread: the sub-batch threads run in the training thread's
+        graphs = list(self.pool.map(self._run, chunks, [autocast] * len(chunks)))
         leaves = [g.detach().requires_grad_() for g in graphs]
         return _JoinSubBatches.apply(self.pool, graphs, *leaves)
 

@@ -6,17 +6,15 @@ from dataclasses import dataclass
 
 from ..knobs import knob
 from ..predict.costs import (
-    FLOAT_BYTES,
     REPLICA_SHARE,
     cost,
     memory_need,
     node_copy_gb_s,
     replica_bytes,
-    state_bytes,
     weight_traffic_s,
 )
 from ..predict.perf_models import cpu_mp_s
-from .spec import Setup, StrategyPlan, StrategySpec, require_cpu, warn_oversubscription
+from .spec import Setup, StrategyPlan, StrategySpec, no_loss_scaling, require_cpu, warn_oversubscription
 
 TIMEOUT_S = 300.0  # a rank that waits longer than this for the others fails instead of hanging
 
@@ -49,7 +47,8 @@ class CpuMp(StrategySpec):
                     "use strategy=ddp_gloo to clip")
         return StrategyPlan(trainer_kwargs={"strategy": strategy, "devices": cfg.processes, "accelerator": "cpu"},
                             tags={"processes": str(cfg.processes)}, data_parallel=cfg.processes,
-                            replicas_per_machine=cfg.processes, refused_trainer_args={"gradient_clip_val": clipping})
+                            replicas_per_machine=cfg.processes, refused_trainer_args={"gradient_clip_val": clipping},
+                            refused_precisions=no_loss_scaling("each rank checks only its slice of the gradient"))
 
     def setup_of_run(self, params, tags) -> Setup:
         return Setup(self.name, (("processes", int(params["strategy.processes"])),))
@@ -72,9 +71,9 @@ class CpuMp(StrategySpec):
         """Each rank's activations and gradient, one shared copy of the weights, the optimizer
         state once over the slices, and the shared gradient slots (one per rank)."""
         p = setup.get("processes")
-        shared = (1 + 1 + p) * profile.params * FLOAT_BYTES  # weights, momentum (split), slots
+        shared = (1 + 1 + p) * profile.params * profile.param_bytes  # weights, momentum (split), slots
         ranks = min(p, hw.devices_per_node)
-        per_rank = replica_bytes(job, job.batch_size // p) - state_bytes(profile.params) + profile.params * FLOAT_BYTES
+        per_rank = replica_bytes(job, job.batch_size // p) - profile.state_bytes(profile.params) + profile.params * profile.param_bytes
         return memory_need(hw, per_rank + shared / ranks, ranks)
 
 

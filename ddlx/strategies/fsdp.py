@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 from ..knobs import knob
-from ..predict.costs import FLOAT_BYTES, cost, memory_need, replica_bytes, ring, state_bytes, weight_traffic_s
+from ..predict.costs import cost, memory_need, replica_bytes, ring, weight_traffic_s
 from ..predict.perf_models import data_parallel_s
 from .cpu_mp import TIMEOUT_S
-from .spec import Setup, StrategyPlan, StrategySpec, warn_oversubscription
+from .spec import Setup, StrategyPlan, StrategySpec, no_loss_scaling, warn_oversubscription
 
 SHARDINGS = ("full", "grad_op", "none")
 # Ring volume per step against DDP's allreduce (2(W-1)/W of the gradients): full gathers the
@@ -57,6 +57,7 @@ class Fsdp(StrategySpec):
             trainer_kwargs={"strategy": strategy, "devices": p, "accelerator": "gpu" if devices[0].type == "cuda" else "cpu"},
             tags={"processes": str(p), "sharding": cfg.sharding},
             data_parallel=p, replicas_per_machine=p,
+            refused_precisions=no_loss_scaling("each rank holds only its shard of the gradients"),
         )
 
     def setup_of_run(self, params, tags) -> Setup:
@@ -73,7 +74,7 @@ class Fsdp(StrategySpec):
         w, shared_bus = setup.get("processes"), hw.device_kind == "cpu"
         work = job.batch_size * (seq.per_sample_s + seq.load_per_sample_s)
         volume = VOLUME[setup.get("sharding", "full")] * profile.gradient_mb
-        largest = max(layer.params for layer in profile.layers) * FLOAT_BYTES / 1e6  # one unit's transfer
+        largest = max(layer.params for layer in profile.layers) * profile.param_bytes / 1e6  # one unit's transfer
         local = min(w, hw.devices_per_node) if shared_bus else 1
         total = data_parallel_s(work, w, volume, largest, ring(hw, w), hw.allreduce_fixed_us * 1e-6,
                                 overlap=not shared_bus) + weight_traffic_s(seq, hw, local, local)
@@ -85,9 +86,9 @@ class Fsdp(StrategySpec):
         grad_op the whole weights and 1/W of the rest, none all of it."""
         w, sharding = setup.get("processes"), setup.get("sharding", "full")
         replica = replica_bytes(job, job.batch_size // w)
-        state = state_bytes(profile.params)
-        weights = profile.params * FLOAT_BYTES
-        largest = max(layer.params for layer in profile.layers) * FLOAT_BYTES
+        state = profile.state_bytes(profile.params)
+        weights = profile.params * profile.param_bytes
+        largest = max(layer.params for layer in profile.layers) * profile.param_bytes
         if sharding == "full":
             kept = state / w + 2 * largest  # the layer in use and the next, prefetched
         elif sharding == "grad_op":

@@ -10,7 +10,6 @@ from typing import Any
 from ..errors import ConfigError
 from ..knobs import knob
 from ..predict.costs import (
-    FLOAT_BYTES,
     FORWARD_SHARE,
     REPLICA_SHARE,
     cost,
@@ -19,7 +18,6 @@ from ..predict.costs import (
     memory_need,
     recomputed_share,
     stage_bytes,
-    state_bytes,
     weight_traffic_s,
 )
 from ..parallel.schedules import SCHEDULES, bubble_steps, in_flight, micro_batches, stage_owners, stages_of
@@ -153,6 +151,10 @@ class Pipe(StrategySpec):
             trainer_kwargs={"strategy": strategy, "devices": ranks, "accelerator": accelerator_of(devices[0])},
             tags={"devices": ",".join(map(str, devices)), "chunks": str(chunks), "balance": str(balance),
                   "checkpoint": cfg.checkpoint, "engine": "torch", "schedule": cfg.schedule},
+            refused_precisions={"16-mixed": "16-mixed scales the loss before Lightning's backward, but PyTorch's schedule "
+                                            "runs the backward inside the forward, and each rank sees only its stages' "
+                                            "gradients; use trainer.precision=bf16-mixed (no loss scaling), or "
+                                            "strategy.engine=fairscale for 16-mixed"},
         )
 
     def setup_of_run(self, params, tags) -> Setup:
@@ -263,8 +265,8 @@ class Pipe(StrategySpec):
             mine = stages_of(name, r, w)
             params = sum(layer.params for i in mine for layer in parts[i])
             acts = sum(layer.activation_bytes for i in mine for layer in parts[i]) + (profile.input_bytes if 0 in mine else 0)
-            held = state_bytes(params) + in_flight(name, r, w, m) * micro * acts
-            ranks.append(held + ((profile.params - params) * FLOAT_BYTES if hw.device_kind == "cpu" else 0))
+            held = profile.state_bytes(params) + in_flight(name, r, w, m) * micro * acts
+            ranks.append(held + ((profile.params - params) * profile.param_bytes if hw.device_kind == "cpu" else 0))
         return memory_need(hw, sum(ranks) if hw.device_kind == "cpu" else max(ranks))
 
     def memory(self, setup, job, hw, profile):

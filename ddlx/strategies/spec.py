@@ -37,6 +37,8 @@ class StrategyPlan:
     replicas_per_machine: int = 1  # model copies in this machine's memory, for the memory check
     # Trainer arguments the strategy cannot honour, with why and what to use instead: refused when set.
     refused_trainer_args: dict[str, str] = field(default_factory=dict)
+    # trainer.precision values (full names) it cannot train in, with why and what to use instead.
+    refused_precisions: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,15 @@ class StrategySpec:
 
 
 # ---- helpers the specs' plans share -----------------------------------------------------------
+
+
+def no_loss_scaling(why: str) -> dict[str, str]:
+    """``refused_precisions`` of a strategy whose ranks each see only part of the gradients
+    (``why``): Lightning's 16-mixed loss scaler would skip steps and change its scale on some
+    ranks and not others."""
+    return {"16-mixed": f"16-mixed scales the loss and skips the steps whose gradients overflow, but {why}, so its ranks "
+                        f"would disagree on the skip and the scale; use trainer.precision=bf16-mixed (no loss scaling), "
+                        f"or strategy=ddp_gloo / ddp_nccl for 16-mixed"}
 
 
 def cores() -> int:

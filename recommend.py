@@ -26,8 +26,8 @@ def main(cfg: DictConfig) -> None:
     from ddlx.predict.cli import run
 
     hydra_cfg = HydraConfig.get()
-    # The user's model/data/allocator overrides, so the train.py command it prints trains the same job.
-    job_overrides = [o for o in hydra_cfg.overrides.task if o.lstrip("+~").split("=")[0].split(".")[0] in ("model", "data", "cpu_allocator")]
+    # The user's model/data/allocator/precision overrides, so the train.py command it prints trains the same job.
+    job_overrides = [o for o in hydra_cfg.overrides.task if o.lstrip("+~").split("=")[0].split(".")[0] in ("model", "data", "cpu_allocator", "trainer")]
     report_config_errors(lambda: run(cfg, Path(hydra_cfg.runtime.output_dir), ROOT / "conf" / "hw", job_overrides))
 
 

@@ -253,7 +253,7 @@ def _consistent_runs(hw: HardwareSpec, workloads=(("alexnet", 64, 0.010), ("resn
         params = _workload_params(model, size)
         job = Job(model, "firesmall", 3, 3, size, 32, 320)
         profile = profile_model(model, 3, 3, size)
-        seq = SequentialTime(per_sample, weight_seconds(profile.params, hw), "truth")
+        seq = SequentialTime(per_sample, weight_seconds(profile, hw), "truth")
         for setup in SETUPS:
             truth = TRUTH.get(setup.strategy, Calibration(1.0, 1.0, 3))
             own = (network_truth or {}).get((model, setup.strategy), 1.0)
@@ -503,13 +503,16 @@ def test_titanrtx_links_follow_the_nvlink_pairs():
 def test_local_is_detected():
     spec = hardware(_compose_hw("hw=local"))
     assert spec.cores_per_node >= 1 and spec.ram_per_node_gb > 1 and spec.peak_tflops > 0 and spec.host
+    if spec.device_kind == "cpu":  # a core's rate in each format, timed (a GPU's are its data sheet's)
+        assert set(spec.peak_tflops_by_type) == {"fp64", "bf16", "fp16"} and min(spec.peak_tflops_by_type.values()) > 0
 
 
 def test_local_rates_are_timed_once_per_machine(tmp_path, monkeypatch):
     from ddlx.predict import hardware as hw_module
 
     def rates(value):
-        return lambda spec: dict.fromkeys(hw_module.TIMED_RATES[spec.device_kind], value)
+        return lambda spec: {k: {"bf16": value} if k == "peak_tflops_by_type" else value
+                             for k in hw_module.TIMED_RATES[spec.device_kind]}
 
     first = hardware(_compose_hw("hw=local"), tmp_path)
     timed = hw_module.TIMED_RATES[first.device_kind]
@@ -599,7 +602,8 @@ def test_recommend_py_names_bad_values(tmp_path):
     assert "Traceback" not in proc.stderr
     for bad, message in [("data.image_size=8", "image_size=8 is too small for alexnet; use data.image_size >= 16"),
                          ("detected_dir=/proc/ddlx", "detected_dir=/proc/ddlx"),
-                         ("close_call=5", "close_call=5; expected a fraction in [0, 1)")]:
+                         ("close_call=5", "close_call=5; expected a fraction in [0, 1)"),
+                         ("trainer.precision=bf17", "trainer.precision=bf17: the recommender models 32-true")]:
         proc = subprocess.run([*cmd[:2], "hw=local", bad, *cmd[4:]], capture_output=True, text=True, timeout=300,
                               env=subprocess_env(), cwd=tmp_path)
         assert proc.returncode == 2 and f"ddlx: error: {message}" in proc.stderr, proc.stderr[-2000:]
@@ -887,3 +891,87 @@ def test_resampling_the_runs_says_how_reproducible_the_measured_fastest_is():
     assert pick([row("a", 2.0, [9.0, 10.0, 11.0]), row("b", 1.0, [9.5, 10.05, 10.6])]) == tie, "seeded: same runs, same figures"
     single = pick([row("a", 1.0, [10.0]), row("b", 2.0, [10.5]), row("c", 3.0, [11.0])])
     assert single.fastest_reproduced == 1.0, "one run each: resamples cannot move it (repeats are what show the noise)"
+
+
+# ---- precision ------------------------------------------------------------------------------
+
+def test_a_precision_sets_the_peak_and_the_assumed_efficiency():
+    """Uncalibrated T_seq: fp16 on the Titan RTX's tensor cores (130.5 TFLOPS at the tensor-core
+    efficiency), bf16 at the fp32 peak (Turing has no bf16 units, and the basis says so), fp64 at
+    its own peak; on an H100, fp32 convolutions at the TF32 peak (cuDNN's default)."""
+    from ddlx.predict.tseq import DEFAULT_EFFICIENCY, TENSOR_CORE_EFFICIENCY
+
+    titan, h100 = _compose_hw_spec("titanrtx_4x"), _compose_hw_spec("h100_1x")
+    job = Job("vgg16", "firesmall", 2, 3, 224, 32, 640)
+
+    def seq(hw, precision):
+        return Predictor(hw, []).recommend(replace(job, precision=precision), [Setup("sequential")]).sequential
+
+    fp32, fp16, bf16, fp64 = (seq(titan, p) for p in ("32-true", "16-mixed", "bf16-mixed", "64-true"))
+    gpu = DEFAULT_EFFICIENCY["gpu"]
+    assert fp16.per_sample_s == pytest.approx(fp32.per_sample_s * 16.3 * gpu / (130.5 * TENSOR_CORE_EFFICIENCY))
+    assert "fp16 peak" in fp16.basis and "16-mixed" in fp16.basis
+    assert bf16.per_sample_s == pytest.approx(fp32.per_sample_s) and "gives no bf16 peak" in bf16.basis
+    assert fp64.per_sample_s == pytest.approx(fp32.per_sample_s * 16.3 / 0.51) and "fp64 peak" in fp64.basis
+    assert fp64.weight_s == pytest.approx(2 * fp32.weight_s) and fp16.weight_s == pytest.approx(fp32.weight_s), \
+        "the optimizer's passes over the weights: fp64 weights, fp32 master weights under autocast"
+    tf32 = seq(h100, "32-true")
+    assert "tf32 peak" in tf32.basis and tf32.per_sample_s == pytest.approx(
+        fp32.per_sample_s * 16.3 * gpu / (494.7 * TENSOR_CORE_EFFICIENCY))
+
+
+def test_an_efficiency_is_calibrated_against_the_peak_of_its_runs_precision():
+    from ddlx.predict.tseq import efficiency_from_runs, from_flops
+
+    hw = _hw(peak_tflops_by_type={"bf16": 0.4})
+    half = [replace(r, workload=replace(r.workload, precision="bf16-mixed")) for r in _consistent_runs(hw)]
+    half = [r for r in half if r.tags.get("strategy") == "sequential"]
+    profile_of = lambda r: profile_model(r.workload.model, 3, 3, r.workload.image_size)  # noqa: E731
+    on_bf16 = efficiency_from_runs(half, lambda r: hw, profile_of, "cpu")
+    on_fp32 = efficiency_from_runs(half, lambda r: replace(hw, peak_tflops_by_type={}), profile_of, "cpu")
+    assert on_bf16 and on_bf16 == pytest.approx([e * 0.1 / 0.4 for e in on_fp32]), "the same runs, 4x the peak"
+    job = replace(job_of_run(half[0]), precision="bf16-mixed")
+    est = from_flops(job, hw, profile_model(job.model, 3, 3, job.image_size), on_bf16)
+    assert "bf16 peak" in est.basis and "from 3 measured cpu baseline(s)" in est.basis
+
+
+def test_a_precision_sets_the_bytes_of_weights_gradients_and_activations():
+    from ddlx.predict.numerics import numerics_of
+
+    fp32 = profile_model("vgg11", 2, 3, 64)
+    layers = sum(layer.activation_bytes for layer in fp32.layers)
+    mixed, half, double = (fp32.at(numerics_of(p)) for p in ("bf16-mixed", "bf16-true", "64"))
+    assert sum(layer.activation_bytes for layer in mixed.layers) == layers // 2
+    assert mixed.input_bytes == fp32.input_bytes, "the loader's fp32 images"
+    assert mixed.gradient_mb == fp32.gradient_mb and mixed.state_bytes(10) == 10 * (3 * 4 + 2), \
+        "autocast: fp32 weights, gradients and momentum, plus a bf16 copy of the weights"
+    assert half.gradient_mb == fp32.gradient_mb / 2 and half.input_bytes == fp32.input_bytes // 2
+    assert half.boundary_bytes([10, len(fp32.layers) - 10]) == [b // 2 for b in fp32.boundary_bytes([10, len(fp32.layers) - 10])]
+    assert double.state_bytes(10) == 10 * 3 * 8 and double.activation_bytes_per_sample == 2 * fp32.activation_bytes_per_sample
+    hw, job = _compose_hw_spec("titanrtx_4x"), Job("vgg11", "firesmall", 2, 3, 64, 32, 640)
+    ddp = Setup("ddp_nccl", (("processes", 4),))
+    per_device = {p: memory_need(ddp, replace(job, precision=p), hw, fp32.at(numerics_of(p))).per_device_gb
+                  for p in ("32-true", "bf16-true", "64-true")}
+    assert per_device["bf16-true"] == pytest.approx(per_device["32-true"] / 2, rel=0.01)
+    assert per_device["64-true"] == pytest.approx(per_device["32-true"] * 2, rel=0.01)
+
+
+def test_setups_that_refuse_a_precision_are_not_candidates():
+    from ddlx.predict.setups import candidates
+
+    hw, job = _compose_hw_spec("titanrtx_4x"), Job("vgg11", "firesmall", 2, 3, 64, 32, 640)
+
+    def refusing(precision):
+        return {s.label for s in candidates(hw, replace(job, precision=precision))
+                if s.strategy in ("fsdp", "cpu_mp") or s.get("engine") == "torch"}
+
+    assert refusing("bf16-mixed") and not refusing("16-mixed"), "16-mixed: loss scaling needs every rank's gradients"
+
+
+def test_bad_peaks_by_type_are_named():
+    with pytest.raises(ConfigError, match=r"hw.peak_tflops_by_type.fp8=200.0 for hw=titanrtx_4x.*fp64, tf32, bf16, fp16"):
+        hardware(_compose_hw("hw=titanrtx_4x", "+hw.peak_tflops_by_type.fp8=200"))
+    with pytest.raises(ConfigError, match=r"trainer.precision=transformer-engine: the recommender models"):
+        from ddlx.predict.numerics import numerics_of
+
+        numerics_of("transformer-engine")

@@ -29,6 +29,7 @@ from .render import (
     validation_plot,
     validation_text,
 )
+from .numerics import numerics_of
 from .tseq import ProbedBatch, probe_batches, probe_loading
 from .validation import group_errors, pick_figures
 from .validation import validate as leave_one_out
@@ -88,7 +89,7 @@ def job_from_config(cfg: DictConfig) -> Job:
     train = count - round(count * data.val_fraction)
     check_request(cfg.model.name, data.num_classes, data.channels, data.image_size)
     return Job(cfg.model.name, data.name, data.num_classes, data.channels, data.image_size, data.batch_size, train,
-               data.num_workers, cfg.cpu_allocator)
+               data.num_workers, cfg.cpu_allocator, numerics_of(cfg.trainer.precision).precision)
 
 
 def measured_runs(cfg: DictConfig) -> tuple[list, str]:
@@ -187,9 +188,10 @@ def kept_probes(cfg: DictConfig, runs, local: HardwareSpec, detected_dir: Path |
     def probe(job: Job):
         def batches(n: int) -> list[ProbedBatch]:
             key = {**what(job), "model": job.model, "batch_size": job.batch_size, "batches": n,
-                   "optim": OmegaConf.to_container(cfg.optim, resolve=True)}
+                   "optim": OmegaConf.to_container(cfg.optim, resolve=True), "precision": job.precision}
             timed = kept(detected_dir, machine, "train", key, lambda: [
-                dataclasses.asdict(b) for b in probe_batches(_probe_data(cfg, job, runs), job.model, 1, cfg.probe_max_s, cfg.optim)(n)])
+                dataclasses.asdict(b) for b in probe_batches(_probe_data(cfg, job, runs), job.model, 1, cfg.probe_max_s,
+                                                            cfg.optim, job.precision)(n)])
             return [ProbedBatch(**b) for b in timed]
         return batches
 

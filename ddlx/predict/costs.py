@@ -29,8 +29,7 @@ if TYPE_CHECKING:
     from ..job import Job
     from .profile import ModelProfile
 
-FLOAT_BYTES = 4
-# Passes over the parameters per step (x 4 bytes each): SGD with momentum reads param, grad and
+# Passes over the parameters per step (x 4 bytes each in fp32): SGD with momentum reads param, grad and
 # momentum and writes param and momentum, the gradient reset writes, forward and backward read
 # the weights and backward writes the gradient: 8; 12 fits measured CPU baselines (solved for
 # the compute rate and this) and covers cache misses.
@@ -80,9 +79,9 @@ def cost(compute_s: float, total_s: float) -> Cost:
     return Cost(compute, total_s - compute)
 
 
-def weight_seconds(params: int, hw: HardwareSpec) -> float:
-    """One replica's weight traffic moved by one core (one device)."""
-    return WEIGHT_PASSES * params * FLOAT_BYTES / (hw.memory_bandwidth_gb_s * GB)
+def weight_seconds(profile: ModelProfile, hw: HardwareSpec) -> float:
+    """One replica's weight traffic moved by one core (one device), in the profile's precision."""
+    return WEIGHT_PASSES * profile.params * profile.param_bytes / (hw.memory_bandwidth_gb_s * GB)
 
 
 def weight_traffic_s(seq: SequentialTime, hw: HardwareSpec, replicas: float, cores: int) -> float:
@@ -135,15 +134,12 @@ class MemoryNeed:
         return self.per_device_gb <= self.limit_gb
 
 
-def state_bytes(params: int) -> int:
-    return 3 * params * FLOAT_BYTES  # weights, gradients, momentum
-
-
 def replica_bytes(job: Job, batch: int) -> int:
-    """A whole replica (the estimate train.py checks before training)."""
+    """A whole replica (the estimate train.py checks before training), in the job's precision."""
     from .memory import estimate_training_memory
 
-    estimate, _ = estimate_training_memory(job.model, job.num_classes, job.channels, job.image_size, batch)
+    estimate, _ = estimate_training_memory(job.model, job.num_classes, job.channels, job.image_size, batch,
+                                           precision=job.precision)
     return estimate.total_bytes
 
 
@@ -168,7 +164,7 @@ def stage_bytes(profile: ModelProfile, balance: list[int], batch: int, chunks: i
         acts = sum(layer.activation_bytes for layer in part) + (profile.input_bytes if i == 0 else 0)
         # Backward runs the kept micro-batches first and frees them, then recomputes the others one at a time.
         kept = recomputed * inputs[i] + max(batch - recomputed, micro if recomputed else 0) * acts
-        out.append(state_bytes(sum(layer.params for layer in part)) + kept)
+        out.append(profile.state_bytes(sum(layer.params for layer in part)) + kept)
     return out
 
 

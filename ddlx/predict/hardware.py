@@ -20,6 +20,7 @@ from typing import Optional
 from omegaconf import MISSING
 
 from ..errors import ConfigError
+from .numerics import NUMBER_TYPES, Numerics
 
 GB = 1e9
 
@@ -48,6 +49,10 @@ class HardwareSpec:
     memory_per_device_gb: float = MISSING  # a GPU's memory; for device_kind=cpu, the node's RAM
     ram_per_node_gb: float = MISSING
     peak_tflops: float = MISSING  # fp32, per device (per core for device_kind=cpu)
+    # Peaks of the other number formats (numerics.NUMBER_TYPES: fp64, tf32, bf16, fp16; GPUs'
+    # dense tensor-core figures): what mixed and low precision run at. A format not given is
+    # taken at the fp32 peak, and the prediction's basis says so.
+    peak_tflops_by_type: dict[str, float] = field(default_factory=dict)
     intra_node: LinkSpec = field(default_factory=LinkSpec)  # between devices (processes) of a node
     intra_node_pairs: list[PairLink] = field(default_factory=list)
     inter_node: Optional[LinkSpec] = None
@@ -56,6 +61,17 @@ class HardwareSpec:
     allreduce_fixed_us: float = 50.0  # fixed cost of one allreduce call: launch, negotiation, copies
     host: str = ""  # the machine the runs of this hardware were measured on ("" = not this machine)
     detect: bool = False  # fill cores, memory and GPUs from this machine (hw=local)
+
+    def peak_for(self, numerics: Numerics) -> tuple[float, str]:
+        """The peak TFLOPS the matrix products of ``numerics`` run at, and which it is."""
+        compute, given = numerics.compute, self.peak_tflops_by_type
+        if compute == "fp32":
+            if self.device_kind == "gpu" and "tf32" in given:
+                return given["tf32"], "tf32 peak (cuDNN runs fp32 convolutions in TF32 by default)"
+            return self.peak_tflops, "fp32 peak"
+        if compute in given:
+            return given[compute], f"{compute} peak"
+        return self.peak_tflops, f"fp32 peak (hw.peak_tflops_by_type gives no {compute} peak)"
 
     @property
     def total_devices(self) -> int:
@@ -94,6 +110,10 @@ def validate(spec: HardwareSpec) -> HardwareSpec:
     for key in ("memory_per_device_gb", "ram_per_node_gb", "peak_tflops"):
         if getattr(spec, key) <= 0:
             raise ConfigError(f"hw.{key}={getattr(spec, key)} for hw={spec.name}; must be > 0")
+    for key, value in spec.peak_tflops_by_type.items():
+        if key not in NUMBER_TYPES or value <= 0:
+            raise ConfigError(f"hw.peak_tflops_by_type.{key}={value} for hw={spec.name}: expected a format of "
+                              f"{', '.join(NUMBER_TYPES)} with a peak > 0 (fp32's is hw.peak_tflops)")
     links = [("intra_node", spec.intra_node)] + [(f"intra_node_pairs[{i}]", p) for i, p in enumerate(spec.intra_node_pairs)]
     if spec.inter_node is not None:
         links.append(("inter_node", spec.inter_node))
@@ -111,15 +131,26 @@ def validate(spec: HardwareSpec) -> HardwareSpec:
     return spec
 
 
-# fp32 peak TFLOPS of GPUs by name (vendor data sheets), for hw=local on a GPU machine.
-GPU_PEAK_TFLOPS = {"H200": 67.0, "H100": 67.0, "A100": 19.5, "V100": 15.7, "TITAN RTX": 16.3, "A10": 31.2, "L4": 30.3, "T4": 8.1}
+# Peak TFLOPS of GPUs by name (vendor data sheets; SXM parts; tensor-core figures dense, without
+# sparsity; fp64 on tensor cores where the GPU has them), for hw=local on a GPU machine. A format
+# left out has no hardware of its own there (no bf16 or tf32 before Ampere).
+GPU_PEAKS = {
+    "H200": {"fp32": 67.0, "fp64": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4},
+    "H100": {"fp32": 67.0, "fp64": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4},
+    "A100": {"fp32": 19.5, "fp64": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0},
+    "V100": {"fp32": 15.7, "fp64": 7.8, "fp16": 125.0},
+    "TITAN RTX": {"fp32": 16.3, "fp64": 0.51, "fp16": 130.5},
+    "A10": {"fp32": 31.2, "fp64": 0.98, "tf32": 62.5, "bf16": 125.0, "fp16": 125.0},
+    "L4": {"fp32": 30.3, "fp64": 0.49, "tf32": 60.0, "bf16": 121.0, "fp16": 121.0},
+    "T4": {"fp32": 8.1, "fp64": 0.25, "fp16": 65.0},
+}
 
 
 # The detected figures that are timed, not read, per device kind: they vary by a few percent from
 # one measurement to the next, which would move repeated answers and flip near ties, so they
 # are measured once per machine and kept (see detect_local). A GPU's peak is its data
-# sheet's (GPU_PEAK_TFLOPS), read on every call like the core count.
-TIMED_RATES = {"cpu": ("peak_tflops", "memory_bandwidth_gb_s", "node_memory_bandwidth_gb_s"),
+# sheet's (GPU_PEAKS), read on every call like the core count.
+TIMED_RATES = {"cpu": ("peak_tflops", "peak_tflops_by_type", "memory_bandwidth_gb_s", "node_memory_bandwidth_gb_s"),
                "gpu": ("memory_bandwidth_gb_s",)}
 
 
@@ -142,7 +173,10 @@ def detect_local(spec: HardwareSpec, cache_dir: Path | None = None, refresh: boo
         spec.device_kind, spec.device_name = "gpu", props.name
         spec.devices_per_node = torch.cuda.device_count()
         spec.memory_per_device_gb = props.total_memory / GB
-        spec.peak_tflops = next((v for k, v in GPU_PEAK_TFLOPS.items() if k in props.name.upper()), spec.peak_tflops)
+        peaks = next((v for k, v in GPU_PEAKS.items() if k in props.name.upper()), None)
+        if peaks is not None:
+            spec.peak_tflops = peaks["fp32"]
+            spec.peak_tflops_by_type = {k: v for k, v in peaks.items() if k != "fp32"}
     else:
         spec.device_kind, spec.device_name = "cpu", cpu_model()
         spec.devices_per_node = spec.cores_per_node
@@ -192,7 +226,9 @@ def _measure_rates(spec: HardwareSpec) -> dict:
     if spec.device_kind == "gpu":
         return {"memory_bandwidth_gb_s": copy_gb_s(torch.device("cuda:0"))}
     cpu = torch.device("cpu")
+    by_type = {"fp64": torch.float64, "bf16": torch.bfloat16, "fp16": torch.float16}
     return {"peak_tflops": core_gemm_tflops(), "memory_bandwidth_gb_s": copy_gb_s(cpu),
+            "peak_tflops_by_type": {name: core_gemm_tflops(dtype=dtype) for name, dtype in by_type.items()},
             "node_memory_bandwidth_gb_s": copy_gb_s(cpu, threads=spec.cores_per_node)}
 
 
@@ -230,12 +266,14 @@ def copy_gb_s(device, mb: int = 64, repeats: int = 7, threads: int = 1) -> float
     return 2 * src.numel() * 4 / best / 1e9
 
 
-def core_gemm_tflops(size: int = 512, repeats: int = 8) -> float:
-    """What one core achieves on an fp32 matrix product: the local CPU's practical peak (~0.3 s)."""
+def core_gemm_tflops(size: int = 512, repeats: int = 8, dtype=None) -> float:
+    """What one core achieves on a matrix product in ``dtype`` (fp32 if None): the local CPU's
+    practical peak for that format (~0.3 s; a format the CPU has no instructions for, e.g. fp16
+    without AVX512-FP16, is emulated and far slower, which is what training in it would see)."""
     import torch
 
     with intra_op_threads(1):
-        a, b = torch.randn(size, size), torch.randn(size, size)
+        a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
         a @ b  # warm-up
         start = time.perf_counter()
         for _ in range(repeats):

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .profile import FLOAT_BYTES, profile_model
+from ..job import FP32
+from .numerics import numerics_of
+from .profile import profile_model
 
 GIB = 2**30
 
@@ -31,17 +33,19 @@ def estimate_training_memory(
     image_size: int,
     batch_size: int,
     optimizer_slots: int = 1,
+    precision: str | None = FP32,
 ) -> tuple[MemoryEstimate, int]:
     """Memory of one replica training ``arch`` on ``batch_size`` images, and the activation bytes per sample.
 
     ``optimizer_slots`` is the number of parameter-sized buffers the optimizer keeps (SGD with
-    momentum: 1, Adam: 2).
+    momentum: 1, Adam: 2); ``precision``: Lightning's ``trainer.precision`` (:mod:`.numerics`:
+    its bytes per parameter and activation, and autocast's weight copies, counted with the parameters).
     """
-    profile = profile_model(arch, num_classes, in_channels, image_size)
+    profile = profile_model(arch, num_classes, in_channels, image_size).at(numerics_of(precision))
     per_sample = profile.activation_bytes_per_sample
-    param_bytes = profile.params * FLOAT_BYTES
+    param_bytes = profile.params * profile.param_bytes
     estimate = MemoryEstimate(
-        parameters_bytes=param_bytes,
+        parameters_bytes=param_bytes + profile.params * profile.cast_bytes,
         gradients_bytes=param_bytes,
         optimizer_bytes=param_bytes * optimizer_slots,
         activations_bytes=per_sample * batch_size,

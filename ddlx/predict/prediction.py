@@ -19,6 +19,7 @@ from ..records import MeasuredRun, job_of_run, measured_per_batch_s, on_hardware
 from ..strategies import BASELINE
 from .calibration import Calibration, fit_group_calibrations, workload_ratios
 from .hardware import HardwareSpec
+from .numerics import numerics_of
 from .profile import ModelProfile, mapped_bytes, profile_model
 from .setups import (
     Cost,
@@ -140,7 +141,8 @@ def allocator_advice(rec: Recommendation) -> str | None:
 
 
 def profile_of_job(job: Job) -> ModelProfile:
-    return profile_model(job.model, job.num_classes, job.channels, job.image_size)
+    """The job's model, counted, in the bytes of its precision."""
+    return profile_model(job.model, job.num_classes, job.channels, job.image_size).at(numerics_of(job.precision))
 
 
 class Predictor:

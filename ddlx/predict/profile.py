@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -43,6 +43,19 @@ class ModelProfile:
     layers: tuple[LayerProfile, ...]
     cut_points: tuple[tuple[str, int], ...]
     split_index: int
+    param_bytes: int = FLOAT_BYTES  # per parameter, and per gradient and optimizer slot
+    cast_bytes: int = 0  # per parameter: a low-precision copy of the weights held through the step (autocast)
+
+    def at(self, numerics) -> ModelProfile:
+        """This profile (counted in fp32) in the bytes of ``numerics`` (:mod:`.numerics`)."""
+        def scaled(nbytes: int, width: int) -> int:
+            return nbytes * width // FLOAT_BYTES
+
+        act = numerics.activation_bytes
+        return replace(self, input_bytes=scaled(self.input_bytes, numerics.input_bytes),
+                       layers=tuple(replace(layer, activation_bytes=scaled(layer.activation_bytes, act),
+                                            output_bytes=scaled(layer.output_bytes, act)) for layer in self.layers),
+                       param_bytes=numerics.param_bytes, cast_bytes=numerics.cast_bytes)
 
     @property
     def params(self) -> int:
@@ -50,7 +63,12 @@ class ModelProfile:
 
     @property
     def gradient_mb(self) -> float:
-        return self.params * FLOAT_BYTES / 1e6
+        return self.params * self.param_bytes / 1e6
+
+    def state_bytes(self, params: int) -> int:
+        """What ``params`` of the model's parameters hold through a step: weights, gradients and
+        momentum (SGD's one slot), and autocast's copies of the weights."""
+        return params * (3 * self.param_bytes + self.cast_bytes)
 
     @property
     def forward_flops_per_sample(self) -> float:

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..job import Job
+from ..job import FP32, Job
 from ..records import (
     MeasuredRun,
     job_of_run,
@@ -29,12 +29,17 @@ from ..records import (
 )
 from ..strategies import BASELINE
 from .hardware import HardwareSpec, intra_op_threads
+from .numerics import numerics_of
 from .profile import ModelProfile
 from .setups import SequentialTime, calibration_group, setup_of_run, weight_seconds
 
-# Fraction of fp32 peak a training step reaches when no run calibrates it (GPU convolution
-# nets in fp32 typically reach 30-50%; CPUs near their GEMM rate on conv layers).
+# Fraction of the peak a training step reaches when no run calibrates it: GPU convolution nets
+# in fp32 typically reach 30-50%; on tensor cores (tf32, bf16, fp16) a far smaller share, as the
+# layers between the convolutions (norms, activations, pooling) are bound by memory, not by the
+# products (NVIDIA's published ResNet-50 training throughput on V100: about 0.3 of the fp32 peak
+# in fp32, about 0.12 of the fp16 tensor-core peak in mixed precision); CPUs near their GEMM rate.
 DEFAULT_EFFICIENCY = {"gpu": 0.35, "cpu": 0.5}
+TENSOR_CORE_EFFICIENCY = 0.12
 
 
 def is_one_device_baseline(run: MeasuredRun) -> bool:
@@ -55,13 +60,20 @@ def from_runs(job: Job, hw: HardwareSpec, runs: Sequence[MeasuredRun], profile: 
     chosen = same_batch or (base if other_batch else [])
     if not chosen:
         return None
-    weights = weight_seconds(profile.params, hw)
+    weights = weight_seconds(profile, hw)
     load = statistics.median(_load_per_sample_s(r) for r in chosen)
     per_sample = statistics.median(
         (measured_per_batch_s(r) - weights) / int(r.params["data.batch_size"]) for r in chosen
     ) - load
     what = "same batch" if same_batch else f"batch {chosen[0].params['data.batch_size']}, scaled per sample"
     return SequentialTime(max(per_sample, 1e-9), weights, f"measured ({len(chosen)} run{'s' * (len(chosen) > 1)}, {what})", load)
+
+
+def default_efficiency(hw: HardwareSpec, precision: str) -> float:
+    """The share of the peak assumed when no run of the precision calibrates it."""
+    peak, _ = hw.peak_for(numerics_of(precision))
+    on_tensor_cores = hw.device_kind == "gpu" and numerics_of(precision).compute != "fp64" and peak != hw.peak_tflops
+    return TENSOR_CORE_EFFICIENCY if on_tensor_cores else DEFAULT_EFFICIENCY[hw.device_kind]
 
 
 def _load_per_sample_s(run: MeasuredRun) -> float:
@@ -87,7 +99,7 @@ def from_probe(job: Job, hw: HardwareSpec, profile: ModelProfile, train_batches:
     batches = train_batches(4)
     batch_s = statistics.median(b.seconds for b in batches)
     wait_s = statistics.median(b.data_wait_s for b in batches)
-    weights = weight_seconds(profile.params, hw)
+    weights = weight_seconds(profile, hw)
     load = wait_s / job.batch_size
     return SequentialTime(max((batch_s - weights) / job.batch_size - load, 1e-9), weights,
                           f"local probe ({len(batches)} batches, median {batch_s:.3f} s, {wait_s:.3f} s of it loading)", load)
@@ -95,7 +107,8 @@ def from_probe(job: Job, hw: HardwareSpec, profile: ModelProfile, train_batches:
 
 def efficiency_from_runs(runs: Sequence[MeasuredRun], hw_of_run: Callable[[MeasuredRun], HardwareSpec | None],
                          profile_of: Callable[[MeasuredRun], ModelProfile], kind: str) -> list[float]:
-    """Achieved fraction of peak of the one-device baselines on hardware of ``kind``."""
+    """Achieved fraction of peak of the one-device baselines on hardware of ``kind``, each
+    against the peak of its own precision."""
     out = []
     for run in runs:
         hw = hw_of_run(run)
@@ -103,23 +116,27 @@ def efficiency_from_runs(runs: Sequence[MeasuredRun], hw_of_run: Callable[[Measu
             continue
         profile = profile_of(run)
         batch = int(run.params["data.batch_size"])
-        compute_s = measured_per_batch_s(run) - weight_seconds(profile.params, hw)
+        compute_s = measured_per_batch_s(run) - weight_seconds(profile, hw)
+        peak, _ = hw.peak_for(numerics_of(run.workload.precision))
         if compute_s > 0:
-            out.append(batch * profile.train_flops_per_sample / compute_s / (hw.peak_tflops * 1e12))
+            out.append(batch * profile.train_flops_per_sample / compute_s / (peak * 1e12))
     return out
 
 
 def from_flops(job: Job, hw: HardwareSpec, profile: ModelProfile, efficiencies: Sequence[float]) -> SequentialTime:
+    """``efficiencies``: of baselines in the job's precision (the caller's runs are of it)."""
+    peak, which = hw.peak_for(numerics_of(job.precision))
     if efficiencies:
         eff = statistics.median(efficiencies)
         how = f"efficiency {eff:.2f} of peak from {len(efficiencies)} measured {hw.device_kind} baseline(s)"
     else:
-        eff = DEFAULT_EFFICIENCY[hw.device_kind]
+        eff = default_efficiency(hw, job.precision)
         how = f"assumed efficiency {eff:.2f} of peak: no measured {hw.device_kind} baseline to calibrate"
-    per_sample = profile.train_flops_per_sample / (hw.peak_tflops * 1e12 * eff)
-    return SequentialTime(per_sample, weight_seconds(profile.params, hw),
+    per_sample = profile.train_flops_per_sample / (peak * 1e12 * eff)
+    precision = "" if job.precision == FP32 else f"{job.precision}, "
+    return SequentialTime(per_sample, weight_seconds(profile, hw),
                           f"scaled estimate ({profile.train_flops_per_sample / 1e9:.2f} GFLOP/sample at "
-                          f"{hw.peak_tflops:g} TFLOPS, {how})", estimated=True)
+                          f"{peak:g} TFLOPS, {precision}{which}, {how})", estimated=True)
 
 
 # Images a probe writes (or reads) at least, beyond what its batches need: never the whole dataset.
@@ -140,11 +157,12 @@ def probe_data(cfg_data, batches: int, batch_size: int | None = None):
 
 
 def probe_batches(cfg_data, model: str, threads: int = 1, max_seconds: float = 30.0,
-                  optim=None) -> Callable[[int], list[ProbedBatch]]:
+                  optim=None, precision: str = FP32) -> Callable[[int], list[ProbedBatch]]:
     """A probe on this machine with ddlx's own datamodule (the real decode and augmentation) and
     the LightningModule train.py trains (its loss, its optimizer with ``optim``'s settings), one
     core or one GPU: train n + 1 batches, return the last n (stops early at ``max_seconds``,
-    keeping at least two). The steps are run by hand: a Trainer's start would cost more than them."""
+    keeping at least two), in ``precision`` through Lightning's own precision plugin. The steps are
+    run by hand: a Trainer's start would cost more than them."""
 
     def run(n: int) -> list[ProbedBatch]:
         import torch
@@ -157,16 +175,20 @@ def probe_batches(cfg_data, model: str, threads: int = 1, max_seconds: float = 3
         dm.prepare_data()
         dm.setup("fit")
         device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+        plugin = precision_plugin(precision, device.type)
         with intra_op_threads(threads):
             net = build_model(model, cfg_data.num_classes, cfg_data.channels, cfg_data.image_size, None)
-            module = ClassifierModule(net, cfg_data.num_classes, **(dict(optim) if optim is not None else {})).to(device)
+            module = ClassifierModule(net, cfg_data.num_classes, **(dict(optim) if optim is not None else {}))
+            module = plugin.convert_module(module).to(device)
             opt = module.configure_optimizers()
             times, start, spent = [], time.perf_counter(), time.perf_counter()
             for i, (x, y) in enumerate(dm.train_dataloader()):
-                x, y = x.to(device), y.to(device)
+                x, y = plugin.convert_input(x.to(device)), y.to(device)
                 loaded = time.perf_counter()
                 opt.zero_grad(set_to_none=True)
-                module.loss(module(x), y).backward()
+                with plugin.forward_context():
+                    loss = module.loss(module(x), y)
+                loss.backward()
                 opt.step()
                 if device.type == "cuda":
                     torch.cuda.synchronize()
@@ -179,6 +201,17 @@ def probe_batches(cfg_data, model: str, threads: int = 1, max_seconds: float = 3
         return times
 
     return run
+
+
+def precision_plugin(precision: str, device_type: str):
+    """Lightning's precision plugin for ``precision``, as the Trainer picks it."""
+    from pytorch_lightning.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
+
+    if precision.endswith("-mixed"):
+        return MixedPrecision(precision, device_type)
+    if precision in ("bf16-true", "16-true"):
+        return HalfPrecision(precision)
+    return DoublePrecision() if precision == "64-true" else Precision()
 
 
 def probe_loading(cfg_data, max_seconds: float = 30.0) -> Callable[[], float]:

@@ -48,7 +48,10 @@ class CpuMp(StrategySpec):
         return StrategyPlan(trainer_kwargs={"strategy": strategy, "devices": cfg.processes, "accelerator": "cpu"},
                             tags={"processes": str(cfg.processes)}, data_parallel=cfg.processes,
                             replicas_per_machine=cfg.processes, refused_trainer_args={"gradient_clip_val": clipping},
-                            refused_precisions=no_loss_scaling("each rank checks only its slice of the gradient"))
+                            refused_precisions=self.refused_precisions(cfg))
+
+    def refused_precisions(self, knobs) -> dict[str, str]:
+        return no_loss_scaling("each rank checks only its slice of the gradient")
 
     def setup_of_run(self, params, tags) -> Setup:
         return Setup(self.name, (("processes", int(params["strategy.processes"])),))

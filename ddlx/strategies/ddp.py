@@ -11,7 +11,6 @@ from ..errors import ConfigError
 from ..knobs import knob
 from ..predict.costs import (
     DEFAULT_BUCKET_MB,
-    FLOAT_BYTES,
     cost,
     memory_need,
     replica_bytes,
@@ -76,7 +75,7 @@ def data_parallel_cost(setup: Setup, workers: int, job, hw, profile, seq):
 
 def data_parallel_memory(workers: int, job, hw, profile):
     """A replica on each worker's share of the batch, plus DDP's gradient buckets (a copy of the gradients)."""
-    per = replica_bytes(job, job.batch_size // workers) + profile.params * FLOAT_BYTES
+    per = replica_bytes(job, job.batch_size // workers) + profile.params * profile.param_bytes
     return memory_need(hw, per, min(workers, hw.devices_per_node))
 
 

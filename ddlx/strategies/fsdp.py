@@ -57,8 +57,11 @@ class Fsdp(StrategySpec):
             trainer_kwargs={"strategy": strategy, "devices": p, "accelerator": "gpu" if devices[0].type == "cuda" else "cpu"},
             tags={"processes": str(p), "sharding": cfg.sharding},
             data_parallel=p, replicas_per_machine=p,
-            refused_precisions=no_loss_scaling("each rank holds only its shard of the gradients"),
+            refused_precisions=self.refused_precisions(cfg),
         )
+
+    def refused_precisions(self, knobs) -> dict[str, str]:
+        return no_loss_scaling("each rank holds only its shard of the gradients")
 
     def setup_of_run(self, params, tags) -> Setup:
         return Setup(self.name, (("processes", int(params["strategy.processes"])),

@@ -151,11 +151,15 @@ class Pipe(StrategySpec):
             trainer_kwargs={"strategy": strategy, "devices": ranks, "accelerator": accelerator_of(devices[0])},
             tags={"devices": ",".join(map(str, devices)), "chunks": str(chunks), "balance": str(balance),
                   "checkpoint": cfg.checkpoint, "engine": "torch", "schedule": cfg.schedule},
-            refused_precisions={"16-mixed": "16-mixed scales the loss before Lightning's backward, but PyTorch's schedule "
-                                            "runs the backward inside the forward, and each rank sees only its stages' "
-                                            "gradients; use trainer.precision=bf16-mixed (no loss scaling), or "
-                                            "strategy.engine=fairscale for 16-mixed"},
+            refused_precisions=self.refused_precisions(cfg),
         )
+
+    def refused_precisions(self, knobs) -> dict[str, str]:
+        if knobs.get("engine", "fairscale") != "torch":
+            return {}
+        return {"16-mixed": "16-mixed scales the loss before Lightning's backward, but PyTorch's schedule runs the backward "
+                            "inside the forward, and each rank sees only its stages' gradients; use "
+                            "trainer.precision=bf16-mixed (no loss scaling), or strategy.engine=fairscale for 16-mixed"}
 
     def setup_of_run(self, params, tags) -> Setup:
         knobs = (("chunks", int(params["strategy.chunks"])), ("devices", tuple(tags.get("devices", "cpu,cpu").split(","))))

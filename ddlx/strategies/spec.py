@@ -83,6 +83,11 @@ class StrategySpec:
         """The Trainer's arguments for ``cfg`` (its knobs, checked), on ``model`` (the meta device is enough)."""
         raise NotImplementedError
 
+    def refused_precisions(self, knobs) -> dict[str, str]:
+        """The trainer.precision values (full names) it cannot train in with ``knobs`` (its config,
+        or a :class:`Setup`: anything with ``get``), each with why and what to use instead."""
+        return {}
+
     def setup_of_run(self, params: dict[str, str], tags: dict[str, str]) -> Setup:
         """The setup a measured run of this strategy used, in the terms of :meth:`candidates`."""
         return Setup(self.name)

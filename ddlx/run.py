@@ -86,7 +86,7 @@ def available_memory_bytes(accelerator: str) -> tuple[int, str]:
     return psutil.virtual_memory().available, "available RAM"
 
 
-def check_memory(cfg: DictConfig, data_parallel: int = 1, replicas: int = 1) -> None:
+def check_memory(cfg: DictConfig, data_parallel: int = 1, replicas: int = 1, recompute: bool = False) -> None:
     """Refuse a model/data/batch that cannot fit, before any training starts.
 
     Each of ``replicas`` model copies on this machine trains ``batch_size / data_parallel`` samples.
@@ -96,6 +96,7 @@ def check_memory(cfg: DictConfig, data_parallel: int = 1, replicas: int = 1) -> 
     estimate, per_sample = estimate_training_memory(
         cfg.model.name, data.num_classes, data.channels, data.image_size, max(1, data.batch_size // data_parallel),
         precision=precision if precision in PRECISION_NUMERICS else FP32,  # one it has no model of: as fp32
+        recompute=recompute,
     )
     need = estimate.total_bytes * replicas
     have, what = available_memory_bytes(cfg.trainer.accelerator)
@@ -332,7 +333,7 @@ def check_job(cfg: DictConfig, resolved: dict, tags: dict, rank0: bool):
         tags["resumed_from"] = str(saved.path)
     datamodule = build_datamodule(cfg.data, plan.data_parallel)
     if cfg.memory_check:
-        check_memory(cfg, plan.data_parallel, plan.replicas_per_machine)
+        check_memory(cfg, plan.data_parallel, plan.replicas_per_machine, plan.recompute)
     datamodule.prepare_data()
     datamodule.setup("fit")
     if rank0:

@@ -94,9 +94,11 @@ CASES = {
     "pipe_checkpoint_inplace_head": (["strategy=pipe", "strategy.chunks=2", "strategy.balance=[1,21]", "strategy.checkpoint=always"], False),
     "pipe_auto_balance": (["strategy=pipe", "strategy.chunks=2", "strategy.balance=auto", "strategy.checkpoint=except_last"], False),
     # PyTorch's pipelining: one process per stage, every schedule (interleaved: 4 stages cut by profiled time).
-    # GPipe and interleaving are slow-marked to keep the default suite short: 1F1B and ZB-V share their code paths.
+    # GPipe, plain 1F1B and interleaving are slow-marked to keep the default suite short: 1F1B (below, recomputing) and
+    # ZB-V share their code paths.
     "pipe_torch_gpipe": pytest.param((["strategy=pipe", "strategy.engine=torch", "strategy.chunks=4"], False), marks=pytest.mark.slow),
-    "pipe_torch_1f1b": (["strategy=pipe", "strategy.engine=torch", "strategy.schedule=1f1b", "strategy.chunks=4"], False),
+    "pipe_torch_1f1b": pytest.param((["strategy=pipe", "strategy.engine=torch", "strategy.schedule=1f1b", "strategy.chunks=4"], False),
+                                    marks=pytest.mark.slow),
     "pipe_torch_interleaved_1f1b": pytest.param((["strategy=pipe", "strategy.engine=torch", "strategy.schedule=interleaved_1f1b",
                                                   "strategy.chunks=2"], False), marks=pytest.mark.slow),
     "pipe_torch_zero_bubble": (["strategy=pipe", "strategy.engine=torch", "strategy.schedule=zero_bubble", "strategy.chunks=4",
@@ -104,6 +106,16 @@ CASES = {
     # FSDP2 on CPU over gloo, each level (default suite: full, through the resume test below).
     **{f"fsdp_{level}": pytest.param((["strategy=fsdp", "strategy.processes=2", f"strategy.sharding={level}"], False),
                                      marks=pytest.mark.slow) for level in ("full", "grad_op", "none")},
+    # Activation checkpointing at the cut points: each block recomputed in backward, the same step.
+    # Default suite: fsdp and 1F1B (the plain 1F1B case is slow-marked: this one runs its schedule too).
+    "ddp_gloo_checkpoint": pytest.param((["strategy=ddp_gloo", "strategy.processes=2", "strategy.checkpoint=always"], False),
+                                        marks=pytest.mark.slow),
+    "fsdp_full_checkpoint": (["strategy=fsdp", "strategy.processes=2", "strategy.checkpoint=always"], False),
+    "pipe_torch_1f1b_checkpoint": (["strategy=pipe", "strategy.engine=torch", "strategy.schedule=1f1b", "strategy.chunks=4",
+                                    "strategy.checkpoint=always"], False),
+    "pipe_torch_zero_bubble_checkpoint": pytest.param((["strategy=pipe", "strategy.engine=torch", "strategy.schedule=zero_bubble",
+                                                        "strategy.chunks=4", "strategy.balance=[4,6,5,7]", "strategy.checkpoint=always"],
+                                                       False), marks=pytest.mark.slow),
     "hybrid_split": (["strategy=hybrid", "strategy.processes=2", "strategy.local=split"], False),
     "hybrid_pipe": pytest.param((["strategy=hybrid", "strategy.processes=2", "strategy.local=pipe", "strategy.chunks=2"], False), marks=pytest.mark.slow),
 }
@@ -323,8 +335,8 @@ def test_pipe_knobs_are_checked():
         _plan("strategy=pipe", "strategy.engine=torch", "strategy.chunks=5")
     with pytest.raises(ConfigError, match=r"strategy.schedule=1f1b needs at least one micro-batch per stage.*chunks>=2"):
         _plan("strategy=pipe", "strategy.engine=torch", "strategy.schedule=1f1b", "strategy.chunks=1")
-    with pytest.raises(ConfigError, match=r"strategy.checkpoint=always .*strategy.engine=torch"):
-        _plan("strategy=pipe", "strategy.engine=torch", "strategy.checkpoint=always")
+    with pytest.raises(ConfigError, match=r"strategy.checkpoint=except_last .*strategy.engine=torch.*always or never"):
+        _plan("strategy=pipe", "strategy.engine=torch", "strategy.checkpoint=except_last")
     with pytest.raises(ConfigError, match=r"strategy.balance=\[10, 12\] must give 4 positive layer counts"):
         _plan("strategy=pipe", "strategy.engine=torch", "strategy.schedule=zero_bubble", "strategy.balance=[10,12]")
     with pytest.raises(ConfigError, match=r"strategy.cut_point='after_conv9'.*after_conv4"):

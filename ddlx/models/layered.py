@@ -59,6 +59,13 @@ class LayeredModel(nn.Sequential):
         return f"arch={self.arch}, split_point={self.split_point}@{self.split_index}"
 
 
+def blocks_between(cuts: Iterable[int], start: int, stop: int) -> list[tuple[int, int]]:
+    """The blocks of layers ``start``..``stop`` of a model cut at ``cuts`` (layer indices): the
+    units activation checkpointing recomputes."""
+    edges = [start, *sorted(c for c in set(cuts) if start < c < stop), stop]
+    return list(zip(edges[:-1], edges[1:]))
+
+
 def flatten_children(*modules: nn.Module) -> list[nn.Module]:
     """Expand ``nn.Sequential`` containers (one level) into their layers."""
     layers: list[nn.Module] = []

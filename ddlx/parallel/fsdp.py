@@ -57,6 +57,10 @@ class FullyShardedStrategy(RelaunchingDDPStrategy):
 
         mesh, keep = self._mesh(), self.sharding == "grad_op"
         network = find_layered_model(self.model)
+        if self.recompute:  # before sharding: each block's recomputation gathers its layers again
+            from .recompute import recompute_at_cut_points
+
+            recompute_at_cut_points(network)
         for layer in network.children():
             if any(True for _ in layer.parameters()):
                 fully_shard(layer, mesh=mesh, reshard_after_forward=not keep)

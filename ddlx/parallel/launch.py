@@ -133,6 +133,14 @@ class RelaunchingDDPStrategy(DDPStrategy):
     """DDPStrategy whose extra ranks run ``ddlx.rank_worker`` on the job's resolved config."""
 
     worker_args: list[str] | None = None  # [config file, output dir], set by ddlx.run before fit
+    recompute: bool = False  # activation checkpointing at the model's cut points (strategy.checkpoint=always)
+
+    def configure_ddp(self) -> None:
+        if self.recompute:
+            from .recompute import recompute_at_cut_points
+
+            recompute_at_cut_points(self.model)
+        super().configure_ddp()
 
     def _configure_launcher(self) -> None:
         env = self.cluster_environment

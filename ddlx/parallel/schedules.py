@@ -11,13 +11,14 @@ class Schedule:
     stages_per_rank: int
     placement: str  # "loop": rank r runs stages r, r+W, ...; "v": rank r runs r and 2W-1-r
     micro_at_least_ranks: bool = False  # PyTorch refuses fewer micro-batches than stages
+    backward_passes: int = 1  # ZB-V: input and weight gradients in two passes (a recomputed block: twice)
 
 
 SCHEDULES = {
     "gpipe": Schedule("ScheduleGPipe", 1, "loop"),
     "1f1b": Schedule("Schedule1F1B", 1, "loop", micro_at_least_ranks=True),
     "interleaved_1f1b": Schedule("ScheduleInterleaved1F1B", 2, "loop"),
-    "zero_bubble": Schedule("ScheduleZBVZeroBubble", 2, "v"),
+    "zero_bubble": Schedule("ScheduleZBVZeroBubble", 2, "v", backward_passes=2),
 }
 
 

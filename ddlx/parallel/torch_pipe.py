@@ -31,10 +31,12 @@ import torch.distributed as dist
 from torch import nn
 
 from ..models import LayeredModel
+from ..models.layered import blocks_between
 from .balance import balance_by_time
 from .launch import RelaunchingDDPStrategy, plain_optimizer
 from .network import InstalledForward, install, uninstall
 from .pinning import Restore, pin_rank, unpin
+from .recompute import recompute_blocks
 from .schedules import SCHEDULES, micro_batches, stage_owners, stages_of
 
 log = logging.getLogger(__name__)
@@ -53,7 +55,7 @@ class PipelineForward:
     gradients are on), the last stage's logits returned on every rank."""
 
     def __init__(self, model: LayeredModel, balance: list[int], schedule: str, chunks: int, rank: int, ranks: int,
-                 device: torch.device, loss_fn: nn.Module) -> None:
+                 device: torch.device, loss_fn: nn.Module, recompute: bool = False) -> None:
         bounds = [0, *itertools.accumulate(balance)]
         self.num_stages, self.schedule, self.chunks, self.ranks = len(balance), schedule, chunks, ranks
         self.mine = stages_of(schedule, rank, ranks)
@@ -62,6 +64,10 @@ class PipelineForward:
             if getattr(part[0], "inplace", False):  # a stage's input arrives as a leaf that requires grad
                 part[0].inplace = False
             part.append(_NotAView())
+        if recompute:  # each stage's blocks between the model's cut points
+            for part, i in zip(self.parts, self.mine):
+                cuts = [c - bounds[i] for c in model.cut_points.values()]
+                recompute_blocks(part, blocks_between(cuts, 0, len(part)))
         self.parameters = [p for part in self.parts for p in part.parameters()]  # the ones this rank trains
         self.device, self.loss_fn = device, loss_fn
         self.target: torch.Tensor | None = None  # the batch's labels, set before each training step
@@ -161,7 +167,7 @@ class TorchPipelineStrategy(RelaunchingDDPStrategy):
                 dist.broadcast_object_list(holder, src=0)
                 balance = holder[0]
             return PipelineForward(model, balance, self.schedule, self.chunks, rank, self.world_size,
-                                   self.root_device, loss_fn)
+                                   self.root_device, loss_fn, self.recompute)
 
         self._forward = install(self.model, parallelize, self.global_rank)
         if self.root_device.type == "cuda":  # only this rank's stages stay on its GPU

@@ -38,6 +38,7 @@ WEIGHT_PASSES = 12
 # backward weight reads and gradient accumulation; the optimizer step is done once).
 REPLICA_SHARE = 0.5
 FORWARD_SHARE = 1 / 3  # of a training step's FLOPs (backward = 2 x forward): what checkpointing recomputes
+RECOMPUTE = ("never", "always")  # strategy.checkpoint of ddp_*, fsdp, pipe engine=torch: every block between cut points
 MEMORY_HEADROOM = 0.9  # of a device's memory usable for training
 DEFAULT_BUCKET_MB = 25.0
 
@@ -134,12 +135,13 @@ class MemoryNeed:
         return self.per_device_gb <= self.limit_gb
 
 
-def replica_bytes(job: Job, batch: int) -> int:
-    """A whole replica (the estimate train.py checks before training), in the job's precision."""
+def replica_bytes(job: Job, batch: int, recompute: bool = False) -> int:
+    """A whole replica (the estimate train.py checks before training), in the job's precision,
+    with ``recompute``: checkpointing its activations at the model's cut points."""
     from .memory import estimate_training_memory
 
     estimate, _ = estimate_training_memory(job.model, job.num_classes, job.channels, job.image_size, batch,
-                                           precision=job.precision)
+                                           precision=job.precision, recompute=recompute)
     return estimate.total_bytes
 
 

@@ -34,15 +34,17 @@ def estimate_training_memory(
     batch_size: int,
     optimizer_slots: int = 1,
     precision: str | None = FP32,
+    recompute: bool = False,
 ) -> tuple[MemoryEstimate, int]:
     """Memory of one replica training ``arch`` on ``batch_size`` images, and the activation bytes per sample.
 
     ``optimizer_slots`` is the number of parameter-sized buffers the optimizer keeps (SGD with
     momentum: 1, Adam: 2); ``precision``: Lightning's ``trainer.precision`` (:mod:`.numerics`:
-    its bytes per parameter and activation, and autocast's weight copies, counted with the parameters).
+    its bytes per parameter and activation, and autocast's weight copies, counted with the parameters);
+    ``recompute``: activation checkpointing at the model's cut points (:meth:`ModelProfile.kept_bytes`).
     """
     profile = profile_model(arch, num_classes, in_channels, image_size).at(numerics_of(precision))
-    per_sample = profile.activation_bytes_per_sample
+    per_sample = profile.kept_bytes(recompute=recompute)
     param_bytes = profile.params * profile.param_bytes
     estimate = MemoryEstimate(
         parameters_bytes=param_bytes + profile.params * profile.cast_bytes,

@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..models import build_model
+from ..models.layered import blocks_between
 
 FLOAT_BYTES = 4
 BACKWARD_FLOPS_FACTOR = 2.0  # backward = 2x forward (input and weight gradients)
@@ -80,7 +81,27 @@ class ModelProfile:
 
     @property
     def activation_bytes_per_sample(self) -> int:
-        return self.input_bytes + sum(layer.activation_bytes for layer in self.layers)
+        return self.kept_bytes()
+
+    def kept_bytes(self, start: int = 0, stop: int | None = None, recompute: bool = False) -> int:
+        """Per sample: what layers ``start``..``stop`` keep for backward (the model's input too
+        when ``start`` is 0); with ``recompute`` (activation checkpointing at the cut points) each
+        block's input, and one block's activations at a time while backward recomputes it."""
+        stop = len(self.layers) if stop is None else stop
+        if recompute:
+            return self.block_inputs_bytes(start, stop) + self.largest_block_bytes(start, stop)
+        return (self.input_bytes if start == 0 else 0) + sum(layer.activation_bytes for layer in self.layers[start:stop])
+
+    def _blocks(self, start: int, stop: int) -> list[tuple[int, int]]:
+        return blocks_between((index for _, index in self.cut_points), start, stop)
+
+    def block_inputs_bytes(self, start: int, stop: int) -> int:
+        """Per sample: the inputs of the blocks of layers ``start``..``stop``, kept under recomputation."""
+        return sum(self.input_bytes if a == 0 else self.layers[a - 1].output_bytes for a, _ in self._blocks(start, stop))
+
+    def largest_block_bytes(self, start: int, stop: int) -> int:
+        """Per sample: the activations of the largest block of layers ``start``..``stop``."""
+        return max(sum(layer.activation_bytes for layer in self.layers[a:b]) for a, b in self._blocks(start, stop))
 
     def partitions(self, balance: list[int]) -> list[tuple[LayerProfile, ...]]:
         if sum(balance) != len(self.layers):

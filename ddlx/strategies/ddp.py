@@ -11,6 +11,8 @@ from ..errors import ConfigError
 from ..knobs import knob
 from ..predict.costs import (
     DEFAULT_BUCKET_MB,
+    FORWARD_SHARE,
+    RECOMPUTE,
     cost,
     memory_need,
     replica_bytes,
@@ -19,7 +21,7 @@ from ..predict.costs import (
 )
 from ..predict.perf_models import data_parallel_s
 from .cpu_mp import TIMEOUT_S
-from .spec import Setup, StrategyPlan, StrategySpec, warn_oversubscription
+from .spec import Setup, StrategyPlan, StrategySpec, recompute_knob, warn_oversubscription, with_recompute
 
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 
@@ -32,6 +34,7 @@ class DdpConfig:
     processes: int = knob(2, low=1)
     bucket_cap_mb: float = knob(DEFAULT_BUCKET_MB, low=0, low_open=True)  # DDP's fusion threshold (source 004 Eq. 5.1's th)
     comm_hook: str = knob("none", choices=COMM_HOOKS)  # gradient compression (source 002, section 4)
+    checkpoint: str = knob("never", choices=RECOMPUTE)  # always: recompute each block between cut points in backward
     timeout_s: float = knob(TIMEOUT_S, low=0, low_open=True)
 
 
@@ -65,7 +68,7 @@ def data_parallel_cost(setup: Setup, workers: int, job, hw, profile, seq):
     allreduce; only the last bucket is exposed on GPUs, every bucket on CPU (gloo and the
     backward pass share the cores), where the replicas of a node also share its memory bus."""
     shared_bus = hw.device_kind == "cpu"
-    work = job.batch_size * (seq.per_sample_s + seq.load_per_sample_s)
+    work = job.batch_size * (seq.per_sample_s * recomputed(setup) + seq.load_per_sample_s)
     local = min(workers, hw.devices_per_node) if shared_bus else 1
     bucket = float(setup.get("bucket_cap_mb", DEFAULT_BUCKET_MB))
     total = data_parallel_s(work, workers, profile.gradient_mb, bucket, ring(hw, workers), hw.allreduce_fixed_us * 1e-6,
@@ -73,15 +76,21 @@ def data_parallel_cost(setup: Setup, workers: int, job, hw, profile, seq):
     return cost(work / workers, total)
 
 
-def data_parallel_memory(workers: int, job, hw, profile):
+def recomputed(setup: Setup) -> float:
+    """A step's compute against one without activation checkpointing: the forward once more."""
+    return 1 + FORWARD_SHARE if setup.get("checkpoint", "never") == "always" else 1.0
+
+
+def data_parallel_memory(setup: Setup, workers: int, job, hw, profile):
     """A replica on each worker's share of the batch, plus DDP's gradient buckets (a copy of the gradients)."""
-    per = replica_bytes(job, job.batch_size // workers) + profile.params * profile.param_bytes
+    per = (replica_bytes(job, job.batch_size // workers, recompute=setup.get("checkpoint", "never") == "always")
+           + profile.params * profile.param_bytes)
     return memory_need(hw, per, min(workers, hw.devices_per_node))
 
 
 class Ddp(StrategySpec):
-    knob_tags = ("processes", "backend", "comm_hook", "bucket_cap_mb")
-    default_knob_tags = {"comm_hook": "none"}
+    knob_tags = ("processes", "backend", "comm_hook", "bucket_cap_mb", "checkpoint")
+    default_knob_tags = {"comm_hook": "none", "checkpoint": "never"}
     splits_batch = True
     backend: str
 
@@ -106,27 +115,30 @@ class Ddp(StrategySpec):
                 warn_oversubscription(self.name, processes, "processes")
         strategy = RelaunchingDDPStrategy(process_group_backend=self.backend, bucket_cap_mb=cfg.bucket_cap_mb,
                                           timeout=timedelta(seconds=cfg.timeout_s), **comm_hook(cfg.comm_hook))
+        strategy.recompute = cfg.checkpoint == "always"
         return StrategyPlan(
             trainer_kwargs={"strategy": strategy, "devices": processes, "accelerator": device_accelerator},
             tags={"processes": str(processes), "backend": self.backend, "bucket_cap_mb": f"{cfg.bucket_cap_mb:g}",
-                  "comm_hook": cfg.comm_hook},
+                  "comm_hook": cfg.comm_hook, "checkpoint": cfg.checkpoint},
             data_parallel=processes,
             replicas_per_machine=processes,
+            recompute=strategy.recompute,
         )
 
     def setup_of_run(self, params, tags) -> Setup:
-        return Setup(self.name, (("processes", int(params["strategy.processes"])),))
+        return Setup(self.name, (("processes", int(params["strategy.processes"])), *recompute_knob(params)))
 
     def candidates(self, hw, job) -> list[Setup]:
         n = hw.devices_per_node
         on_its_devices = (hw.device_kind == "cpu") == (self.backend == "gloo")
-        return [Setup(self.name, (("processes", n),))] if on_its_devices and n > 1 else []
+        plain = Setup(self.name, (("processes", n),))
+        return [plain, with_recompute(plain)] if on_its_devices and n > 1 else []
 
     def cost(self, setup, job, hw, profile, seq):
         return data_parallel_cost(setup, setup.get("processes"), job, hw, profile, seq)
 
     def memory(self, setup, job, hw, profile):
-        return data_parallel_memory(setup.get("processes"), job, hw, profile)
+        return data_parallel_memory(setup, setup.get("processes"), job, hw, profile)
 
 
 class DdpGloo(Ddp):

@@ -6,10 +6,11 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 from ..knobs import knob
-from ..predict.costs import cost, memory_need, replica_bytes, ring, weight_traffic_s
+from ..predict.costs import RECOMPUTE, cost, memory_need, replica_bytes, ring, weight_traffic_s
 from ..predict.perf_models import data_parallel_s
 from .cpu_mp import TIMEOUT_S
-from .spec import Setup, StrategyPlan, StrategySpec, no_loss_scaling, warn_oversubscription
+from .ddp import recomputed
+from .spec import Setup, StrategyPlan, StrategySpec, no_loss_scaling, recompute_knob, warn_oversubscription, with_recompute
 
 SHARDINGS = ("full", "grad_op", "none")
 # Ring volume per step against DDP's allreduce (2(W-1)/W of the gradients): full gathers the
@@ -27,13 +28,15 @@ class FsdpConfig:
     name: str = "fsdp"
     processes: int = knob(2, low=1)
     sharding: str = knob("full", choices=SHARDINGS)
+    checkpoint: str = knob("never", choices=RECOMPUTE)  # always: recompute each block between cut points in backward
     pin_cores: bool = True  # on CPU: each rank on its own share of the cores
     timeout_s: float = knob(TIMEOUT_S, low=0, low_open=True)
 
 
 class Fsdp(StrategySpec):
     name, config, order = "fsdp", FsdpConfig, 5
-    knob_tags = ("processes", "sharding")
+    knob_tags = ("processes", "sharding", "checkpoint")
+    default_knob_tags = {"checkpoint": "never"}
     splits_batch = True
 
     def plan(self, cfg, accelerator, model, data) -> StrategyPlan:
@@ -53,10 +56,11 @@ class Fsdp(StrategySpec):
             warn_oversubscription(self.name, p, "processes")
             devices = [torch.device("cpu")] * p
         strategy = FullyShardedStrategy(devices, cfg.sharding, pin_cores=cfg.pin_cores, timeout_s=cfg.timeout_s)
+        strategy.recompute = cfg.checkpoint == "always"
         return StrategyPlan(
             trainer_kwargs={"strategy": strategy, "devices": p, "accelerator": "gpu" if devices[0].type == "cuda" else "cpu"},
-            tags={"processes": str(p), "sharding": cfg.sharding},
-            data_parallel=p, replicas_per_machine=p,
+            tags={"processes": str(p), "sharding": cfg.sharding, "checkpoint": cfg.checkpoint},
+            data_parallel=p, replicas_per_machine=p, recompute=strategy.recompute,
             refused_precisions=self.refused_precisions(cfg),
         )
 
@@ -65,17 +69,18 @@ class Fsdp(StrategySpec):
 
     def setup_of_run(self, params, tags) -> Setup:
         return Setup(self.name, (("processes", int(params["strategy.processes"])),
-                                 ("sharding", params.get("strategy.sharding", "full"))))
+                                 ("sharding", params.get("strategy.sharding", "full")), *recompute_knob(params)))
 
     def candidates(self, hw, job) -> list[Setup]:
         n = hw.devices_per_node
-        return [Setup(self.name, (("processes", n), ("sharding", s))) for s in ("full", "grad_op")] if n > 1 else []
+        plain = [Setup(self.name, (("processes", n), ("sharding", s))) for s in ("full", "grad_op")] if n > 1 else []
+        return [*plain, *map(with_recompute, plain)]
 
     def cost(self, setup, job, hw, profile, seq):
         """DDP's Eq. 5.1 with FSDP's ring volume (``VOLUME``): the gathers and the reduce-scatter
         run per layer beside the computation on GPUs, in turn with it on CPU (shared cores)."""
         w, shared_bus = setup.get("processes"), hw.device_kind == "cpu"
-        work = job.batch_size * (seq.per_sample_s + seq.load_per_sample_s)
+        work = job.batch_size * (seq.per_sample_s * recomputed(setup) + seq.load_per_sample_s)
         volume = VOLUME[setup.get("sharding", "full")] * profile.gradient_mb
         largest = max(layer.params for layer in profile.layers) * profile.param_bytes / 1e6  # one unit's transfer
         local = min(w, hw.devices_per_node) if shared_bus else 1
@@ -88,7 +93,7 @@ class Fsdp(StrategySpec):
         keeps 1/W of the weights, gradients and momentum plus the largest layer gathered,
         grad_op the whole weights and 1/W of the rest, none all of it."""
         w, sharding = setup.get("processes"), setup.get("sharding", "full")
-        replica = replica_bytes(job, job.batch_size // w)
+        replica = replica_bytes(job, job.batch_size // w, recompute=setup.get("checkpoint", "never") == "always")
         state = profile.state_bytes(profile.params)
         weights = profile.params * profile.param_bytes
         largest = max(layer.params for layer in profile.layers) * profile.param_bytes

@@ -107,7 +107,7 @@ class Mpi(StrategySpec):
         return data_parallel_cost(setup, setup.get("ranks"), job, hw, profile, seq)
 
     def memory(self, setup, job, hw, profile):
-        return data_parallel_memory(setup.get("ranks"), job, hw, profile)
+        return data_parallel_memory(setup, setup.get("ranks"), job, hw, profile)
 
 
 SPECS = (Mpi(),)

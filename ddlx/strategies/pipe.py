@@ -4,6 +4,7 @@ original; fairscale is unmaintained upstream) and PyTorch's ``torch.distributed.
 (one process per device, under GPipe, 1F1B, interleaved 1F1B or zero-bubble schedules)."""
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,6 +12,7 @@ from ..errors import ConfigError
 from ..knobs import knob
 from ..predict.costs import (
     FORWARD_SHARE,
+    RECOMPUTE,
     REPLICA_SHARE,
     cost,
     gpu_index,
@@ -126,9 +128,10 @@ class Pipe(StrategySpec):
         if len(kinds) > 1 or ("cuda" in kinds and len(set(devices)) < len(devices)):
             raise ConfigError(f"strategy.devices={[str(d) for d in devices]} with strategy.engine=torch: one process per "
                               f"device, all CPU or all distinct GPUs; use e.g. strategy.devices=[cpu,cpu] or [cuda:0,cuda:1]")
-        if cfg.checkpoint != "never":
-            raise ConfigError(f"strategy.checkpoint={cfg.checkpoint} is fairscale's recomputation; with strategy.engine=torch "
-                              f"use strategy.checkpoint=never, or strategy.engine=fairscale to recompute")
+        if cfg.checkpoint not in RECOMPUTE:
+            raise ConfigError(f"strategy.checkpoint={cfg.checkpoint} is fairscale's choice of micro-batches to recompute; "
+                              f"strategy.engine=torch recomputes every block of every micro-batch or none: use "
+                              f"strategy.checkpoint=always or never, or strategy.engine=fairscale")
         schedule, ranks, batch = SCHEDULES[cfg.schedule], len(devices), data["batch_size"]
         chunks = cfg.chunks
         if batch % chunks:
@@ -147,11 +150,12 @@ class Pipe(StrategySpec):
         sample = (max(1, batch // chunks), data["channels"], data["image_size"], data["image_size"])
         strategy = TorchPipelineStrategy(devices, cfg.schedule, chunks, balance, sample, pin_cores=cfg.pin_cores,
                                          timeout_s=cfg.timeout_s)
+        strategy.recompute = cfg.checkpoint == "always"
         return StrategyPlan(
             trainer_kwargs={"strategy": strategy, "devices": ranks, "accelerator": accelerator_of(devices[0])},
             tags={"devices": ",".join(map(str, devices)), "chunks": str(chunks), "balance": str(balance),
                   "checkpoint": cfg.checkpoint, "engine": "torch", "schedule": cfg.schedule},
-            refused_precisions=self.refused_precisions(cfg),
+            refused_precisions=self.refused_precisions(cfg), recompute=strategy.recompute,
         )
 
     def refused_precisions(self, knobs) -> dict[str, str]:
@@ -197,8 +201,9 @@ class Pipe(StrategySpec):
         return out
 
     def accepts(self, setup, job) -> bool:
-        if setup.get("engine") == "torch" and job.batch_size % setup.get("chunks", 1):
-            return False  # PyTorch's schedules need equal micro-batches
+        if setup.get("engine") == "torch" and (job.batch_size % setup.get("chunks", 1)
+                                               or setup.get("checkpoint", "never") not in RECOMPUTE):
+            return False  # PyTorch's schedules need equal micro-batches; it recomputes all blocks or none
         return setup.get("chunks", 1) <= job.batch_size  # every micro-batch needs a sample
 
     def calibration_group(self, setup) -> str:
@@ -241,7 +246,9 @@ class Pipe(StrategySpec):
         balance = default_balance(profile, w * SCHEDULES[name].stages_per_rank)
         flops = [sum(layer.forward_flops for layer in part) for part in profile.partitions(balance)]
         micro = max(1, b // m)
-        per_rank = [sum(flops[i] for i in stages_of(name, r, w)) / sum(flops) * micro * seq.per_sample_s for r in range(w)]
+        recomputed = FORWARD_SHARE * SCHEDULES[name].backward_passes if setup.get("checkpoint", "never") == "always" else 0
+        per_sample = seq.per_sample_s * (1 + recomputed)
+        per_rank = [sum(flops[i] for i in stages_of(name, r, w)) / sum(flops) * micro * per_sample for r in range(w)]
         compute = pipeline_schedule_s(per_rank, m, bubble_steps(name, w, m))
         traffic = 1 + (m - 1) * REPLICA_SHARE
         weights = weight_traffic_s(seq, hw, traffic, w) if hw.device_kind == "cpu" else seq.weight_s * traffic / w
@@ -258,18 +265,24 @@ class Pipe(StrategySpec):
 
     def _torch_memory(self, setup, job, hw, profile):
         """Per rank: its stages' weights, gradients and optimizer state, and the activations of the
-        micro-batches the schedule keeps in flight; on CPU each rank's process also holds the
-        other stages' weights (the whole model is built in every process) and the ranks share RAM."""
+        micro-batches the schedule keeps in flight (recomputing: their blocks' inputs, and one
+        block's activations at a time); on CPU each rank's process also holds the other stages'
+        weights (the whole model is built in every process) and the ranks share RAM."""
         devices, m, name = setup.get("devices"), setup.get("chunks"), setup.get("schedule", "gpipe")
         w, micro = len(devices), max(1, job.batch_size // m)
         balance = default_balance(profile, w * SCHEDULES[name].stages_per_rank)
-        parts = profile.partitions(balance)
+        parts, bounds = profile.partitions(balance), [0, *itertools.accumulate(balance)]
+        recompute = setup.get("checkpoint", "never") == "always"
         ranks = []
         for r in range(w):
             mine = stages_of(name, r, w)
             params = sum(layer.params for i in mine for layer in parts[i])
-            acts = sum(layer.activation_bytes for i in mine for layer in parts[i]) + (profile.input_bytes if 0 in mine else 0)
-            held = profile.state_bytes(params) + in_flight(name, r, w, m) * micro * acts
+            if recompute:
+                acts = sum(profile.block_inputs_bytes(bounds[i], bounds[i + 1]) for i in mine)
+                one = max(profile.largest_block_bytes(bounds[i], bounds[i + 1]) for i in mine)
+            else:
+                acts, one = sum(profile.kept_bytes(bounds[i], bounds[i + 1]) for i in mine), 0
+            held = profile.state_bytes(params) + in_flight(name, r, w, m) * micro * acts + micro * one
             ranks.append(held + ((profile.params - params) * profile.param_bytes if hw.device_kind == "cpu" else 0))
         return memory_need(hw, sum(ranks) if hw.device_kind == "cpu" else max(ranks))
 

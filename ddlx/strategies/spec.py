@@ -39,6 +39,7 @@ class StrategyPlan:
     refused_trainer_args: dict[str, str] = field(default_factory=dict)
     # trainer.precision values (full names) it cannot train in, with why and what to use instead.
     refused_precisions: dict[str, str] = field(default_factory=dict)
+    recompute: bool = False  # activation checkpointing at the cut points (the memory check counts it)
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,17 @@ class StrategySpec:
 
 
 # ---- helpers the specs' plans share -----------------------------------------------------------
+
+
+def recompute_knob(params: dict[str, str]) -> tuple[tuple[str, object], ...]:
+    """A measured run's ``checkpoint`` knob, as a setup holds it (left out at its default, never)."""
+    value = params.get("strategy.checkpoint", "never")
+    return (("checkpoint", value),) if value != "never" else ()
+
+
+def with_recompute(setup: Setup) -> Setup:
+    """``setup`` recomputing its activations (``strategy.checkpoint=always``): what fits when it does not."""
+    return Setup(setup.strategy, (*setup.knobs, ("checkpoint", "always")))
 
 
 def no_loss_scaling(why: str) -> dict[str, str]:

@@ -60,7 +60,7 @@ def test_flattened_model_computes_torchvision_function(arch):
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-@pytest.mark.parametrize("size", [32, 96])
+@pytest.mark.parametrize("size", [32, pytest.param(96, marks=pytest.mark.slow)])
 def test_every_cut_point_composes_to_the_whole_model(arch, size):
     torch.manual_seed(0)
     model = build_model(arch, 4, 3, size).eval()

@@ -202,7 +202,7 @@ def test_cpu_mp_refuses_gradient_clipping_it_would_not_apply(tmp_path, shared_da
     _assert_no_process_left(tmp_path)
 
 
-@pytest.mark.parametrize("hook", ["fp16", pytest.param("powersgd", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("hook", [pytest.param("fp16", marks=pytest.mark.slow), pytest.param("powersgd", marks=pytest.mark.slow)])
 def test_ddp_gradient_compression_hooks(hook, tmp_path, shared_data, sequential_weights):
     """Compressed allreduce (source 002, section 4) trains, approximately the sequential step."""
     train_here(tmp_path, "strategy=ddp_gloo", f"strategy.comm_hook={hook}", f"paths.data_dir={shared_data}", *SAME_MATHS)

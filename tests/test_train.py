@@ -162,6 +162,7 @@ def test_learns_the_synthetic_classes(tiny_config):
     assert metrics["val_acc"] >= 0.8, metrics
 
 
+@pytest.mark.slow  # two train.py sweeps; the allocator's choice is also checked in-process (tests/test_allocator.py)
 def test_cpu_allocator_is_recorded_and_a_sweep_cannot_go_back_to_glibcs_default(tmp_path):
     """The default, auto, is keep_freed on glibc: it trains (its rank worker inheriting it) and is
     recorded as keep_freed; the next job of the same sweep asks for "system", which glibc cannot
@@ -175,6 +176,7 @@ def test_cpu_allocator_is_recorded_and_a_sweep_cannot_go_back_to_glibcs_default(
     assert "glibc cannot return to its default" in got["system"].data.tags["error"]
 
 
+@pytest.mark.slow  # a preloaded train.py run
 @pytest.mark.skipif(ctypes.util.find_library("jemalloc") is None,
                     reason="needs jemalloc to preload (Debian: apt-get install libjemalloc2, as the README's setup does)")
 def test_a_run_under_a_preloaded_jemalloc_is_recorded_as_jemalloc(tmp_path):

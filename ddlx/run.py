@@ -40,7 +40,7 @@ from .models import build_model
 from .module import ClassifierModule
 from .parallel.launch import RelaunchingDDPStrategy, end_distributed_job, launch_rank
 from .predict.memory import GIB, estimate_training_memory
-from .predict.numerics import PRECISION_NUMERICS
+from .predict.numerics import CPU_FP16, PRECISION_NUMERICS
 from .records import run_name
 from .stopping import StopAtSignal, StopSignals, disable_lightning_signal_handlers
 from .strategies import build_strategy
@@ -321,7 +321,9 @@ def check_job(cfg: DictConfig, resolved: dict, tags: dict, rank0: bool):
         if cfg.trainer.get(key) is not None:
             raise ConfigError(f"trainer.{key}={cfg.trainer[key]} with strategy={cfg.strategy.name}: {why}, "
                               f"or trainer.{key}=null")
-    why = plan.refused_precisions.get(precision_of(cfg.trainer.precision))
+    on_cpu = plan.trainer_kwargs.get("accelerator", cfg.trainer.accelerator) == "cpu" or not torch.cuda.is_available()
+    why = (CPU_FP16 if on_cpu else {}).get(precision_of(cfg.trainer.precision)) or plan.refused_precisions.get(
+        precision_of(cfg.trainer.precision))
     if why is not None:
         raise ConfigError(f"trainer.precision={cfg.trainer.precision} with strategy={cfg.strategy.name}: {why}")
     if cfg.data.batch_per == "worker":

@@ -46,10 +46,29 @@ def test_layers_in_a_strategys_threads_compute_in_the_training_threads_autocast(
         forward.close()
 
 
-@pytest.mark.parametrize("strategy", [["strategy=cpu_mp"], ["strategy=fsdp"], ["strategy=pipe", "strategy.engine=torch"]])
-def test_loss_scaling_is_refused_where_ranks_see_part_of_the_gradients(strategy, tiny_config):
+def test_16_mixed_on_cpu_is_refused_as_lightning_would_train_bf16(tiny_config):
+    """Lightning trains 16-mixed on CPU as bf16-mixed, with a warning: the run would be recorded as
+    16-mixed and calibrate the recommender's fp16 figures. Refused before any work, naming the fix."""
     from ddlx.run import train
 
-    cfg = tiny_config(*strategy, "trainer.precision=16-mixed")
-    with pytest.raises(ConfigError, match=rf"trainer.precision=16-mixed with {strategy[0]}.*bf16-mixed"):
+    cfg = tiny_config("strategy=sequential", "trainer.precision=16")
+    with pytest.raises(ConfigError, match=r"trainer.precision=16 with strategy=sequential: on CPU Lightning trains "
+                                          r"16-mixed as bf16-mixed.*trainer.precision=bf16-mixed"):
         train(cfg, output_dir=cfg.paths.root)
+
+
+@pytest.mark.parametrize("strategy, refuses", [(["strategy=cpu_mp"], True), (["strategy=fsdp"], True),
+                                               (["strategy=pipe", "strategy.engine=torch"], True),
+                                               (["strategy=pipe"], False), (["strategy=ddp_gloo"], False)])
+def test_loss_scaling_is_refused_where_ranks_see_part_of_the_gradients(strategy, refuses):
+    """(On GPUs: on CPU every strategy refuses 16-mixed, above.)"""
+    from conftest import compose_config
+
+    from ddlx.run import layered_model_meta
+    from ddlx.strategies import build_strategy
+
+    cfg = compose_config([*strategy, "data.image_size=32"])
+    plan = build_strategy(cfg.strategy, cfg.trainer.accelerator, layered_model_meta(cfg), cfg.data)
+    why = plan.refused_precisions.get("16-mixed")
+    assert (why is not None) == refuses
+    assert why is None or "use trainer.precision=bf16-mixed" in why

@@ -899,10 +899,10 @@ def test_resampling_the_runs_says_how_reproducible_the_measured_fastest_is():
 # ---- precision ------------------------------------------------------------------------------
 
 def test_a_precision_sets_the_peak_and_the_assumed_efficiency():
-    """Uncalibrated T_seq: fp16 on the Titan RTX's tensor cores (130.5 TFLOPS at the tensor-core
-    efficiency), bf16 at the fp32 peak (Turing has no bf16 units, and the basis says so), fp64 at
-    its own peak; on an H100, fp32 convolutions at the TF32 peak (cuDNN's default)."""
-    from ddlx.predict.tseq import DEFAULT_EFFICIENCY, TENSOR_CORE_EFFICIENCY
+    """Uncalibrated T_seq: fp16 on the Titan RTX's tensor cores at the assumed mixed-precision
+    speedup over fp32 (not the 8x of the peaks), bf16 at the fp32 peak (Turing has no bf16 units,
+    and the basis says so), fp64 at its own peak; a tensor peak below the assumed speedup caps it."""
+    from ddlx.predict.tseq import TENSOR_CORE_SPEEDUP
 
     titan, h100 = _compose_hw_spec("titanrtx_4x"), _compose_hw_spec("h100_1x")
     job = Job("vgg16", "firesmall", 2, 3, 224, 32, 640)
@@ -911,16 +911,26 @@ def test_a_precision_sets_the_peak_and_the_assumed_efficiency():
         return Predictor(hw, []).recommend(replace(job, precision=precision), [Setup("sequential")]).sequential
 
     fp32, fp16, bf16, fp64 = (seq(titan, p) for p in ("32-true", "16-mixed", "bf16-mixed", "64-true"))
-    gpu = DEFAULT_EFFICIENCY["gpu"]
-    assert fp16.per_sample_s == pytest.approx(fp32.per_sample_s * 16.3 * gpu / (130.5 * TENSOR_CORE_EFFICIENCY))
+    assert fp16.per_sample_s == pytest.approx(fp32.per_sample_s / TENSOR_CORE_SPEEDUP)
     assert "fp16 peak" in fp16.basis and "16-mixed" in fp16.basis
     assert bf16.per_sample_s == pytest.approx(fp32.per_sample_s) and "gives no bf16 peak" in bf16.basis
     assert fp64.per_sample_s == pytest.approx(fp32.per_sample_s * 16.3 / 0.51) and "fp64 peak" in fp64.basis
     assert fp64.weight_s == pytest.approx(2 * fp32.weight_s) and fp16.weight_s == pytest.approx(fp32.weight_s), \
         "the optimizer's passes over the weights: fp64 weights, fp32 master weights under autocast"
-    tf32 = seq(h100, "32-true")
-    assert "tf32 peak" in tf32.basis and tf32.per_sample_s == pytest.approx(
-        fp32.per_sample_s * 16.3 * gpu / (494.7 * TENSOR_CORE_EFFICIENCY))
+    h100_fp32, h100_bf16 = seq(h100, "32-true"), seq(h100, "bf16-mixed")
+    assert "fp32 peak" in h100_fp32.basis, "TF32 convolutions are left to calibration"
+    assert h100_bf16.per_sample_s == pytest.approx(h100_fp32.per_sample_s / TENSOR_CORE_SPEEDUP)
+    slow = seq(replace(titan, peak_tflops_by_type={"fp16": 20.0}), "16-mixed")
+    assert slow.per_sample_s == pytest.approx(fp32.per_sample_s * 16.3 / 20.0), "no faster than its peak allows"
+
+
+def test_16_mixed_is_not_predicted_on_cpus():
+    """Lightning trains it there as bf16-mixed (tests/test_precision.py): the recommender says so."""
+    from ddlx.predict.numerics import numerics_on
+
+    assert numerics_on("16-mixed", "gpu").compute == "fp16" and numerics_on("bf16-mixed", "cpu").compute == "bf16"
+    with pytest.raises(ConfigError, match=r"trainer.precision=16 on a CPU machine: .*trainer.precision=bf16-mixed"):
+        numerics_on("16", "cpu")
 
 
 def test_an_efficiency_is_calibrated_against_the_peak_of_its_runs_precision():

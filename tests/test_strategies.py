@@ -107,10 +107,11 @@ CASES = {
     **{f"fsdp_{level}": pytest.param((["strategy=fsdp", "strategy.processes=2", f"strategy.sharding={level}"], False),
                                      marks=pytest.mark.slow) for level in ("full", "grad_op", "none")},
     # Activation checkpointing at the cut points: each block recomputed in backward, the same step.
-    # Default suite: fsdp and 1F1B (the plain 1F1B case is slow-marked: this one runs its schedule too).
-    "ddp_gloo_checkpoint": pytest.param((["strategy=ddp_gloo", "strategy.processes=2", "strategy.checkpoint=always"], False),
-                                        marks=pytest.mark.slow),
-    "fsdp_full_checkpoint": (["strategy=fsdp", "strategy.processes=2", "strategy.checkpoint=always"], False),
+    # Default suite: DDP and 1F1B (the plain 1F1B case is slow-marked: this one runs its schedule too).
+    "ddp_gloo_checkpoint": (["strategy=ddp_gloo", "strategy.processes=2", "strategy.checkpoint=always"], False),
+    # fsdp recomputing in the default suite: the resume test below.
+    "fsdp_full_checkpoint": pytest.param((["strategy=fsdp", "strategy.processes=2", "strategy.checkpoint=always"], False),
+                                         marks=pytest.mark.slow),
     "pipe_torch_1f1b_checkpoint": (["strategy=pipe", "strategy.engine=torch", "strategy.schedule=1f1b", "strategy.chunks=4",
                                     "strategy.checkpoint=always"], False),
     "pipe_torch_zero_bubble_checkpoint": pytest.param((["strategy=pipe", "strategy.engine=torch", "strategy.schedule=zero_bubble",
@@ -121,14 +122,28 @@ CASES = {
 }
 
 
+@pytest.fixture
+def recomputations(monkeypatch) -> list[int]:
+    """Counts the blocks this process (rank 0) recomputes in backward: the weights alone would
+    match the sequential run's whether or not strategy.checkpoint=always took effect."""
+    from ddlx.parallel import recompute
+
+    entered = []
+    enter = recompute._Recomputing.__enter__
+    monkeypatch.setattr(recompute._Recomputing, "__enter__", lambda self: (entered.append(1), enter(self))[1])
+    return entered
+
+
 @pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
-def test_strategy_matches_sequential(case, tmp_path, shared_data, sequential_weights, recwarn):
+def test_strategy_matches_sequential(case, tmp_path, shared_data, sequential_weights, recwarn, recomputations):
     overrides, exact = case
     if exact:
         torch.set_num_threads(1)  # bit for bit needs the reference's single intra-op thread too
     train_here(tmp_path, *[o for o in SAME_MATHS if o.split("=")[0] not in {k.split("=")[0] for k in overrides}],
                *overrides, f"paths.data_dir={shared_data}")
     _assert_same_weights(final_weights(tmp_path), sequential_weights, exact)
+    ours = "strategy.checkpoint=always" in overrides and (overrides[0] != "strategy=pipe" or "strategy.engine=torch" in overrides)
+    assert bool(recomputations) == ours, "strategy.checkpoint=always recomputes blocks in backward (fairscale: its own way)"
     _assert_one_run(tmp_path, overrides[0].split("=")[1])
     _assert_no_process_left(tmp_path)
     # The timing figures are reduced across ranks by the timer: no advice to sync them again.
@@ -174,18 +189,19 @@ def test_torch_pipe_resumes_and_trains_a_smaller_last_batch(tmp_path, shared_dat
     _assert_no_process_left(tmp_path)
 
 
-def test_fsdp_checkpoint_resumes_under_sharding_with_the_sequential_maths(tmp_path, shared_data):
+def test_fsdp_checkpoint_resumes_under_sharding_with_the_sequential_maths(tmp_path, shared_data, recomputations):
     """FSDP's full state dict is saved under the sequential names and the optimizer's index keys;
     a run resumed from it (momentum resharded) ends with the weights of a sequential run that
-    never stopped."""
+    never stopped. Recomputing its blocks in backward (strategy.checkpoint=always) changes none of it."""
     epoch = [f"paths.data_dir={shared_data}", *SAME_MATHS, "trainer.limit_train_batches=1"]
-    job = ["strategy=fsdp", "strategy.processes=2", "strategy.sharding=full", *epoch]
+    job = ["strategy=fsdp", "strategy.processes=2", "strategy.sharding=full", "strategy.checkpoint=always", *epoch]
     for folder in ("sequential", "cut"):
         (tmp_path / folder).mkdir()
     def run(folder, *overrides):
         train(compose_config([f"paths.root={tmp_path / folder}", *overrides]), output_dir=tmp_path / folder / "run")
     run("sequential", "strategy=sequential", "strategy.threads=1", *epoch, "trainer.max_epochs=2")
     run("cut", *job)
+    assert recomputations, "rank 0 recomputed its blocks in backward"
     checkpoint = tmp_path / "cut" / "run" / "checkpoints" / "last.ckpt"
     saved = torch.load(checkpoint, weights_only=False)
     assert list(saved["optimizer_states"][0]["state"]) == list(range(len(final_weights(tmp_path / "cut"))))

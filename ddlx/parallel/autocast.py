@@ -10,20 +10,23 @@ from contextlib import ExitStack, contextmanager
 import torch
 from torch import nn
 
-AutocastState = tuple[tuple[str, torch.dtype], ...]
+AutocastState = tuple[tuple[str, torch.dtype, bool], ...]
 
 
 def autocast_state() -> AutocastState:
-    """The calling thread's autocast: the device types it is on for, and their formats."""
-    return tuple((device, torch.get_autocast_dtype(device)) for device in ("cpu", "cuda") if torch.is_autocast_enabled(device))
+    """The calling thread's autocast: the device types it is on for, their formats, and whether
+    it caches cast weights (Lightning's does not)."""
+    cache = torch.is_autocast_cache_enabled()
+    return tuple((device, torch.get_autocast_dtype(device), cache) for device in ("cpu", "cuda")
+                 if torch.is_autocast_enabled(device))
 
 
 @contextmanager
 def autocast_as(state: AutocastState) -> Iterator[None]:
     """Run the block under ``state`` (another thread's autocast)."""
     with ExitStack() as stack:
-        for device, dtype in state:
-            stack.enter_context(torch.autocast(device, dtype=dtype))
+        for device, dtype, cache in state:
+            stack.enter_context(torch.autocast(device, dtype=dtype, cache_enabled=cache))
         yield
 
 
@@ -34,8 +37,8 @@ class CarriedAutocast:
     def __init__(self, modules: list[nn.Module]) -> None:
         self.state: AutocastState = ()
         self._open: dict[int, ExitStack] = {}
-        self._hooks = [h for m in modules for h in (m.register_forward_pre_hook(self._enter),
-                                                      m.register_forward_hook(self._leave))]
+        self._hooks = [h for m in modules for h in (m.register_forward_pre_hook(self._enter),  # left even when it raises
+                                                      m.register_forward_hook(self._leave, always_call=True))]
 
     def capture(self) -> None:
         self.state = autocast_state()

@@ -20,7 +20,6 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..models import LayeredModel
 from ..models.layered import blocks_between
 
 _state = threading.local()  # while this thread recomputes a block in backward: the statistics to put back
@@ -89,5 +88,7 @@ def recompute_blocks(layers: nn.Sequential, blocks: Sequence[tuple[int, int]]) -
 
 def recompute_at_cut_points(module: nn.Module) -> None:
     """The network inside ``module`` (a LightningModule) recomputes each block between its cut points."""
-    (model,) = [m for m in module.modules() if isinstance(m, LayeredModel)]
+    from .network import find_layered_model  # names what it found instead
+
+    model = find_layered_model(module)
     recompute_blocks(model, blocks_between(model.cut_points.values(), 0, len(model)))

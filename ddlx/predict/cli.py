@@ -29,7 +29,7 @@ from .render import (
     validation_plot,
     validation_text,
 )
-from .numerics import numerics_of
+from .numerics import numerics_of, numerics_on
 from .tseq import ProbedBatch, probe_batches, probe_loading
 from .validation import group_errors, pick_figures
 from .validation import validate as leave_one_out
@@ -132,6 +132,8 @@ def run(cfg: DictConfig, out_dir: Path, hw_dir: Path, job_overrides: list[str] |
     job = job_from_config(cfg) if cfg.mode == "recommend" else None  # bad values named before any timing
     detected_dir = Path(cfg.detected_dir) if cfg.detected_dir else None
     target = hardware(cfg.hw, detected_dir, refresh=cfg.mode == "probe")
+    if job is not None:
+        numerics_on(job.precision, target.device_kind)  # 16-mixed on CPU: Lightning would train bf16-mixed
     if cfg.mode == "probe":  # measures everything again, the kept rates and probes included
         from .linkprobe import write_probed_hw
 

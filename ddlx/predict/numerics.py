@@ -7,9 +7,8 @@ fp32, ``hw.peak_tflops_by_type`` for the others), and the bytes per parameter an
   backward) are stored in it; each weight is also held as a low-format copy, made on its
   first use in a step and freed with the backward that needs it.
 - ``*-true``: the whole model in that format (weights, gradients, momentum, activations).
-- ``32-true``: fp32, except that on GPUs with TF32 tensor cores cuDNN runs convolutions in TF32
-  by default (``torch.backends.cudnn.allow_tf32``), so their peak is the tf32 one where the
-  hardware file gives it.
+- ``32-true``: fp32 (on GPUs with TF32 units cuDNN runs convolutions in TF32 by default, which
+  only runs on the GPU calibrate: its matrix products and layers between stay fp32).
 
 No torch here: the strategy specs import this when the config is composed.
 """
@@ -46,6 +45,21 @@ PRECISION_NUMERICS = {n.precision: n for n in (
     Numerics("bf16-true", "bf16", 2, 2),
     Numerics("16-true", "fp16", 2, 2),
 )}
+
+
+# Lightning trains 16-mixed on CPU as bf16-mixed (its accelerator connector: "AMP with fp16 is not
+# supported on CPU"), which a run recorded as 16-mixed would misstate.
+CPU_FP16 = {"16-mixed": "on CPU Lightning trains 16-mixed as bf16-mixed (\"AMP with fp16 is not supported on CPU\"), "
+                        "so the run would be recorded under the wrong precision; use trainer.precision=bf16-mixed, "
+                        "or 16-true for fp16 weights and activations"}
+
+
+def numerics_on(precision, device_kind: str) -> Numerics:
+    """:func:`numerics_of`, refusing what Lightning would not train as asked on ``device_kind``."""
+    numerics = numerics_of(precision)
+    if device_kind == "cpu" and numerics.precision in CPU_FP16:
+        raise ConfigError(f"trainer.precision={precision} on a CPU machine: {CPU_FP16[numerics.precision]}")
+    return numerics
 
 
 def numerics_of(precision) -> Numerics:

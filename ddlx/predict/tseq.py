@@ -34,12 +34,15 @@ from .profile import ModelProfile
 from .setups import SequentialTime, calibration_group, setup_of_run, weight_seconds
 
 # Fraction of the peak a training step reaches when no run calibrates it: GPU convolution nets
-# in fp32 typically reach 30-50%; on tensor cores (tf32, bf16, fp16) a far smaller share, as the
-# layers between the convolutions (norms, activations, pooling) are bound by memory, not by the
-# products (NVIDIA's published ResNet-50 training throughput on V100: about 0.3 of the fp32 peak
-# in fp32, about 0.12 of the fp16 tensor-core peak in mixed precision); CPUs near their GEMM rate.
+# in fp32 typically reach 30-50%; CPUs near their GEMM rate.
 DEFAULT_EFFICIENCY = {"gpu": 0.35, "cpu": 0.5}
-TENSOR_CORE_EFFICIENCY = 0.12
+# On tensor cores (bf16, fp16) the layers between the convolutions (norms, activations, pooling)
+# are bound by memory, not by the products, so mixed precision trains a convolution net a few
+# times faster than fp32, not by the ratio of the peaks (8x on a V100, 15x on an H100): NVIDIA's
+# published ResNet-50 training throughputs are 2.5-3x fp32's on V100 and A100 and about 2.3x
+# TF32's on H100. Without runs, a tensor-core format is assumed this many times fp32's rate
+# (at most its own peak).
+TENSOR_CORE_SPEEDUP = 2.7
 
 
 def is_one_device_baseline(run: MeasuredRun) -> bool:
@@ -70,10 +73,13 @@ def from_runs(job: Job, hw: HardwareSpec, runs: Sequence[MeasuredRun], profile: 
 
 
 def default_efficiency(hw: HardwareSpec, precision: str) -> float:
-    """The share of the peak assumed when no run of the precision calibrates it."""
+    """The share of the precision's peak assumed when no run of it calibrates it: on a GPU's
+    tensor cores, :data:`TENSOR_CORE_SPEEDUP` times fp32's assumed rate, at most the peak's share."""
     peak, _ = hw.peak_for(numerics_of(precision))
-    on_tensor_cores = hw.device_kind == "gpu" and numerics_of(precision).compute != "fp64" and peak != hw.peak_tflops
-    return TENSOR_CORE_EFFICIENCY if on_tensor_cores else DEFAULT_EFFICIENCY[hw.device_kind]
+    base = DEFAULT_EFFICIENCY[hw.device_kind]
+    if hw.device_kind == "gpu" and numerics_of(precision).compute in ("bf16", "fp16") and peak > hw.peak_tflops:
+        return base * min(peak, TENSOR_CORE_SPEEDUP * hw.peak_tflops) / peak
+    return base
 
 
 def _load_per_sample_s(run: MeasuredRun) -> float:

@@ -76,7 +76,8 @@ class CpuMp(StrategySpec):
         p = setup.get("processes")
         shared = (1 + 1 + p) * profile.params * profile.param_bytes  # weights, momentum (split), slots
         ranks = min(p, hw.devices_per_node)
-        per_rank = replica_bytes(job, job.batch_size // p) - profile.state_bytes(profile.params) + profile.params * profile.param_bytes
+        per_rank = (replica_bytes(job, job.batch_size // p) - profile.state_bytes(profile.params)
+                    + profile.params * (profile.param_bytes + profile.cast_bytes))  # its gradient, its autocast copies
         return memory_need(hw, per_rank + shared / ranks, ranks)
 
 

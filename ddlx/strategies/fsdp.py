@@ -95,12 +95,13 @@ class Fsdp(StrategySpec):
         w, sharding = setup.get("processes"), setup.get("sharding", "full")
         replica = replica_bytes(job, job.batch_size // w, recompute=setup.get("checkpoint", "never") == "always")
         state = profile.state_bytes(profile.params)
+        cast = profile.params * profile.cast_bytes  # autocast's copies of the gathered weights: each rank its own
         weights = profile.params * profile.param_bytes
         largest = max(layer.params for layer in profile.layers) * profile.param_bytes
         if sharding == "full":
-            kept = state / w + 2 * largest  # the layer in use and the next, prefetched
+            kept = (state - cast) / w + 2 * largest + cast  # the layer in use and the next, prefetched
         elif sharding == "grad_op":
-            kept = weights + (state - weights) / w
+            kept = weights + (state - cast - weights) / w + cast
         else:
             kept = state
         return memory_need(hw, replica - state + kept, min(w, hw.devices_per_node))

@@ -322,8 +322,8 @@ def check_job(cfg: DictConfig, resolved: dict, tags: dict, rank0: bool):
             raise ConfigError(f"trainer.{key}={cfg.trainer[key]} with strategy={cfg.strategy.name}: {why}, "
                               f"or trainer.{key}=null")
     on_cpu = plan.trainer_kwargs.get("accelerator", cfg.trainer.accelerator) == "cpu" or not torch.cuda.is_available()
-    why = (CPU_FP16 if on_cpu else {}).get(precision_of(cfg.trainer.precision)) or plan.refused_precisions.get(
-        precision_of(cfg.trainer.precision))
+    refused = {**plan.refused_precisions, **(CPU_FP16 if on_cpu else {})}  # on CPU, Lightning's own first
+    why = refused.get(precision_of(cfg.trainer.precision))
     if why is not None:
         raise ConfigError(f"trainer.precision={cfg.trainer.precision} with strategy={cfg.strategy.name}: {why}")
     if cfg.data.batch_per == "worker":

@@ -59,6 +59,13 @@ class LayeredModel(nn.Sequential):
         return f"arch={self.arch}, split_point={self.split_point}@{self.split_index}"
 
 
+def out_of_place(layer: nn.Module) -> None:
+    """Have ``layer`` (an activation built with ``inplace=True``) write a new tensor: where its
+    input must survive it (a stage's or a recomputed block's input, a profiled layer's)."""
+    if getattr(layer, "inplace", False):
+        layer.inplace = False
+
+
 def blocks_between(cuts: Iterable[int], start: int, stop: int) -> list[tuple[int, int]]:
     """The blocks of layers ``start``..``stop`` of a model cut at ``cuts`` (layer indices): the
     units activation checkpointing recomputes."""

@@ -10,6 +10,8 @@ import time
 import torch
 from torch import nn
 
+from ..models.layered import out_of_place
+
 log = logging.getLogger(__name__)
 
 
@@ -17,8 +19,7 @@ def layer_times(model: nn.Sequential, sample: torch.Tensor, rounds: int = 3) -> 
     """Seconds of each layer's forward plus backward on ``sample``, median of ``rounds`` after a warm-up."""
     profiled = copy.deepcopy(model).to(sample.device)
     for module in profiled.modules():  # the backward needs each layer's input intact
-        if getattr(module, "inplace", False):
-            module.inplace = False
+        out_of_place(module)
     samples: list[list[float]] = [[] for _ in profiled]
     for round_ in range(rounds + 1):
         x = sample

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from ..models import LayeredModel
+from ..models.layered import out_of_place
 from .autocast import CarriedAutocast
 from .balance import balance_by_time
 from .split import DevicesOf
@@ -29,8 +30,7 @@ class PipeForward:
             # grad, which an in-place first layer (ReLU) rejects: run partition heads out of place.
             start = 0
             for size in balance:
-                if getattr(model[start], "inplace", False):
-                    model[start].inplace = False
+                out_of_place(model[start])
                 start += size
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # "upstreamed to torch": torch has since removed it

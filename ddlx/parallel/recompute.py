@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..models.layered import blocks_between
+from ..models.layered import blocks_between, out_of_place
 
 _state = threading.local()  # while this thread recomputes a block in backward: the statistics to put back
 
@@ -67,10 +67,8 @@ def recompute_blocks(layers: nn.Sequential, blocks: Sequence[tuple[int, int]]) -
     """``layers`` (a model or a stage of one) runs each of ``blocks`` (index ranges into it)
     under activation checkpointing when gradients are on."""
     parts = [layers[a:b] if b - a > 1 else layers[a] for a, b in blocks]
-    for part in parts:
-        head = part[0] if isinstance(part, nn.Sequential) else part
-        if getattr(head, "inplace", False):  # it would overwrite the one input the block keeps
-            head.inplace = False
+    for part in parts:  # an in-place head would overwrite the one input the block keeps
+        out_of_place(part[0] if isinstance(part, nn.Sequential) else part)
     keeper = _OneStatisticsUpdate(layers)
 
     def forward(x: torch.Tensor) -> torch.Tensor:

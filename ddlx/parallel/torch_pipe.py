@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..models import LayeredModel
-from ..models.layered import blocks_between
+from ..models.layered import blocks_between, out_of_place
 from .balance import balance_by_time
 from .launch import RelaunchingDDPStrategy, plain_optimizer
 from .network import InstalledForward, install, uninstall
@@ -61,8 +61,7 @@ class PipelineForward:
         self.mine = stages_of(schedule, rank, ranks)
         self.parts = [model[bounds[i] : bounds[i + 1]].to(device) for i in self.mine]
         for part in self.parts:
-            if getattr(part[0], "inplace", False):  # a stage's input arrives as a leaf that requires grad
-                part[0].inplace = False
+            out_of_place(part[0])  # a stage's input arrives as a leaf that requires grad
             part.append(_NotAView())
         if recompute:  # each stage's blocks between the model's cut points
             for part, i in zip(self.parts, self.mine):

@@ -145,6 +145,18 @@ def replica_bytes(job: Job, batch: int, recompute: bool = False) -> int:
     return estimate.total_bytes
 
 
+def recomputes(knobs) -> bool:
+    """Whether ``knobs`` (a strategy's config or a :class:`Setup`) recompute every block between
+    the cut points (``strategy.checkpoint=always`` of ddp_*, fsdp, pipe engine=torch)."""
+    return knobs.get("checkpoint", "never") == "always"
+
+
+def recompute_factor(knobs, backward_passes: int = 1) -> float:
+    """A step's compute against one that keeps every activation: under :func:`recomputes`, the
+    forward once more per backward pass through a block (ZB-V makes two)."""
+    return 1 + FORWARD_SHARE * backward_passes if recomputes(knobs) else 1.0
+
+
 def recomputed_share(checkpoint: str, chunks: int) -> float:
     """The share of a batch's micro-batches whose activations a pipeline recomputes in backward
     instead of keeping: torchgpipe's and fairscale's ``checkpoint`` names micro-batches, not

@@ -72,16 +72,6 @@ def from_runs(job: Job, hw: HardwareSpec, runs: Sequence[MeasuredRun], profile: 
     return SequentialTime(max(per_sample, 1e-9), weights, f"measured ({len(chosen)} run{'s' * (len(chosen) > 1)}, {what})", load)
 
 
-def default_efficiency(hw: HardwareSpec, precision: str) -> float:
-    """The share of the precision's peak assumed when no run of it calibrates it: on a GPU's
-    tensor cores, :data:`TENSOR_CORE_SPEEDUP` times fp32's assumed rate, at most the peak's share."""
-    peak, _ = hw.peak_for(numerics_of(precision))
-    base = DEFAULT_EFFICIENCY[hw.device_kind]
-    if hw.device_kind == "gpu" and numerics_of(precision).compute in ("bf16", "fp16") and peak > hw.peak_tflops:
-        return base * min(peak, TENSOR_CORE_SPEEDUP * hw.peak_tflops) / peak
-    return base
-
-
 def _load_per_sample_s(run: MeasuredRun) -> float:
     """The run's last measured epoch's data wait, per training sample (0 if it has none)."""
     wait = run.metrics.get("data_wait_s")
@@ -127,6 +117,17 @@ def efficiency_from_runs(runs: Sequence[MeasuredRun], hw_of_run: Callable[[Measu
         if compute_s > 0:
             out.append(batch * profile.train_flops_per_sample / compute_s / (peak * 1e12))
     return out
+
+
+def default_efficiency(hw: HardwareSpec, precision: str) -> float:
+    """The share of the precision's peak assumed when no run of it calibrates it: on a GPU's
+    tensor cores, :data:`TENSOR_CORE_SPEEDUP` times fp32's assumed rate, at most the peak's share."""
+    numerics = numerics_of(precision)
+    peak, _ = hw.peak_for(numerics)
+    base = DEFAULT_EFFICIENCY[hw.device_kind]
+    if hw.device_kind == "gpu" and numerics.compute in ("bf16", "fp16") and peak > hw.peak_tflops:
+        return base * min(peak, TENSOR_CORE_SPEEDUP * hw.peak_tflops) / peak
+    return base
 
 
 def from_flops(job: Job, hw: HardwareSpec, profile: ModelProfile, efficiencies: Sequence[float]) -> SequentialTime:

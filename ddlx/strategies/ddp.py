@@ -11,10 +11,11 @@ from ..errors import ConfigError
 from ..knobs import knob
 from ..predict.costs import (
     DEFAULT_BUCKET_MB,
-    FORWARD_SHARE,
     RECOMPUTE,
     cost,
     memory_need,
+    recompute_factor,
+    recomputes,
     replica_bytes,
     ring,
     weight_traffic_s,
@@ -68,7 +69,7 @@ def data_parallel_cost(setup: Setup, workers: int, job, hw, profile, seq):
     allreduce; only the last bucket is exposed on GPUs, every bucket on CPU (gloo and the
     backward pass share the cores), where the replicas of a node also share its memory bus."""
     shared_bus = hw.device_kind == "cpu"
-    work = job.batch_size * (seq.per_sample_s * recomputed(setup) + seq.load_per_sample_s)
+    work = job.batch_size * (seq.per_sample_s * recompute_factor(setup) + seq.load_per_sample_s)
     local = min(workers, hw.devices_per_node) if shared_bus else 1
     bucket = float(setup.get("bucket_cap_mb", DEFAULT_BUCKET_MB))
     total = data_parallel_s(work, workers, profile.gradient_mb, bucket, ring(hw, workers), hw.allreduce_fixed_us * 1e-6,
@@ -76,14 +77,9 @@ def data_parallel_cost(setup: Setup, workers: int, job, hw, profile, seq):
     return cost(work / workers, total)
 
 
-def recomputed(setup: Setup) -> float:
-    """A step's compute against one without activation checkpointing: the forward once more."""
-    return 1 + FORWARD_SHARE if setup.get("checkpoint", "never") == "always" else 1.0
-
-
 def data_parallel_memory(setup: Setup, workers: int, job, hw, profile):
     """A replica on each worker's share of the batch, plus DDP's gradient buckets (a copy of the gradients)."""
-    per = (replica_bytes(job, job.batch_size // workers, recompute=setup.get("checkpoint", "never") == "always")
+    per = (replica_bytes(job, job.batch_size // workers, recompute=recomputes(setup))
            + profile.params * profile.param_bytes)
     return memory_need(hw, per, min(workers, hw.devices_per_node))
 
@@ -115,7 +111,7 @@ class Ddp(StrategySpec):
                 warn_oversubscription(self.name, processes, "processes")
         strategy = RelaunchingDDPStrategy(process_group_backend=self.backend, bucket_cap_mb=cfg.bucket_cap_mb,
                                           timeout=timedelta(seconds=cfg.timeout_s), **comm_hook(cfg.comm_hook))
-        strategy.recompute = cfg.checkpoint == "always"
+        strategy.recompute = recomputes(cfg)
         return StrategyPlan(
             trainer_kwargs={"strategy": strategy, "devices": processes, "accelerator": device_accelerator},
             tags={"processes": str(processes), "backend": self.backend, "bucket_cap_mb": f"{cfg.bucket_cap_mb:g}",

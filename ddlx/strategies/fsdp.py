@@ -6,10 +6,18 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 from ..knobs import knob
-from ..predict.costs import RECOMPUTE, cost, memory_need, replica_bytes, ring, weight_traffic_s
+from ..predict.costs import (
+    RECOMPUTE,
+    cost,
+    memory_need,
+    recompute_factor,
+    recomputes,
+    replica_bytes,
+    ring,
+    weight_traffic_s,
+)
 from ..predict.perf_models import data_parallel_s
 from .cpu_mp import TIMEOUT_S
-from .ddp import recomputed
 from .spec import Setup, StrategyPlan, StrategySpec, no_loss_scaling, recompute_knob, warn_oversubscription, with_recompute
 
 SHARDINGS = ("full", "grad_op", "none")
@@ -56,7 +64,7 @@ class Fsdp(StrategySpec):
             warn_oversubscription(self.name, p, "processes")
             devices = [torch.device("cpu")] * p
         strategy = FullyShardedStrategy(devices, cfg.sharding, pin_cores=cfg.pin_cores, timeout_s=cfg.timeout_s)
-        strategy.recompute = cfg.checkpoint == "always"
+        strategy.recompute = recomputes(cfg)
         return StrategyPlan(
             trainer_kwargs={"strategy": strategy, "devices": p, "accelerator": "gpu" if devices[0].type == "cuda" else "cpu"},
             tags={"processes": str(p), "sharding": cfg.sharding, "checkpoint": cfg.checkpoint},
@@ -80,7 +88,7 @@ class Fsdp(StrategySpec):
         """DDP's Eq. 5.1 with FSDP's ring volume (``VOLUME``): the gathers and the reduce-scatter
         run per layer beside the computation on GPUs, in turn with it on CPU (shared cores)."""
         w, shared_bus = setup.get("processes"), hw.device_kind == "cpu"
-        work = job.batch_size * (seq.per_sample_s * recomputed(setup) + seq.load_per_sample_s)
+        work = job.batch_size * (seq.per_sample_s * recompute_factor(setup) + seq.load_per_sample_s)
         volume = VOLUME[setup.get("sharding", "full")] * profile.gradient_mb
         largest = max(layer.params for layer in profile.layers) * profile.param_bytes / 1e6  # one unit's transfer
         local = min(w, hw.devices_per_node) if shared_bus else 1
@@ -93,7 +101,7 @@ class Fsdp(StrategySpec):
         keeps 1/W of the weights, gradients and momentum plus the largest layer gathered,
         grad_op the whole weights and 1/W of the rest, none all of it."""
         w, sharding = setup.get("processes"), setup.get("sharding", "full")
-        replica = replica_bytes(job, job.batch_size // w, recompute=setup.get("checkpoint", "never") == "always")
+        replica = replica_bytes(job, job.batch_size // w, recompute=recomputes(setup))
         state = profile.state_bytes(profile.params)
         cast = profile.params * profile.cast_bytes  # autocast's copies of the gathered weights: each rank its own
         weights = profile.params * profile.param_bytes

@@ -18,7 +18,9 @@ from ..predict.costs import (
     gpu_index,
     link,
     memory_need,
+    recompute_factor,
     recomputed_share,
+    recomputes,
     stage_bytes,
     weight_traffic_s,
 )
@@ -150,7 +152,7 @@ class Pipe(StrategySpec):
         sample = (max(1, batch // chunks), data["channels"], data["image_size"], data["image_size"])
         strategy = TorchPipelineStrategy(devices, cfg.schedule, chunks, balance, sample, pin_cores=cfg.pin_cores,
                                          timeout_s=cfg.timeout_s)
-        strategy.recompute = cfg.checkpoint == "always"
+        strategy.recompute = recomputes(cfg)
         return StrategyPlan(
             trainer_kwargs={"strategy": strategy, "devices": ranks, "accelerator": accelerator_of(devices[0])},
             tags={"devices": ",".join(map(str, devices)), "chunks": str(chunks), "balance": str(balance),
@@ -246,8 +248,7 @@ class Pipe(StrategySpec):
         balance = default_balance(profile, w * SCHEDULES[name].stages_per_rank)
         flops = [sum(layer.forward_flops for layer in part) for part in profile.partitions(balance)]
         micro = max(1, b // m)
-        recomputed = FORWARD_SHARE * SCHEDULES[name].backward_passes if setup.get("checkpoint", "never") == "always" else 0
-        per_sample = seq.per_sample_s * (1 + recomputed)
+        per_sample = seq.per_sample_s * recompute_factor(setup, SCHEDULES[name].backward_passes)
         per_rank = [sum(flops[i] for i in stages_of(name, r, w)) / sum(flops) * micro * per_sample for r in range(w)]
         compute = pipeline_schedule_s(per_rank, m, bubble_steps(name, w, m))
         traffic = 1 + (m - 1) * REPLICA_SHARE
@@ -272,7 +273,7 @@ class Pipe(StrategySpec):
         w, micro = len(devices), max(1, job.batch_size // m)
         balance = default_balance(profile, w * SCHEDULES[name].stages_per_rank)
         parts, bounds = profile.partitions(balance), [0, *itertools.accumulate(balance)]
-        recompute = setup.get("checkpoint", "never") == "always"
+        recompute = recomputes(setup)
         ranks = []
         for r in range(w):
             mine = stages_of(name, r, w)

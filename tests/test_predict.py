@@ -470,7 +470,34 @@ def test_every_machine_with_two_devices_gets_torch_pipeline_setups_with_time_mem
     assert {p.setup.get("schedule") for p in torch_pipes} == {"gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"}
     for p in torch_pipes:
         assert p.epoch_s > 0 and p.memory.per_device_gb > 0 and p.basis
-        assert "strategy.engine=torch" in p.setup.overrides and p.setup.get("chunks") >= len(p.setup.get("devices"))
+        stages = len(p.setup.get("devices")) if p.setup.strategy == "pipe" else 2  # hybrid, mpi: two-stage pipelines
+        assert "strategy.engine=torch" in p.setup.overrides and p.setup.get("chunks") >= stages
+    # Data-parallel pipelines where a node has 4 devices (hybrid) or there are several nodes (mpi).
+    expected = {"hybrid"} if spec.devices_per_node >= 4 else set()
+    assert {p.setup.strategy for p in torch_pipes} - {"pipe"} == expected | ({"mpi"} if spec.nodes > 1 else set())
+
+
+def test_data_parallel_pipelines_are_one_pipeline_on_its_share_then_a_gradient_average_per_stage():
+    gpu = _hw(device_kind="gpu", devices_per_node=4, memory_per_device_gb=16, memory_bandwidth_gb_s=600.0)
+    job, profile = Job("vgg11", "firesmall", 3, 3, 224, 64, 633), profile_model("vgg11", 3, 3, 224)
+    seq = SequentialTime(0.01, 0.0, "test")
+    knobs = (("chunks", 8), ("engine", "torch"), ("schedule", "1f1b"))
+    one = Setup("pipe", (("devices", ("cuda:0", "cuda:1")), *knobs))
+    two = Setup("hybrid", (("processes", 2), ("local", "pipe"), *knobs))
+    half = replace(job, batch_size=32)
+    averaging = model_batch_s(two, job, gpu, profile, seq) - model_batch_s(one, half, gpu, profile, seq)
+    # Each rank's stage gradient (the split point's share of VGG11's weights) over a ring of the two pipelines.
+    grads = [profile.partitions([profile.split_index, len(profile.layers) - profile.split_index])[r] for r in (0, 1)]
+    mb = [sum(layer.params for layer in part) / profile.params * profile.gradient_mb for part in grads]
+    ring = [pm.Link(gpu.intra_node.latency_us * 1e-6, gpu.intra_node.bandwidth_gb_s * 1e3)] * 2
+    buckets = [-(-x // 25) for x in mb]
+    assert averaging == pytest.approx(max(pm.ring_allreduce_s(2, x, ring, n * gpu.allreduce_fixed_us * 1e-6)
+                                          for x, n in zip(mb, buckets)))
+    assert memory_need(two, job, gpu, profile).per_device_gb == pytest.approx(memory_need(one, half, gpu, profile).per_device_gb)
+    # On CPU, four processes on two cores time-share them.
+    cpu = _hw()
+    cpu_one, cpu_two = Setup("pipe", (("devices", ("cpu", "cpu")), *knobs)), Setup("hybrid", (("processes", 2), ("local", "pipe"), *knobs))
+    assert model_batch_s(cpu_two, job, cpu, profile, seq) > 2 * model_batch_s(cpu_one, half, cpu, profile, seq)
 
 
 def test_pipeline_schedules_follow_their_papers():

@@ -118,6 +118,12 @@ CASES = {
                                                         "strategy.chunks=4", "strategy.balance=[4,6,5,7]", "strategy.checkpoint=always"],
                                                        False), marks=pytest.mark.slow),
     "hybrid_split": (["strategy=hybrid", "strategy.processes=2", "strategy.local=split"], False),
+    # Two pipelines of PyTorch's 1F1B (two processes each) averaging their gradients: 4 processes.
+    "hybrid_pipe_torch_1f1b": (["strategy=hybrid", "strategy.processes=2", "strategy.local=pipe", "strategy.engine=torch",
+                                "strategy.schedule=1f1b", "strategy.chunks=2"], False),
+    "hybrid_pipe_torch_zero_bubble": pytest.param((["strategy=hybrid", "strategy.processes=2", "strategy.local=pipe",
+                                                    "strategy.engine=torch", "strategy.schedule=zero_bubble", "strategy.chunks=2",
+                                                    "strategy.balance=[4,6,5,7]"], False), marks=pytest.mark.slow),
     "hybrid_pipe": pytest.param((["strategy=hybrid", "strategy.processes=2", "strategy.local=pipe", "strategy.chunks=2"], False), marks=pytest.mark.slow),
 }
 
@@ -238,12 +244,21 @@ def _assert_no_process_left(workdir: Path) -> None:
     assert not left, f"processes left behind: {left}"
 
 
-def test_mpi_matches_sequential(tmp_path, shared_data, sequential_weights):
+MPI_CASES = {
+    "sequential": (2, []),
+    # Two pipelines of two ranks each (PyTorch's GPipe), averaging gradients across them.
+    "pipe_torch": pytest.param((4, ["strategy.local=pipe", "strategy.engine=torch", "strategy.chunks=2"]), marks=pytest.mark.slow),
+}
+
+
+@pytest.mark.parametrize("case", list(MPI_CASES.values()), ids=list(MPI_CASES))
+def test_mpi_matches_sequential(case, tmp_path, shared_data, sequential_weights):
     reason = _mpi_available()
     if reason:
         pytest.skip(reason)
-    runner = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2"]
-    proc = train_py(tmp_path, "strategy=mpi", f"paths.data_dir={shared_data}", *SAME_MATHS, runner=runner)
+    ranks, overrides = case
+    runner = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(ranks)]
+    proc = train_py(tmp_path, "strategy=mpi", f"paths.data_dir={shared_data}", *SAME_MATHS, *overrides, runner=runner)
     assert proc.returncode == 0, proc.stderr[-4000:]
     _assert_same_weights(final_weights(tmp_path), sequential_weights, exact=False)
     _assert_one_run(tmp_path, "mpi")
@@ -355,6 +370,13 @@ def test_pipe_knobs_are_checked():
         _plan("strategy=pipe", "strategy.engine=torch", "strategy.checkpoint=except_last")
     with pytest.raises(ConfigError, match=r"strategy.balance=\[10, 12\] must give 4 positive layer counts"):
         _plan("strategy=pipe", "strategy.engine=torch", "strategy.schedule=zero_bubble", "strategy.balance=[10,12]")
+    # PyTorch's schedules as the pipelines of a data-parallel job: each pipeline's share is divided.
+    with pytest.raises(ConfigError, match=r"strategy.chunks=32 does not divide data.batch_size=32 over 2 pipelines \(16 each\)"):
+        _plan("strategy=hybrid", "strategy.local=pipe", "strategy.engine=torch", "strategy.chunks=32")
+    with pytest.raises(ConfigError, match=r"strategy.engine=torch .*strategy.local=split.*strategy.local=pipe strategy.engine=torch"):
+        _plan("strategy=hybrid", "strategy.local=split", "strategy.engine=torch")
+    plan = _plan("strategy=hybrid", "strategy.local=pipe", "strategy.engine=torch", "strategy.schedule=1f1b")
+    assert (plan.trainer_kwargs["devices"], plan.data_parallel, plan.tags["schedule"]) == (4, 2, "1f1b")
     with pytest.raises(ConfigError, match=r"strategy.cut_point='after_conv9'.*after_conv4"):
         _plan("strategy=split", "strategy.cut_point=after_conv9")
 

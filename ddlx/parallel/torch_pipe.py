@@ -14,6 +14,12 @@ forward holds the schedule's gradients back and the strategy's ``backward`` hand
 parameters of its own stages (the others get no gradient); a checkpoint gathers every stage's
 weights and optimizer state on rank 0, under the sequential model's names.
 
+Several pipelines train data-parallel (``hybrid``, ``mpi``): ranks form a (replica, stage) mesh
+as torchtitan's ``pp`` and ``dp`` dimensions, a pipeline's ranks consecutive (one node: its
+activations never cross the network, only the gradient average does, as in source 003's
+Figure 1). Each pipeline trains its share of the batch; after the schedule, every rank averages
+its stages' gradients with the same stages of the other pipelines.
+
 Schedules (PyTorch's classes): ``gpipe`` (all forwards, then all backwards), ``1f1b`` (one
 forward, one backward: PipeDream-flush, at most one micro-batch per stage in flight per
 stage ahead), ``interleaved_1f1b`` (two stages per process, looped: smaller bubble) and
@@ -55,7 +61,9 @@ class PipelineForward:
     gradients are on), the last stage's logits returned on every rank."""
 
     def __init__(self, model: LayeredModel, balance: list[int], schedule: str, chunks: int, rank: int, ranks: int,
-                 device: torch.device, loss_fn: nn.Module, recompute: bool = False) -> None:
+                 device: torch.device, loss_fn: nn.Module, recompute: bool = False, group=None) -> None:
+        """``rank`` of ``ranks``: this process's place in its pipeline, whose processes form ``group``
+        (None: every process of the job)."""
         bounds = [0, *itertools.accumulate(balance)]
         self.num_stages, self.schedule, self.chunks, self.ranks = len(balance), schedule, chunks, ranks
         self.mine = stages_of(schedule, rank, ranks)
@@ -74,6 +82,8 @@ class PipelineForward:
         self.held: list[tuple[nn.Parameter, torch.Tensor | None]] = []  # this step's gradients, until the backward
         self._schedules: dict[int, object] = {}  # one per batch size: stages keep the shapes they first saw
         self.rank, self.owner = rank, stage_owners(schedule, ranks)
+        self.group = group
+        self.peers = dist.get_process_group_ranks(group) if group is not None else list(range(ranks))  # global ranks
 
     def _schedule_for(self, batch: int):
         if batch not in self._schedules:
@@ -83,7 +93,8 @@ class PipelineForward:
             micro = micro_batches(batch, self.chunks)
             if spec.micro_at_least_ranks and micro < self.ranks:
                 spec = SCHEDULES["gpipe"]  # a last batch too small for 1F1B: the same step in GPipe's order
-            stages = [pipelining.PipelineStage(part, i, self.num_stages, self.device) for part, i in zip(self.parts, self.mine)]
+            stages = [pipelining.PipelineStage(part, i, self.num_stages, self.device, group=self.group)
+                      for part, i in zip(self.parts, self.mine)]
             share = micro * self.accumulate
 
             def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -104,11 +115,11 @@ class PipelineForward:
                 continue
             if i > 0 and self.owner[i - 1] != self.rank:
                 holder = [None]
-                dist.recv_object_list(holder, src=self.owner[i - 1])
+                dist.recv_object_list(holder, src=self.peers[self.owner[i - 1]], group=self.group)
                 h = holder[0].to(self.device)
             h = self.parts[self.mine.index(i)](h)
             if i + 1 < self.num_stages and self.owner[i + 1] != self.rank:
-                dist.send_object_list([h.cpu()], dst=self.owner[i + 1])
+                dist.send_object_list([h.cpu()], dst=self.peers[self.owner[i + 1]], group=self.group)
         return h
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -127,46 +138,63 @@ class PipelineForward:
             out = self._evaluate(inputs[0] if first else None)
         self.target = None
         holder = [out.detach().cpu() if last else None]
-        dist.broadcast_object_list(holder, src=self.owner[-1])
+        dist.broadcast_object_list(holder, src=self.peers[self.owner[-1]], group=self.group)
         return holder[0].to(x.device)
 
 
 class TorchPipelineStrategy(RelaunchingDDPStrategy):
-    """One process per device of ``devices``, each running its stages under ``schedule``."""
+    """One process per device of ``devices`` (this node's), each running its stages under
+    ``schedule``; ``replicas`` pipelines of ``width`` consecutive processes (default: one of all
+    of them) average their gradients (data parallelism)."""
 
     strategy_name = "ddlx_torch_pipe"
 
     def __init__(self, devices: list[torch.device], schedule: str, chunks: int, balance: list[int] | str,
-                 sample_shape: tuple[int, ...], pin_cores: bool = True, timeout_s: float = 300.0) -> None:
+                 sample_shape: tuple[int, ...], pin_cores: bool = True, timeout_s: float = 300.0,
+                 width: int | None = None, replicas: int = 1, **ddp_kwargs) -> None:
         super().__init__(accelerator=None, parallel_devices=list(devices),
-                         process_group_backend="nccl" if devices[0].type == "cuda" else "gloo",
-                         timeout=timedelta(seconds=timeout_s))
+                         process_group_backend=ddp_kwargs.pop("process_group_backend", None)
+                         or ("nccl" if devices[0].type == "cuda" else "gloo"),
+                         timeout=timedelta(seconds=timeout_s), **ddp_kwargs)
         self.schedule, self.chunks, self.balance, self.pin_cores = schedule, chunks, balance, pin_cores
-        self.sample_shape = sample_shape
+        self.sample_shape, self.width, self.replicas = sample_shape, width or len(devices), replicas
         self._forward: PipelineForward | None = None
         self._restore: Restore | None = None
+        self._mesh = None
+
+    @property
+    def stage_rank(self) -> int:
+        """This process's place in its pipeline."""
+        return self.global_rank % self.width
 
     def setup_environment(self) -> None:
         if self.root_device.type == "cpu":  # one core share per stage, like cpu_mp's ranks
             self._restore = pin_rank(self.num_processes, self.local_rank, self.pin_cores, "pipe")
         super().setup_environment()
-        if self.num_nodes > 1:
-            raise RuntimeError("strategy=pipe engine=torch runs its stages on one machine; use strategy=mpi for several")
+        if self.world_size != self.replicas * self.width or self.num_processes % self.width:
+            raise RuntimeError(f"{self.world_size} processes ({self.num_processes} per machine) for {self.replicas} pipeline(s) "
+                               f"of {self.width} stages, each on one machine: strategy=pipe engine=torch runs one "
+                               f"pipeline; use strategy=hybrid or strategy=mpi for several")
+        if self.replicas > 1:  # torchtitan's layout: (dp, pp), a pipeline's ranks consecutive
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self._mesh = init_device_mesh(self.root_device.type, (self.replicas, self.width), mesh_dim_names=("dp", "pp"))
 
     def configure_ddp(self) -> None:
         # No DDP wrapper: the stages' schedule moves activations and gradients between the ranks.
         loss_fn = getattr(self.lightning_module, "loss", None) or nn.CrossEntropyLoss()
+        group = self._mesh["pp"].get_group() if self._mesh is not None else None
 
         def parallelize(model: LayeredModel, rank: int) -> InstalledForward:
             balance = self.balance
             if balance == "auto":  # profiled once, on rank 0: every rank must cut the model alike
-                stages = self.world_size * SCHEDULES[self.schedule].stages_per_rank
+                stages = self.width * SCHEDULES[self.schedule].stages_per_rank
                 sample = torch.randn(self.sample_shape, device=self.root_device)
                 holder = [balance_by_time(model, stages, sample) if rank == 0 else None]
                 dist.broadcast_object_list(holder, src=0)
                 balance = holder[0]
-            return PipelineForward(model, balance, self.schedule, self.chunks, rank, self.world_size,
-                                   self.root_device, loss_fn, self.recompute)
+            return PipelineForward(model, balance, self.schedule, self.chunks, self.stage_rank, self.width,
+                                   self.root_device, loss_fn, self.recompute, group)
 
         self._forward = install(self.model, parallelize, self.global_rank)
         if self.root_device.type == "cuda":  # only this rank's stages stay on its GPU
@@ -177,12 +205,13 @@ class TorchPipelineStrategy(RelaunchingDDPStrategy):
 
     @property
     def distributed_sampler_kwargs(self) -> dict:
-        return {"num_replicas": 1, "rank": 0}  # every stage sees the whole batch (images first, labels last)
+        # Every stage of a pipeline sees its whole share of the batch (images first, labels last).
+        return {"num_replicas": self.replicas, "rank": self.global_rank // self.width}
 
     @property
     def needs_inputs(self) -> bool:
         """Whether this rank reads the images (it runs the first stage); the others load labels only."""
-        return 0 in stages_of(self.schedule, self.global_rank, self.world_size)
+        return 0 in stages_of(self.schedule, self.stage_rank, self.width)
 
     def training_step(self, *args, **kwargs):
         if self._forward is not None:
@@ -193,6 +222,9 @@ class TorchPipelineStrategy(RelaunchingDDPStrategy):
     def backward(self, closure_loss: torch.Tensor, optimizer, *args, **kwargs) -> torch.Tensor:
         # The schedule ran every micro-batch's backward inside the forward; its gradients come back now.
         if self._forward is not None:
+            if self._mesh is not None:
+                average_gradients([grad for _, grad in self._forward.held if grad is not None],
+                                  self._mesh["dp"].get_group(), self.replicas)
             for p, grad in self._forward.held:
                 p.grad = grad if p.grad is None or grad is None else p.grad + grad  # accumulating, as autograd would
             self._forward.held = []
@@ -234,5 +266,23 @@ class TorchPipelineStrategy(RelaunchingDDPStrategy):
         uninstall(self.lightning_module, self._forward)
         self._forward = None
         unpin(self._restore, self.pin_cores)
-        self._restore = None
+        self._restore, self._mesh = None, None
         super().teardown()
+
+
+def average_gradients(grads: list[torch.Tensor], group, replicas: int, bucket_mb: float = 25.0) -> None:
+    """Each gradient replaced, in place, by its mean over ``group``'s ``replicas`` (the same
+    stages of every pipeline), a bucket of about ``bucket_mb`` per all-reduce as DDP's."""
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for i, grad in enumerate(grads):
+        bucket.append(grad)
+        size += grad.numel() * grad.element_size()
+        if size >= bucket_mb * 2**20 or i == len(grads) - 1:
+            flat = torch.cat([g.reshape(-1) for g in bucket]).div_(replicas)
+            dist.all_reduce(flat, group=group)
+            offset = 0
+            for g in bucket:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+            bucket, size = [], 0

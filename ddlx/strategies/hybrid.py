@@ -6,20 +6,24 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Optional
 
+from ..errors import ConfigError
 from ..knobs import knob
 from ..predict.costs import DEFAULT_BUCKET_MB, cost, cut_mb, link, memory_need
 from ..predict.perf_models import hybrid_s, split_s
 from .cpu_mp import TIMEOUT_S
 from .mpi import device_pairs, local_parallelizer
-from .pipe import PIPE_CHECKPOINT
-from .spec import Setup, StrategyPlan, StrategySpec, warn_oversubscription
+from ..parallel.schedules import SCHEDULES
+from .pipe import (ENGINES, PIPE_CHECKPOINT, engine_refused_precisions, pipelines_candidates, pipelines_cost,
+                   pipelines_memory, torch_pipeline, torch_pipeline_knobs)
+from .spec import Setup, StrategyPlan, StrategySpec, accelerator_of, warn_oversubscription
 from .split import halves_bytes
 
 
 @dataclass
 class HybridConfig:
     """DDP across ``processes``, each splitting (local: split) or piping (local: pipe) the model
-    over its own pair of devices (source 000 Table 2, source 003 Figure 1)."""
+    over its own pair of devices (source 000 Table 2, source 003 Figure 1). local: pipe with
+    engine=torch runs one process per device: ``processes`` pipelines of two processes each."""
 
     name: str = "hybrid"
     processes: int = knob(2, low=1)
@@ -29,12 +33,16 @@ class HybridConfig:
     chunks: int = knob(4, low=1)  # local: pipe
     balance: Any = None  # local: pipe
     checkpoint: str = knob("never", choices=PIPE_CHECKPOINT)  # local: pipe
+    engine: str = knob("fairscale", choices=ENGINES)  # local: pipe
+    schedule: str = knob("gpipe", choices=tuple(SCHEDULES))  # local: pipe, engine=torch
+    pin_cores: bool = True  # local: pipe, engine=torch on CPU
     timeout_s: float = knob(TIMEOUT_S, low=0, low_open=True)
 
 
 class Hybrid(StrategySpec):
     name, config, order = "hybrid", HybridConfig, 7
-    knob_tags = ("processes", "local", "devices", "cut_point", "chunks")
+    knob_tags = ("processes", "local", "devices", "cut_point", "chunks", "engine", "schedule")
+    default_knob_tags = {"engine": "fairscale"}
 
     def plan(self, cfg, accelerator, model, data) -> StrategyPlan:
         from ..parallel.network import DataParallelNetworkStrategy
@@ -42,8 +50,15 @@ class Hybrid(StrategySpec):
         processes = cfg.processes
         pairs = device_pairs(cfg, processes, self.name)
         on_cpu = pairs[0][0].type == "cpu"
+        torch_engine = cfg.local == "pipe" and cfg.engine == "torch"
         if on_cpu:
-            warn_oversubscription(self.name, processes, "processes")
+            warn_oversubscription(self.name, processes * (2 if torch_engine else 1), "processes")
+        if torch_engine:
+            return self._plan_torch(cfg, pairs, model, data)
+        if cfg.engine == "torch" or cfg.schedule != "gpipe":
+            raise ConfigError(f"strategy.engine={cfg.engine} strategy.schedule={cfg.schedule} with strategy.local={cfg.local}: "
+                              f"PyTorch's schedules run with strategy.local=pipe strategy.engine=torch; use those, or "
+                              f"strategy.engine=fairscale strategy.schedule=gpipe")
         parallelize, local_tags = local_parallelizer(cfg, model, data, processes, self.name, lambda rank: pairs[rank])
         strategy = DataParallelNetworkStrategy(parallelize, [pair[0] for pair in pairs],
                                                process_group_backend="gloo" if on_cpu else "nccl",
@@ -55,15 +70,36 @@ class Hybrid(StrategySpec):
             replicas_per_machine=processes,
         )
 
+    def _plan_torch(self, cfg, pairs, model, data) -> StrategyPlan:
+        """``processes`` pipelines of PyTorch's schedule, one process per device of each pair."""
+        devices = [d for pair in pairs for d in pair]
+        strategy, tags = torch_pipeline(cfg, devices, model, data, self.name, replicas=cfg.processes)
+        return StrategyPlan(
+            trainer_kwargs={"strategy": strategy, "devices": len(devices), "accelerator": accelerator_of(devices[0])},
+            tags={"processes": str(cfg.processes), "local": "pipe", "devices": ";".join(",".join(map(str, p)) for p in pairs),
+                  **tags},
+            data_parallel=cfg.processes, replicas_per_machine=cfg.processes,
+            refused_precisions=engine_refused_precisions(cfg), recompute=strategy.recompute,
+        )
+
     def setup_of_run(self, params, tags) -> Setup:
-        return Setup(self.name, (("processes", int(params["strategy.processes"])), ("local", params.get("strategy.local", "split"))))
+        return Setup(self.name, (("processes", int(params["strategy.processes"])), ("local", params.get("strategy.local", "split")),
+                                 *torch_pipeline_knobs(params)))
+
+    def refused_precisions(self, knobs) -> dict[str, str]:
+        return engine_refused_precisions(knobs)
 
     def candidates(self, hw, job) -> list[Setup]:
         n = hw.devices_per_node
-        return [Setup(self.name, (("processes", n // 2), ("local", "split")))] if hw.device_kind != "cpu" and n >= 4 else []
+        if n < 4:
+            return []
+        pipelines = pipelines_candidates(self.name, n // 2, job, processes=n // 2)
+        return pipelines if hw.device_kind == "cpu" else [Setup(self.name, (("processes", n // 2), ("local", "split"))), *pipelines]
 
     def cost(self, setup, job, hw, profile, seq):
         p, b = setup.get("processes"), job.batch_size
+        if setup.get("engine") == "torch":
+            return pipelines_cost(setup, p, p, job, hw, profile, seq)
         local = split_s(seq.batch_s(b // p), b // p, cut_mb(profile), link(hw.link(0, 1)))
         ring = [link(hw.link(2 * i, 2 * ((i + 1) % p))) for i in range(p)]
         bucket = float(setup.get("bucket_cap_mb", DEFAULT_BUCKET_MB))
@@ -71,6 +107,8 @@ class Hybrid(StrategySpec):
         return cost(work / p, hybrid_s(local, p, profile.gradient_mb, bucket, ring, hw.allreduce_fixed_us * 1e-6))
 
     def memory(self, setup, job, hw, profile):
+        if setup.get("engine") == "torch":
+            return pipelines_memory(setup, setup.get("processes"), setup.get("processes"), job, hw, profile)
         return memory_need(hw, halves_bytes(profile, hw, job.batch_size // setup.get("processes")))
 
 

@@ -6,10 +6,13 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Optional
 
+from ..errors import ConfigError
 from ..knobs import knob
 from .cpu_mp import TIMEOUT_S
 from .ddp import data_parallel_cost, data_parallel_memory
-from .pipe import PIPE_CHECKPOINT, pipe_knobs
+from ..parallel.schedules import SCHEDULES
+from .pipe import (ENGINES, PIPE_CHECKPOINT, engine_refused_precisions, pipe_knobs, pipelines_candidates,
+                   pipelines_cost, pipelines_memory, torch_pipeline, torch_pipeline_knobs)
 from .spec import Setup, StrategyPlan, StrategySpec
 from .split import cut_point
 
@@ -17,7 +20,9 @@ from .split import cut_point
 @dataclass
 class MpiConfig:
     """Ranks started by mpirun, gradients averaged across them, each running a ``local`` strategy
-    (source 003, section 2.6):  mpirun -np 2 python train.py strategy=mpi strategy.local=threads"""
+    (source 003, section 2.6):  mpirun -np 2 python train.py strategy=mpi strategy.local=threads.
+    local: pipe with engine=torch runs one rank per stage: pipelines of two consecutive ranks
+    (on one node), mpirun -np 4 gives two of them."""
 
     name: str = "mpi"
     local: str = knob("sequential", choices=("sequential", "threads", "split", "pipe"))
@@ -27,6 +32,9 @@ class MpiConfig:
     chunks: int = knob(4, low=1)
     balance: Any = None
     checkpoint: str = knob("never", choices=PIPE_CHECKPOINT)
+    engine: str = knob("fairscale", choices=ENGINES)  # local: pipe
+    schedule: str = knob("gpipe", choices=tuple(SCHEDULES))  # local: pipe, engine=torch
+    pin_cores: bool = True  # local: pipe, engine=torch on CPU
     backend: Optional[str] = knob(None, choices=("gloo", "nccl", "mpi"))  # null: gloo on CPU, nccl on GPU
     timeout_s: float = knob(TIMEOUT_S, low=0, low_open=True)
 
@@ -63,7 +71,8 @@ def device_pairs(cfg, processes: int, name: str) -> list:
 
 class Mpi(StrategySpec):
     name, config, order = "mpi", MpiConfig, 8
-    knob_tags = ("threads", "ranks", "nodes", "backend", "local", "cut_point", "chunks")
+    knob_tags = ("threads", "ranks", "nodes", "backend", "local", "cut_point", "chunks", "engine", "schedule")
+    default_knob_tags = {"engine": "fairscale"}
     splits_batch = True
 
     def plan(self, cfg, accelerator, model, data) -> StrategyPlan:
@@ -76,12 +85,18 @@ class Mpi(StrategySpec):
 
         world, local_size, nodes = mpi_layout()
         set_rank_threads(local_size)
+        on_gpus = accelerator == "gpu" and gpu_count() >= local_size
+        if cfg.local == "pipe" and cfg.engine == "torch":
+            return self._plan_torch(cfg, model, data, world, local_size, nodes, on_gpus)
+        if cfg.engine == "torch" or cfg.schedule != "gpipe":
+            raise ConfigError(f"strategy.engine={cfg.engine} strategy.schedule={cfg.schedule} with strategy.local={cfg.local}: "
+                              f"PyTorch's schedules run with strategy.local=pipe strategy.engine=torch; use those, or "
+                              f"strategy.engine=fairscale strategy.schedule=gpipe")
         if cfg.local in ("split", "pipe"):
             pairs = device_pairs(cfg, local_size, self.name)
             roots = [pair[0] for pair in pairs]
             devices_of = lambda rank: pairs[rank]  # noqa: E731
         else:
-            on_gpus = accelerator == "gpu" and gpu_count() >= local_size
             roots = [torch.device(f"cuda:{i}") if on_gpus else torch.device("cpu") for i in range(local_size)]
             devices_of = None
         parallelize, local_tags = local_parallelizer(cfg, model, data, world, self.name, devices_of)
@@ -97,17 +112,55 @@ class Mpi(StrategySpec):
             replicas_per_machine=local_size,
         )
 
+    def _plan_torch(self, cfg, model, data, world: int, local_size: int, nodes: int, on_gpus: bool) -> StrategyPlan:
+        """Pipelines of two consecutive ranks (one node's) under PyTorch's schedule, averaging gradients."""
+        import torch
+        from lightning_fabric.plugins.environments import MPIEnvironment
+
+        if local_size % 2:
+            raise ConfigError(f"strategy=mpi strategy.local=pipe strategy.engine=torch runs each two-stage pipeline on two "
+                              f"ranks of one node, but this node has {local_size} rank(s); start an even number per node, "
+                              f"e.g. mpirun -np {2 * nodes} --map-by ppr:2:node")
+        devices = [torch.device(f"cuda:{i}") if on_gpus else torch.device("cpu") for i in range(local_size)]
+        backend = cfg.backend or ("nccl" if on_gpus else "gloo")
+        strategy, tags = torch_pipeline(cfg, devices, model, data, self.name, replicas=world // 2, width=2,
+                                        cluster_environment=MPIEnvironment(), process_group_backend=backend)
+        return StrategyPlan(
+            trainer_kwargs={"strategy": strategy, "devices": local_size, "num_nodes": nodes,
+                            "accelerator": "gpu" if on_gpus else "cpu"},
+            tags={"ranks": str(world), "nodes": str(nodes), "backend": backend, "local": "pipe", **tags},
+            data_parallel=world // 2, replicas_per_machine=local_size // 2,
+            refused_precisions=engine_refused_precisions(cfg), recompute=strategy.recompute,
+        )
+
     def setup_of_run(self, params, tags) -> Setup:
-        return Setup(self.name, (("ranks", int(tags.get("ranks", 1))), ("local", params.get("strategy.local", "sequential"))))
+        return Setup(self.name, (("ranks", int(tags.get("ranks", 1))), ("local", params.get("strategy.local", "sequential")),
+                                 *torch_pipeline_knobs(params)))
+
+    def refused_precisions(self, knobs) -> dict[str, str]:
+        return engine_refused_precisions(knobs)
 
     def candidates(self, hw, job) -> list[Setup]:
-        return [Setup(self.name, (("ranks", hw.total_devices), ("local", "sequential")))] if hw.nodes > 1 else []
+        if hw.nodes < 2:
+            return []
+        ranks = hw.total_devices
+        pipelines = pipelines_candidates(self.name, ranks // 2, job, ranks=ranks) if hw.devices_per_node % 2 == 0 else []
+        return [Setup(self.name, (("ranks", ranks), ("local", "sequential"))), *pipelines]
 
     def cost(self, setup, job, hw, profile, seq):
+        if setup.get("engine") == "torch":
+            return pipelines_cost(setup, setup.get("ranks") // 2, self._pipelines_per_node(setup, hw), job, hw, profile, seq)
         return data_parallel_cost(setup, setup.get("ranks"), job, hw, profile, seq)
 
     def memory(self, setup, job, hw, profile):
+        if setup.get("engine") == "torch":
+            return pipelines_memory(setup, setup.get("ranks") // 2, self._pipelines_per_node(setup, hw), job, hw, profile)
         return data_parallel_memory(setup, setup.get("ranks"), job, hw, profile)
+
+    @staticmethod
+    def _pipelines_per_node(setup, hw) -> int:
+        """Ranks fill nodes in order (mpirun's default): a node holds its devices' share."""
+        return max(1, min(setup.get("ranks"), hw.devices_per_node) // 2)
 
 
 SPECS = (Mpi(),)

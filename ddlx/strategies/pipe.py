@@ -5,12 +5,14 @@ original; fairscale is unmaintained upstream) and PyTorch's ``torch.distributed.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError
 from ..knobs import knob
 from ..predict.costs import (
+    DEFAULT_BUCKET_MB,
     FORWARD_SHARE,
     RECOMPUTE,
     REPLICA_SHARE,
@@ -25,7 +27,7 @@ from ..predict.costs import (
     weight_traffic_s,
 )
 from ..parallel.schedules import SCHEDULES, bubble_steps, in_flight, micro_batches, stage_owners, stages_of
-from ..predict.perf_models import Link, gpipe_comm_s, gpipe_compute_s, pipeline_schedule_s
+from ..predict.perf_models import Link, gpipe_comm_s, gpipe_compute_s, pipeline_schedule_s, ring_allreduce_s
 from .cpu_mp import TIMEOUT_S
 from .spec import Setup, StrategyPlan, StrategySpec, accelerator_of
 
@@ -62,6 +64,62 @@ def pipe_knobs(cfg, model, data, per_process_batch: int, stages: int):
     balance = checked_balance(cfg.get("balance"), model, stages, "one per device")
     sample = (max(1, per_process_batch // chunks), data["channels"], data["image_size"], data["image_size"])
     return chunks, balance, cfg.checkpoint, sample
+
+
+def torch_pipeline(cfg, devices, model, data, name: str, replicas: int = 1, **strategy_kwargs):
+    """The checked :class:`TorchPipelineStrategy` (and its tags) of ``replicas`` pipelines, each
+    over ``len(devices) // replicas`` processes (one per device of ``devices``, this node's)."""
+    from ..parallel.torch_pipe import TorchPipelineStrategy
+
+    kinds = {d.type for d in devices}
+    if len(kinds) > 1 or ("cuda" in kinds and len(set(devices)) < len(devices)):
+        raise ConfigError(f"strategy.devices={[str(d) for d in devices]} with strategy.engine=torch: one process per "
+                          f"device, all CPU or all distinct GPUs; use e.g. strategy.devices=[cpu,cpu] or [cuda:0,cuda:1]")
+    if cfg.checkpoint not in RECOMPUTE:
+        raise ConfigError(f"strategy.checkpoint={cfg.checkpoint} is fairscale's choice of micro-batches to recompute; "
+                          f"strategy.engine=torch recomputes every block of every micro-batch or none: use "
+                          f"strategy.checkpoint=always or never, or strategy.engine=fairscale")
+    schedule, chunks = SCHEDULES[cfg.schedule], cfg.chunks
+    width = strategy_kwargs.pop("width", len(devices) // replicas)
+    batch = data["batch_size"] // replicas  # each pipeline's share
+    share = f"data.batch_size={data['batch_size']}" + (f" over {replicas} pipelines ({batch} each)" if replicas > 1 else "")
+    if batch % chunks:
+        raise ConfigError(f"strategy.chunks={chunks} does not divide {share}: PyTorch's schedules need "
+                          f"equal micro-batches; use a divisor of {batch}, e.g. strategy.chunks={micro_batches(batch, chunks)}")
+    if schedule.micro_at_least_ranks and chunks < width:
+        raise ConfigError(f"strategy.schedule={cfg.schedule} needs at least one micro-batch per stage: strategy.chunks={chunks} "
+                          f"< {width} stages; use strategy.chunks>={width}")
+    stages = width * schedule.stages_per_rank
+    balance = checked_balance(cfg.get("balance"), model, stages,
+                              f"{schedule.stages_per_rank} stage(s) per process under schedule={cfg.schedule}")
+    if stages > len(model):
+        raise ConfigError(f"strategy.schedule={cfg.schedule} on {width} processes needs {stages} stages, more than "
+                          f"{model.arch}'s {len(model)} layers; use fewer devices or strategy.schedule=gpipe")
+    sample = (max(1, batch // chunks), data["channels"], data["image_size"], data["image_size"])
+    strategy = TorchPipelineStrategy(devices, cfg.schedule, chunks, balance, sample, pin_cores=cfg.get("pin_cores", True),
+                                     timeout_s=cfg.timeout_s, width=width, replicas=replicas, **strategy_kwargs)
+    strategy.recompute = recomputes(cfg)
+    return strategy, {"chunks": str(chunks), "balance": str(balance), "checkpoint": cfg.checkpoint, "engine": "torch",
+                      "schedule": cfg.schedule}
+
+
+def engine_refused_precisions(knobs) -> dict[str, str]:
+    """The precisions a pipeline with ``knobs`` cannot train in (PyTorch's engine: 16-mixed)."""
+    if knobs.get("engine", "fairscale") != "torch":
+        return {}
+    return {"16-mixed": "16-mixed scales the loss before Lightning's backward, but PyTorch's schedule runs the backward "
+                        "inside the forward, and each rank sees only its stages' gradients; use "
+                        "trainer.precision=bf16-mixed (no loss scaling), or strategy.engine=fairscale for 16-mixed"}
+
+
+def torch_pipeline_knobs(params) -> tuple[tuple[str, object], ...]:
+    """The knobs of a data-parallel run's PyTorch pipelines (none for another local strategy), as
+    :class:`Setup` knobs, from the run's params."""
+    if params.get("strategy.local") != "pipe" or params.get("strategy.engine", "fairscale") != "torch":
+        return ()
+    checkpoint = params.get("strategy.checkpoint", "never")
+    return (("chunks", int(params["strategy.chunks"])), ("engine", "torch"), ("schedule", params.get("strategy.schedule", "gpipe")),
+            *((("checkpoint", checkpoint),) if checkpoint != "never" else ()))
 
 
 def checked_balance(balance, model, stages: int, per: str) -> list[int] | str:
@@ -124,48 +182,15 @@ class Pipe(StrategySpec):
 
     def _plan_torch(self, cfg, devices, model, data) -> StrategyPlan:
         """One process per device, each running its stages under PyTorch's ``cfg.schedule``."""
-        from ..parallel.torch_pipe import TorchPipelineStrategy
-
-        kinds = {d.type for d in devices}
-        if len(kinds) > 1 or ("cuda" in kinds and len(set(devices)) < len(devices)):
-            raise ConfigError(f"strategy.devices={[str(d) for d in devices]} with strategy.engine=torch: one process per "
-                              f"device, all CPU or all distinct GPUs; use e.g. strategy.devices=[cpu,cpu] or [cuda:0,cuda:1]")
-        if cfg.checkpoint not in RECOMPUTE:
-            raise ConfigError(f"strategy.checkpoint={cfg.checkpoint} is fairscale's choice of micro-batches to recompute; "
-                              f"strategy.engine=torch recomputes every block of every micro-batch or none: use "
-                              f"strategy.checkpoint=always or never, or strategy.engine=fairscale")
-        schedule, ranks, batch = SCHEDULES[cfg.schedule], len(devices), data["batch_size"]
-        chunks = cfg.chunks
-        if batch % chunks:
-            raise ConfigError(f"strategy.chunks={chunks} does not divide data.batch_size={batch}: PyTorch's schedules need "
-                              f"equal micro-batches; use a divisor of {batch}, e.g. strategy.chunks={micro_batches(batch, chunks)}")
-        if schedule.micro_at_least_ranks and chunks < ranks:
-            raise ConfigError(f"strategy.schedule={cfg.schedule} needs at least one micro-batch per stage: strategy.chunks={chunks} "
-                              f"< {ranks} stages; use strategy.chunks>={ranks}")
-        stages = ranks * schedule.stages_per_rank
-        layers = len(model)
-        balance = checked_balance(cfg.get("balance"), model, stages,
-                                  f"{schedule.stages_per_rank} stage(s) per device under schedule={cfg.schedule}")
-        if stages > layers:
-            raise ConfigError(f"strategy.schedule={cfg.schedule} on {ranks} devices needs {stages} stages, more than "
-                              f"{model.arch}'s {layers} layers; use fewer devices or strategy.schedule=gpipe")
-        sample = (max(1, batch // chunks), data["channels"], data["image_size"], data["image_size"])
-        strategy = TorchPipelineStrategy(devices, cfg.schedule, chunks, balance, sample, pin_cores=cfg.pin_cores,
-                                         timeout_s=cfg.timeout_s)
-        strategy.recompute = recomputes(cfg)
+        strategy, tags = torch_pipeline(cfg, devices, model, data, self.name)
         return StrategyPlan(
-            trainer_kwargs={"strategy": strategy, "devices": ranks, "accelerator": accelerator_of(devices[0])},
-            tags={"devices": ",".join(map(str, devices)), "chunks": str(chunks), "balance": str(balance),
-                  "checkpoint": cfg.checkpoint, "engine": "torch", "schedule": cfg.schedule},
+            trainer_kwargs={"strategy": strategy, "devices": len(devices), "accelerator": accelerator_of(devices[0])},
+            tags={"devices": ",".join(map(str, devices)), **tags},
             refused_precisions=self.refused_precisions(cfg), recompute=strategy.recompute,
         )
 
     def refused_precisions(self, knobs) -> dict[str, str]:
-        if knobs.get("engine", "fairscale") != "torch":
-            return {}
-        return {"16-mixed": "16-mixed scales the loss before Lightning's backward, but PyTorch's schedule runs the backward "
-                            "inside the forward, and each rank sees only its stages' gradients; use "
-                            "trainer.precision=bf16-mixed (no loss scaling), or strategy.engine=fairscale for 16-mixed"}
+        return engine_refused_precisions(knobs)
 
     def setup_of_run(self, params, tags) -> Setup:
         knobs = (("chunks", int(params["strategy.chunks"])), ("devices", tuple(tags.get("devices", "cpu,cpu").split(","))))
@@ -207,9 +232,6 @@ class Pipe(StrategySpec):
                                                or setup.get("checkpoint", "never") not in RECOMPUTE):
             return False  # PyTorch's schedules need equal micro-batches; it recomputes all blocks or none
         return setup.get("chunks", 1) <= job.batch_size  # every micro-batch needs a sample
-
-    def calibration_group(self, setup) -> str:
-        return f"{self.name} engine=torch" if setup.get("engine") == "torch" else self.name
 
     def cost(self, setup, job, hw, profile, seq):
         b, load = job.batch_size, job.batch_size * seq.load_per_sample_s
@@ -265,12 +287,16 @@ class Pipe(StrategySpec):
         return compute, compute + weights + comm
 
     def _torch_memory(self, setup, job, hw, profile):
+        ranks = self._torch_rank_bytes(setup, job.batch_size, hw, profile)
+        return memory_need(hw, sum(ranks) if hw.device_kind == "cpu" else max(ranks))
+
+    def _torch_rank_bytes(self, setup, batch: int, hw, profile) -> list[float]:
         """Per rank: its stages' weights, gradients and optimizer state, and the activations of the
         micro-batches the schedule keeps in flight (recomputing: their blocks' inputs, and one
         block's activations at a time); on CPU each rank's process also holds the other stages'
-        weights (the whole model is built in every process) and the ranks share RAM."""
+        weights (the whole model is built in every process)."""
         devices, m, name = setup.get("devices"), setup.get("chunks"), setup.get("schedule", "gpipe")
-        w, micro = len(devices), max(1, job.batch_size // m)
+        w, micro = len(devices), max(1, batch // m)
         balance = default_balance(profile, w * SCHEDULES[name].stages_per_rank)
         parts, bounds = profile.partitions(balance), [0, *itertools.accumulate(balance)]
         recompute = recomputes(setup)
@@ -285,7 +311,7 @@ class Pipe(StrategySpec):
                 acts, one = sum(profile.kept_bytes(bounds[i], bounds[i + 1]) for i in mine), 0
             held = profile.state_bytes(params) + in_flight(name, r, w, m) * micro * acts + micro * one
             ranks.append(held + ((profile.params - params) * profile.param_bytes if hw.device_kind == "cpu" else 0))
-        return memory_need(hw, sum(ranks) if hw.device_kind == "cpu" else max(ranks))
+        return ranks
 
     def memory(self, setup, job, hw, profile):
         if setup.get("engine") == "torch":
@@ -298,4 +324,60 @@ class Pipe(StrategySpec):
         return max(1, job.batch_size // setup.get("chunks"))
 
 
-SPECS = (Pipe(),)
+PIPE = Pipe()
+SPECS = (PIPE,)
+
+
+def _one_pipeline(setup: Setup, hw) -> Setup:
+    """The ``pipe`` setup of one of a data-parallel job's two-stage PyTorch pipelines (its first)."""
+    devices = ("cpu", "cpu") if hw.device_kind == "cpu" else ("cuda:0", "cuda:1")
+    return Setup("pipe", (("chunks", setup.get("chunks")), ("devices", devices), ("engine", "torch"),
+                          ("schedule", setup.get("schedule", "gpipe")), ("checkpoint", setup.get("checkpoint", "never"))))
+
+
+def pipelines_cost(setup, replicas: int, per_node: int, job, hw, profile, seq):
+    """``replicas`` two-stage PyTorch pipelines (``per_node`` on each node), each on its share of
+    the batch, then each rank's gradient averaged with the same stage's ranks (a ring through
+    device 2i+s of each pipeline i), after the schedule: nothing overlaps it. On CPU, processes
+    beyond the node's cores time-share them."""
+    pipe, b = _one_pipeline(setup, hw), job.batch_size // replicas
+    compute, total = PIPE._torch_batch_s(pipe, hw, profile, seq, b)
+    if hw.device_kind == "cpu":
+        share = max(1.0, 2 * per_node / hw.devices_per_node)
+        compute, total = compute * share, total * share
+    name = pipe.get("schedule")
+    parts = profile.partitions(default_balance(profile, 2 * SCHEDULES[name].stages_per_rank))
+    gradients = [sum(layer.params for i in stages_of(name, r, 2) for layer in parts[i]) / profile.params * profile.gradient_mb
+                 for r in range(2)]
+    fixed = hw.allreduce_fixed_us * 1e-6
+    ranks = 2 * per_node  # of a node, in order; on CPU perhaps more than its cores
+
+    def device(k: int) -> int:  # rank k's device (a core on CPU: oversubscribed ranks share one)
+        return k // ranks * hw.devices_per_node + k % ranks % hw.devices_per_node
+
+    average = max(ring_allreduce_s(replicas, mb, [link(x) for x in hw.ring_links([device(2 * i + r) for i in range(replicas)])],
+                                   fixed * max(1, math.ceil(mb / DEFAULT_BUCKET_MB)))
+                  for r, mb in enumerate(gradients))
+    load = b * seq.load_per_sample_s
+    return cost(compute + load, total + average + load)
+
+
+def pipelines_memory(setup, replicas: int, per_node: int, job, hw, profile):
+    """Each rank of a pipeline at its share of the batch; a CPU node holds its ``per_node`` pipelines' ranks."""
+    ranks = PIPE._torch_rank_bytes(_one_pipeline(setup, hw), job.batch_size // replicas, hw, profile)
+    if hw.device_kind == "cpu":
+        return memory_need(hw, sum(ranks), per_node)
+    return memory_need(hw, max(ranks))
+
+
+def pipelines_candidates(name: str, replicas: int, job, **knobs) -> list[Setup]:
+    """Data-parallel two-stage PyTorch pipelines, each schedule at the most micro-batches its
+    share of the batch allows (the smallest bubble)."""
+    b = job.batch_size // replicas
+    out = []
+    for schedule in SCHEDULES:
+        chunks = [c for c in CHUNKS if c <= b and b % c == 0 and c >= 2]
+        if chunks:
+            out.append(Setup(name, (*knobs.items(), ("local", "pipe"), ("chunks", chunks[-1]), ("engine", "torch"),
+                                    ("schedule", schedule))))
+    return out

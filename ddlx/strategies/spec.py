@@ -118,8 +118,9 @@ class StrategySpec:
         return job.batch_size // self.processes(setup)
 
     def calibration_group(self, setup: Setup) -> str:
-        """Setups whose measured/modelled ratios are pooled for calibration."""
-        return self.name
+        """Setups whose measured/modelled ratios are pooled for calibration: PyTorch's pipelines
+        apart from the same strategy's other setups (another engine, another way of working)."""
+        return f"{self.name} engine=torch" if setup.get("engine") == "torch" else self.name
 
 
 # ---- helpers the specs' plans share -----------------------------------------------------------

@@ -1017,3 +1017,22 @@ def test_bad_peaks_by_type_are_named():
         cfg = compose(config_name="recommend", overrides=["trainer.precision=transformer-engine"])
     with pytest.raises(ConfigError, match=r"trainer.precision=transformer-engine: the recommender models 32-true"):
         job_from_config(cfg)
+
+
+def test_hybrid_sharding_shards_within_its_groups_and_averages_across_them():
+    two_nodes = _hw(device_kind="gpu", nodes=2, devices_per_node=2, memory_per_device_gb=16, memory_bandwidth_gb_s=600.0,
+                    inter_node=LinkSpec(1.0, 20.0))
+    # ResNet-18: no layer so large that gathering it outweighs the sharding (VGG's classifier is).
+    job, profile = Job("resnet18", "firesmall", 3, 3, 224, 64, 633), profile_model("resnet18", 3, 3, 224)
+    seq = SequentialTime(0.01, 0.0, "test")
+    setups = {level: Setup("fsdp", (("processes", 4), ("sharding", level), *((("shard_size", 2),) if level == "hybrid" else ())))
+              for level in ("full", "hybrid", "none")}
+    memory = {level: memory_need(s, job, two_nodes, profile).per_device_gb for level, s in setups.items()}
+    assert memory["full"] < memory["hybrid"] < memory["none"], "1/2 of the state per rank, between 1/4 and all of it"
+    # full inside each node's group (the last unit exposed), then the group's half of the gradients
+    # averaged between the two nodes (its last unit's half exposed).
+    largest = max(layer.params for layer in profile.layers) * 4 / 1e6
+    fixed, intra, inter = 50e-6, pm.Link(20e-6, 5e3), pm.Link(20e-6, 1e3)
+    expected = (64 * 0.01 / 4 + pm.ring_allreduce_s(2, largest, [intra] * 2, fixed)
+                + pm.ring_allreduce_s(2, largest / 2, [inter] * 2, fixed))
+    assert model_batch_s(setups["hybrid"], job, two_nodes, profile, seq) == pytest.approx(expected)

@@ -106,6 +106,9 @@ CASES = {
     # FSDP2 on CPU over gloo, each level (default suite: full, through the resume test below).
     **{f"fsdp_{level}": pytest.param((["strategy=fsdp", "strategy.processes=2", f"strategy.sharding={level}"], False),
                                      marks=pytest.mark.slow) for level in ("full", "grad_op", "none")},
+    # HSDP: two groups of two ranks, each sharding the model, the groups replicas (4 processes).
+    "fsdp_hybrid": pytest.param((["strategy=fsdp", "strategy.processes=4", "strategy.sharding=hybrid", "strategy.shard_size=2"],
+                                 False), marks=pytest.mark.slow),
     # Activation checkpointing at the cut points: each block recomputed in backward, the same step.
     # Default suite: DDP and 1F1B (the plain 1F1B case is slow-marked: this one runs its schedule too).
     "ddp_gloo_checkpoint": (["strategy=ddp_gloo", "strategy.processes=2", "strategy.checkpoint=always"], False),
@@ -140,8 +143,19 @@ def recomputations(monkeypatch) -> list[int]:
     return entered
 
 
+@pytest.fixture
+def meshes(monkeypatch) -> list[tuple[int, ...]]:
+    """The device mesh shapes FSDP shards over on rank 0: the weights alone would match the
+    sequential run's under any sharding level."""
+    from torch.distributed import fsdp
+
+    shapes, shard = [], fsdp.fully_shard
+    monkeypatch.setattr(fsdp, "fully_shard", lambda module, mesh, **kw: (shapes.append(tuple(mesh.shape)), shard(module, mesh=mesh, **kw))[1])
+    return shapes
+
+
 @pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
-def test_strategy_matches_sequential(case, tmp_path, shared_data, sequential_weights, recwarn, recomputations):
+def test_strategy_matches_sequential(case, tmp_path, shared_data, sequential_weights, recwarn, recomputations, meshes):
     overrides, exact = case
     if exact:
         torch.set_num_threads(1)  # bit for bit needs the reference's single intra-op thread too
@@ -150,6 +164,9 @@ def test_strategy_matches_sequential(case, tmp_path, shared_data, sequential_wei
     _assert_same_weights(final_weights(tmp_path), sequential_weights, exact)
     ours = "strategy.checkpoint=always" in overrides and (overrides[0] != "strategy=pipe" or "strategy.engine=torch" in overrides)
     assert bool(recomputations) == ours, "strategy.checkpoint=always recomputes blocks in backward (fairscale: its own way)"
+    if overrides[0] == "strategy=fsdp":
+        groups = {"strategy.sharding=hybrid": (2, 2), "strategy.sharding=none": (2, 1)}
+        assert set(meshes) == {next((m for o, m in groups.items() if o in overrides), (2,))}, "the level's device mesh"
     _assert_one_run(tmp_path, overrides[0].split("=")[1])
     _assert_no_process_left(tmp_path)
     # The timing figures are reduced across ranks by the timer: no advice to sync them again.
@@ -377,6 +394,11 @@ def test_pipe_knobs_are_checked():
         _plan("strategy=hybrid", "strategy.local=split", "strategy.engine=torch")
     plan = _plan("strategy=hybrid", "strategy.local=pipe", "strategy.engine=torch", "strategy.schedule=1f1b")
     assert (plan.trainer_kwargs["devices"], plan.data_parallel, plan.tags["schedule"]) == (4, 2, "1f1b")
+    with pytest.raises(ConfigError, match=r"strategy.shard_size=3 does not divide strategy.processes=4.*\[1, 2, 4\]"):
+        _plan("strategy=fsdp", "strategy.processes=4", "strategy.sharding=hybrid", "strategy.shard_size=3")
+    with pytest.raises(ConfigError, match=r"strategy.shard_size=2 .*sharding=full.*strategy.sharding=hybrid"):
+        _plan("strategy=fsdp", "strategy.shard_size=2")
+    assert _plan("strategy=fsdp", "strategy.sharding=hybrid").tags["shard_size"] == "2", "null: the node's ranks"
     with pytest.raises(ConfigError, match=r"strategy.cut_point='after_conv9'.*after_conv4"):
         _plan("strategy=split", "strategy.cut_point=after_conv9")
 

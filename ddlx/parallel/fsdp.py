@@ -14,7 +14,9 @@ stays the same for every strategy.
 
 Sharding levels, as device meshes: ``full`` (ZeRO-3: weights resharded after forward),
 ``grad_op`` (ZeRO-2: weights kept whole from forward to backward), ``none`` (replicated, DDP's
-memory: a mesh of W replicas of one shard). Checkpoints hold the full state under the
+memory: a mesh of W replicas of one shard), ``hybrid`` (HSDP: ``full`` within groups of
+``shard_size`` consecutive ranks, by default one node's, the groups replicas of each other: the
+weight gathers stay inside a node, only the gradient average crosses nodes). Checkpoints hold the full state under the
 sequential model's names and the optimizer's index keys, so they load under any strategy.
 """
 from __future__ import annotations
@@ -30,11 +32,12 @@ from .pinning import Restore, pin_rank, unpin
 class FullyShardedStrategy(RelaunchingDDPStrategy):
     strategy_name = "ddlx_fsdp"
 
-    def __init__(self, devices: list[torch.device], sharding: str, pin_cores: bool = True, timeout_s: float = 300.0) -> None:
+    def __init__(self, devices: list[torch.device], sharding: str, pin_cores: bool = True, timeout_s: float = 300.0,
+                 shard_size: int | None = None) -> None:
         super().__init__(accelerator=None, parallel_devices=list(devices),
                          process_group_backend="nccl" if devices[0].type == "cuda" else "gloo",
                          timeout=timedelta(seconds=timeout_s))
-        self.sharding, self.pin_cores = sharding, pin_cores
+        self.sharding, self.pin_cores, self.shard_size = sharding, pin_cores, shard_size
         self._restore: Restore | None = None
         self._sharded = False
 
@@ -47,8 +50,9 @@ class FullyShardedStrategy(RelaunchingDDPStrategy):
         from torch.distributed.device_mesh import init_device_mesh
 
         kind = self.root_device.type
-        if self.sharding == "none":
-            return init_device_mesh(kind, (self.world_size, 1), mesh_dim_names=("replicate", "shard"))
+        if self.sharding in ("none", "hybrid"):
+            shard = 1 if self.sharding == "none" else self.shard_size or self.num_processes
+            return init_device_mesh(kind, (self.world_size // shard, shard), mesh_dim_names=("replicate", "shard"))
         return init_device_mesh(kind, (self.world_size,))
 
     def configure_ddp(self) -> None:

@@ -107,8 +107,14 @@ def link(spec: LinkSpec) -> Link:
 
 
 def ring(hw: HardwareSpec, workers: int) -> list[Link]:
-    """Workers fill nodes in order (device d of node n is global n * devices_per_node + d)."""
-    return [link(spec) for spec in hw.ring_links(list(range(workers)))]
+    """Workers fill nodes in order (device d of node n is global n * devices_per_node + d); more
+    workers than devices (CPU processes beyond the cores) share them, in turn."""
+    return [link(spec) for spec in hw.ring_links([rank_device(hw, r) for r in range(workers)])]
+
+
+def rank_device(hw: HardwareSpec, rank: int) -> int:
+    """The device (core on CPU) of a job's ``rank``-th worker: nodes filled in order, then shared in turn."""
+    return rank % hw.total_devices
 
 
 def gpu_index(device: str) -> int:

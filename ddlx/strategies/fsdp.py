@@ -3,13 +3,16 @@ shard of the weights, gradients and optimizer state (ZeRO-3 ``full``, ZeRO-2 ``g
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from ..errors import ConfigError
 from ..knobs import knob
 from ..predict.costs import (
     RECOMPUTE,
     cost,
+    link,
     memory_need,
+    rank_device,
     recompute_factor,
     recomputes,
     replica_bytes,
@@ -20,22 +23,24 @@ from ..predict.perf_models import data_parallel_s
 from .cpu_mp import TIMEOUT_S
 from .spec import Setup, StrategyPlan, StrategySpec, no_loss_scaling, recompute_knob, warn_oversubscription, with_recompute
 
-SHARDINGS = ("full", "grad_op", "none")
+SHARDINGS = ("full", "grad_op", "none", "hybrid")
 # Ring volume per step against DDP's allreduce (2(W-1)/W of the gradients): full gathers the
 # weights before forward and again before backward and reduce-scatters the gradients (3 x (W-1)/W);
-# grad_op gathers them once (2 x); none is DDP's allreduce.
-VOLUME = {"full": 1.5, "grad_op": 1.0, "none": 1.0}
+# grad_op gathers them once (2 x); none is DDP's allreduce; hybrid is full inside its groups.
+VOLUME = {"full": 1.5, "grad_op": 1.0, "none": 1.0, "hybrid": 1.5}
 
 
 @dataclass
 class FsdpConfig:
     """``processes`` ranks (CPU shares over gloo, or GPUs over NCCL with trainer=gpu), each with
     its share of the batch and 1/processes of the model's state: ``sharding`` full (weights,
-    gradients, optimizer state), grad_op (gradients, optimizer state) or none (replicated)."""
+    gradients, optimizer state), grad_op (gradients, optimizer state), none (replicated) or
+    hybrid (full within groups of ``shard_size`` ranks, null: one node's, replicated across them)."""
 
     name: str = "fsdp"
     processes: int = knob(2, low=1)
     sharding: str = knob("full", choices=SHARDINGS)
+    shard_size: Optional[int] = knob(None, low=1)  # sharding=hybrid: ranks per shard group (null: a node's)
     checkpoint: str = knob("never", choices=RECOMPUTE)  # always: recompute each block between cut points in backward
     pin_cores: bool = True  # on CPU: each rank on its own share of the cores
     timeout_s: float = knob(TIMEOUT_S, low=0, low_open=True)
@@ -43,7 +48,7 @@ class FsdpConfig:
 
 class Fsdp(StrategySpec):
     name, config, order = "fsdp", FsdpConfig, 5
-    knob_tags = ("processes", "sharding", "checkpoint")
+    knob_tags = ("processes", "sharding", "shard_size", "checkpoint")
     default_knob_tags = {"checkpoint": "never"}
     splits_batch = True
 
@@ -63,21 +68,44 @@ class Fsdp(StrategySpec):
         else:
             warn_oversubscription(self.name, p, "processes")
             devices = [torch.device("cpu")] * p
-        strategy = FullyShardedStrategy(devices, cfg.sharding, pin_cores=cfg.pin_cores, timeout_s=cfg.timeout_s)
+        shard_size = self._shard_size(cfg)
+        strategy = FullyShardedStrategy(devices, cfg.sharding, pin_cores=cfg.pin_cores, timeout_s=cfg.timeout_s,
+                                        shard_size=shard_size)
         strategy.recompute = recomputes(cfg)
         return StrategyPlan(
             trainer_kwargs={"strategy": strategy, "devices": p, "accelerator": "gpu" if devices[0].type == "cuda" else "cpu"},
-            tags={"processes": str(p), "sharding": cfg.sharding, "checkpoint": cfg.checkpoint},
+            tags={"processes": str(p), "sharding": cfg.sharding, "checkpoint": cfg.checkpoint,
+                  **({"shard_size": str(shard_size)} if cfg.sharding == "hybrid" else {})},
             data_parallel=p, replicas_per_machine=p, recompute=strategy.recompute,
             refused_precisions=self.refused_precisions(cfg),
         )
+
+    @staticmethod
+    def _shard_size(cfg) -> int | None:
+        """``shard_size``, checked: it divides a node's ranks (a group never spans nodes) and
+        belongs to sharding=hybrid; null there: the node's ranks."""
+        size, p = cfg.get("shard_size"), cfg.processes
+        if cfg.sharding != "hybrid":
+            if size is not None:
+                raise ConfigError(f"strategy.shard_size={size} sets the groups of strategy.sharding=hybrid, not of "
+                                  f"sharding={cfg.sharding}; use strategy.sharding=hybrid or drop strategy.shard_size")
+            return None
+        if size is None:
+            return p
+        if p % size:
+            divisors = [d for d in range(1, p + 1) if p % d == 0]
+            raise ConfigError(f"strategy.shard_size={size} does not divide strategy.processes={p}: each shard group is "
+                              f"{size} ranks of one node; use one of {divisors}")
+        return size
 
     def refused_precisions(self, knobs) -> dict[str, str]:
         return no_loss_scaling("each rank holds only its shard of the gradients")
 
     def setup_of_run(self, params, tags) -> Setup:
-        return Setup(self.name, (("processes", int(params["strategy.processes"])),
-                                 ("sharding", params.get("strategy.sharding", "full")), *recompute_knob(params)))
+        sharding = params.get("strategy.sharding", "full")
+        groups = (("shard_size", int(tags.get("shard_size", params["strategy.processes"]))),) if sharding == "hybrid" else ()
+        return Setup(self.name, (("processes", int(params["strategy.processes"])), ("sharding", sharding), *groups,
+                                 *recompute_knob(params)))
 
     def candidates(self, hw, job) -> list[Setup]:
         n = hw.devices_per_node
@@ -91,14 +119,20 @@ class Fsdp(StrategySpec):
         work = job.batch_size * (seq.per_sample_s * recompute_factor(setup) + seq.load_per_sample_s)
         volume = VOLUME[setup.get("sharding", "full")] * profile.gradient_mb
         largest = max(layer.params for layer in profile.layers) * profile.param_bytes / 1e6  # one unit's transfer
-        local = min(w, hw.devices_per_node) if shared_bus else 1
-        total = data_parallel_s(work, w, volume, largest, ring(hw, w), hw.allreduce_fixed_us * 1e-6,
-                                overlap=not shared_bus) + weight_traffic_s(seq, hw, local, local)
-        return cost(work / w, total)
+        local, fixed = (min(w, hw.devices_per_node) if shared_bus else 1), hw.allreduce_fixed_us * 1e-6
+        if setup.get("sharding") == "hybrid":  # full inside each group, then its shard averaged across the groups
+            k = setup.get("shard_size", w)
+            groups = [link(hw.link(rank_device(hw, i * k), rank_device(hw, (i + 1) % (w // k) * k))) for i in range(w // k)]
+            total = (work / w + data_parallel_s(0.0, k, volume, largest, ring(hw, k), fixed, overlap=not shared_bus)
+                     + data_parallel_s(0.0, w // k, profile.gradient_mb / k, largest / k, groups, fixed, overlap=not shared_bus))
+        else:
+            total = data_parallel_s(work, w, volume, largest, ring(hw, w), fixed, overlap=not shared_bus)
+        return cost(work / w, total + weight_traffic_s(seq, hw, local, local))
 
     def memory(self, setup, job, hw, profile):
         """A replica's activations at its share of the batch; the state sharded by level: full
-        keeps 1/W of the weights, gradients and momentum plus the largest layer gathered,
+        keeps 1/W of the weights, gradients and momentum plus the largest layer gathered (hybrid:
+        1/shard_size),
         grad_op the whole weights and 1/W of the rest, none all of it."""
         w, sharding = setup.get("processes"), setup.get("sharding", "full")
         replica = replica_bytes(job, job.batch_size // w, recompute=recomputes(setup))
@@ -106,8 +140,9 @@ class Fsdp(StrategySpec):
         cast = profile.params * profile.cast_bytes  # autocast's copies of the gathered weights: each rank its own
         weights = profile.params * profile.param_bytes
         largest = max(layer.params for layer in profile.layers) * profile.param_bytes
-        if sharding == "full":
-            kept = (state - cast) / w + 2 * largest + cast  # the layer in use and the next, prefetched
+        if sharding in ("full", "hybrid"):  # hybrid: sharded over its group
+            shards = setup.get("shard_size", w) if sharding == "hybrid" else w
+            kept = (state - cast) / shards + 2 * largest + cast  # the layer in use and the next, prefetched
         elif sharding == "grad_op":
             kept = weights + (state - cast - weights) / w + cast
         else:

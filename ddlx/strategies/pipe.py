@@ -20,6 +20,7 @@ from ..predict.costs import (
     gpu_index,
     link,
     memory_need,
+    rank_device,
     recompute_factor,
     recomputed_share,
     recomputes,
@@ -350,12 +351,7 @@ def pipelines_cost(setup, replicas: int, per_node: int, job, hw, profile, seq):
     gradients = [sum(layer.params for i in stages_of(name, r, 2) for layer in parts[i]) / profile.params * profile.gradient_mb
                  for r in range(2)]
     fixed = hw.allreduce_fixed_us * 1e-6
-    ranks = 2 * per_node  # of a node, in order; on CPU perhaps more than its cores
-
-    def device(k: int) -> int:  # rank k's device (a core on CPU: oversubscribed ranks share one)
-        return k // ranks * hw.devices_per_node + k % ranks % hw.devices_per_node
-
-    average = max(ring_allreduce_s(replicas, mb, [link(x) for x in hw.ring_links([device(2 * i + r) for i in range(replicas)])],
+    average = max(ring_allreduce_s(replicas, mb, [link(x) for x in hw.ring_links([rank_device(hw, 2 * i + r) for i in range(replicas)])],
                                    fixed * max(1, math.ceil(mb / DEFAULT_BUCKET_MB)))
                   for r, mb in enumerate(gradients))
     load = b * seq.load_per_sample_s

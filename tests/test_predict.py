@@ -1036,3 +1036,14 @@ def test_hybrid_sharding_shards_within_its_groups_and_averages_across_them():
     expected = (64 * 0.01 / 4 + pm.ring_allreduce_s(2, largest, [intra] * 2, fixed)
                 + pm.ring_allreduce_s(2, largest / 2, [inter] * 2, fixed))
     assert model_batch_s(setups["hybrid"], job, two_nodes, profile, seq) == pytest.approx(expected)
+
+
+def test_cpu_processes_beyond_the_cores_share_them():
+    from ddlx.predict.setups import model_cost
+
+    cpu, profile = _hw(), profile_model("resnet18", 3, 3, 64)  # 2 cores
+    seq = SequentialTime(0.01, 0.0, "test")
+    for strategy, knobs in (("ddp_gloo", (("processes", 4),)), ("fsdp", (("processes", 4), ("sharding", "full")))):
+        two, four = (model_cost(Setup(strategy, ((("processes", p),) + knobs[1:])), JOB, cpu, profile, seq) for p in (2, 4))
+        assert four.compute_s == pytest.approx(two.compute_s) == pytest.approx(32 * 0.01 / 2), strategy
+        assert four.total_s > two.total_s, f"{strategy}: the same compute on the 2 cores, and a longer ring"

@@ -101,8 +101,8 @@ CASES = {
                                     marks=pytest.mark.slow),
     "pipe_torch_interleaved_1f1b": pytest.param((["strategy=pipe", "strategy.engine=torch", "strategy.schedule=interleaved_1f1b",
                                                   "strategy.chunks=2"], False), marks=pytest.mark.slow),
-    "pipe_torch_zero_bubble": (["strategy=pipe", "strategy.engine=torch", "strategy.schedule=zero_bubble", "strategy.chunks=4",
-                                "strategy.balance=[4,6,5,7]"], False),
+    "pipe_torch_zero_bubble": pytest.param((["strategy=pipe", "strategy.engine=torch", "strategy.schedule=zero_bubble",
+                                             "strategy.chunks=4", "strategy.balance=[4,6,5,7]"], False), marks=pytest.mark.slow),
     # FSDP2 on CPU over gloo, each level (default suite: full, through the resume test below).
     **{f"fsdp_{level}": pytest.param((["strategy=fsdp", "strategy.processes=2", f"strategy.sharding={level}"], False),
                                      marks=pytest.mark.slow) for level in ("full", "grad_op", "none")},
@@ -121,12 +121,12 @@ CASES = {
                                                         "strategy.chunks=4", "strategy.balance=[4,6,5,7]", "strategy.checkpoint=always"],
                                                        False), marks=pytest.mark.slow),
     "hybrid_split": (["strategy=hybrid", "strategy.processes=2", "strategy.local=split"], False),
-    # Two pipelines of PyTorch's 1F1B (two processes each) averaging their gradients: 4 processes.
-    "hybrid_pipe_torch_1f1b": (["strategy=hybrid", "strategy.processes=2", "strategy.local=pipe", "strategy.engine=torch",
-                                "strategy.schedule=1f1b", "strategy.chunks=2"], False),
-    "hybrid_pipe_torch_zero_bubble": pytest.param((["strategy=hybrid", "strategy.processes=2", "strategy.local=pipe",
-                                                    "strategy.engine=torch", "strategy.schedule=zero_bubble", "strategy.chunks=2",
-                                                    "strategy.balance=[4,6,5,7]"], False), marks=pytest.mark.slow),
+    # Two pipelines of PyTorch's schedules (two processes each) averaging their gradients: 4 processes. The default
+    # suite's ZB-V case (V placement, deferred weight gradients) is this one; the lone pipeline's is slow-marked.
+    "hybrid_pipe_torch_1f1b": pytest.param((["strategy=hybrid", "strategy.processes=2", "strategy.local=pipe", "strategy.engine=torch",
+                                             "strategy.schedule=1f1b", "strategy.chunks=2"], False), marks=pytest.mark.slow),
+    "hybrid_pipe_torch_zero_bubble": (["strategy=hybrid", "strategy.processes=2", "strategy.local=pipe", "strategy.engine=torch",
+                                       "strategy.schedule=zero_bubble", "strategy.chunks=2", "strategy.balance=[4,6,5,7]"], False),
     "hybrid_pipe": pytest.param((["strategy=hybrid", "strategy.processes=2", "strategy.local=pipe", "strategy.chunks=2"], False), marks=pytest.mark.slow),
 }
 

@@ -112,6 +112,11 @@ def ring(hw: HardwareSpec, workers: int) -> list[Link]:
     return [link(spec) for spec in hw.ring_links([rank_device(hw, r) for r in range(workers)])]
 
 
+def computing_at_once(hw: HardwareSpec, workers: int) -> int:
+    """How many of ``workers`` processes compute at once: CPU processes beyond the cores share them."""
+    return max(1, min(workers, hw.total_devices))
+
+
 def rank_device(hw: HardwareSpec, rank: int) -> int:
     """The device (core on CPU) of a job's ``rank``-th worker: nodes filled in order, then shared in turn."""
     return rank % hw.total_devices

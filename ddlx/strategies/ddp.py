@@ -12,6 +12,7 @@ from ..knobs import knob
 from ..predict.costs import (
     DEFAULT_BUCKET_MB,
     RECOMPUTE,
+    computing_at_once,
     cost,
     memory_need,
     recompute_factor,
@@ -72,9 +73,10 @@ def data_parallel_cost(setup: Setup, workers: int, job, hw, profile, seq):
     work = job.batch_size * (seq.per_sample_s * recompute_factor(setup) + seq.load_per_sample_s)
     local = min(workers, hw.devices_per_node) if shared_bus else 1
     bucket = float(setup.get("bucket_cap_mb", DEFAULT_BUCKET_MB))
-    total = data_parallel_s(work, workers, profile.gradient_mb, bucket, ring(hw, workers), hw.allreduce_fixed_us * 1e-6,
-                            overlap=not shared_bus) + weight_traffic_s(seq, hw, local, local)
-    return cost(work / workers, total)
+    compute = work / computing_at_once(hw, workers)
+    total = compute + data_parallel_s(0.0, workers, profile.gradient_mb, bucket, ring(hw, workers), hw.allreduce_fixed_us * 1e-6,
+                                      overlap=not shared_bus) + weight_traffic_s(seq, hw, local, local)
+    return cost(compute, total)
 
 
 def data_parallel_memory(setup: Setup, workers: int, job, hw, profile):

@@ -9,6 +9,7 @@ from ..errors import ConfigError
 from ..knobs import knob
 from ..predict.costs import (
     RECOMPUTE,
+    computing_at_once,
     cost,
     link,
     memory_need,
@@ -120,14 +121,15 @@ class Fsdp(StrategySpec):
         volume = VOLUME[setup.get("sharding", "full")] * profile.gradient_mb
         largest = max(layer.params for layer in profile.layers) * profile.param_bytes / 1e6  # one unit's transfer
         local, fixed = (min(w, hw.devices_per_node) if shared_bus else 1), hw.allreduce_fixed_us * 1e-6
+        compute = work / computing_at_once(hw, w)
         if setup.get("sharding") == "hybrid":  # full inside each group, then its shard averaged across the groups
             k = setup.get("shard_size", w)
             groups = [link(hw.link(rank_device(hw, i * k), rank_device(hw, (i + 1) % (w // k) * k))) for i in range(w // k)]
-            total = (work / w + data_parallel_s(0.0, k, volume, largest, ring(hw, k), fixed, overlap=not shared_bus)
-                     + data_parallel_s(0.0, w // k, profile.gradient_mb / k, largest / k, groups, fixed, overlap=not shared_bus))
+            comm = (data_parallel_s(0.0, k, volume, largest, ring(hw, k), fixed, overlap=not shared_bus)
+                    + data_parallel_s(0.0, w // k, profile.gradient_mb / k, largest / k, groups, fixed, overlap=not shared_bus))
         else:
-            total = data_parallel_s(work, w, volume, largest, ring(hw, w), fixed, overlap=not shared_bus)
-        return cost(work / w, total + weight_traffic_s(seq, hw, local, local))
+            comm = data_parallel_s(0.0, w, volume, largest, ring(hw, w), fixed, overlap=not shared_bus)
+        return cost(compute, compute + comm + weight_traffic_s(seq, hw, local, local))
 
     def memory(self, setup, job, hw, profile):
         """A replica's activations at its share of the batch; the state sharded by level: full

@@ -92,6 +92,13 @@ def run_training_job(fn: Callable[[], Any], in_sweep: bool, overrides: list[str]
     checkpoint is and the command that resumes from it (``overrides``: the job's own)."""
     try:
         return report_config_errors(fn, in_sweep)
+    except SweepJobRefused:
+        raise  # refused before training, on every rank alike
+    except Exception:
+        from .parallel.mpi import abort_job
+
+        abort_job(1)  # under mpirun: the other ranks may be gone (their node lost), and MPI's exit would wait for them
+        raise
     except Stopped as stop:
         print(f"ddlx: {stop}", file=sys.stderr)
         if stop.resumable:

@@ -90,19 +90,34 @@ class Cluster:
         path.write_text("".join(f"{host} slots={slots}\n" for host in self.hosts))
         return path
 
-    def pids(self, host: str) -> list[int]:
+    def pids(self, host: str, only: str | None = None) -> list[int]:
+        """The processes of ``host``, or those whose command line starts with ``only``."""
         out = subprocess.run(["ip", "netns", "pids", host], capture_output=True, text=True).stdout
-        return [int(p) for p in out.split()]
+        return [int(p) for p in out.split() if only is None or _cmdline(int(p)).startswith(only)]
 
-    def kill(self, host: str) -> list[int]:
-        """SIGKILL every process of ``host``: the node is gone, as when a machine dies."""
-        pids = self.pids(host)
+    def unplug(self, host: str) -> None:
+        """Its cable pulled: nothing reaches ``host`` or leaves it (no reset either, as when a machine dies)."""
+        _ip("link", "set", f"p{self.hosts.index(host)}", "down", netns=self.switch)
+
+    def plug(self, host: str) -> None:
+        _ip("link", "set", f"p{self.hosts.index(host)}", "up", netns=self.switch)
+
+    def kill(self, host: str, only: str | None = None) -> list[int]:
+        """SIGKILL every process of ``host`` (the machine died), or those whose command line starts with ``only``."""
+        pids = self.pids(host, only)
         for pid in pids:
             try:
                 os.kill(pid, 9)
             except ProcessLookupError:
                 pass
         return pids
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text(errors="replace").replace("\0", " ")
+    except OSError:  # ended meanwhile
+        return ""
 
 
 def _quote(arg: str) -> str:

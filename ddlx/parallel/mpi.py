@@ -7,6 +7,7 @@ across all ranks by DDP over gloo (CPU) or NCCL (GPU).
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
@@ -40,3 +41,16 @@ def set_rank_threads(local_size: int) -> int:
     threads = max(1, cores // local_size) if cores == os.cpu_count() else cores
     torch.set_num_threads(threads)
     return threads
+
+
+def abort_job(status: int) -> None:
+    """End the whole MPI job now, from a rank whose training failed (its run already marked
+    FAILED): mpi4py finalizes MPI at exit, which waits for every rank, and a lost rank never
+    comes; MPI_Abort has mpirun end the others instead. Nothing outside an MPI job."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        import traceback
+
+        traceback.print_exc()  # what Hydra would have printed, had the process lived to
+        sys.stderr.flush()
+        mpi.COMM_WORLD.Abort(status)

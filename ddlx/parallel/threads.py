@@ -10,6 +10,9 @@ parallel; intra-op threads are set to cores // k so they do not oversubscribe.
 
 Forward outputs are joined by an autograd function whose backward starts the k sub-batch
 backward passes in the same k threads, so the loss and metrics stay in the main thread.
+Inside DDP (``strategy=mpi local=threads``) each parameter's gradient must arrive once per
+step, as DDP's reducer counts arrivals: there the threads compute their gradients apart and the
+join hands back their sum, the parameters being its inputs (k gradient copies for a moment).
 BatchNorm layers see sub-batch statistics, as under any data parallelism without SyncBatchNorm.
 """
 from __future__ import annotations
@@ -27,30 +30,40 @@ log = logging.getLogger(__name__)
 
 
 class _JoinSubBatches(torch.autograd.Function):
-    """Concatenate sub-batch outputs; on backward, run each sub-batch's backward in its thread."""
+    """Concatenate sub-batch outputs; on backward, run each sub-batch's backward in its thread.
+    With ``params`` (inside DDP), the threads' gradients are summed and returned for them."""
 
     @staticmethod
-    def forward(ctx, pool: ThreadPoolExecutor, graphs: list[torch.Tensor], *outputs: torch.Tensor) -> torch.Tensor:
-        ctx.pool, ctx.graphs = pool, graphs
+    def forward(ctx, pool: ThreadPoolExecutor, graphs: list[torch.Tensor], params: tuple, *inputs: torch.Tensor) -> torch.Tensor:
+        outputs = inputs[len(params):]
+        ctx.pool, ctx.graphs, ctx.params = pool, graphs, params
         ctx.sizes = [o.shape[0] for o in outputs]
         return torch.cat(outputs)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        grads = grad.split(ctx.sizes)
-        futures = [ctx.pool.submit(torch.autograd.backward, g, gr) for g, gr in zip(ctx.graphs, grads)]
-        for future in futures:
-            future.result()
-        ctx.graphs = None
-        return (None, None, *[None] * len(grads))
+        grads, params = grad.split(ctx.sizes), ctx.params
+        if params:
+            futures = [ctx.pool.submit(torch.autograd.grad, g, params, gr, allow_unused=True)
+                       for g, gr in zip(ctx.graphs, grads)]
+            per_thread = [future.result() for future in futures]
+            summed = tuple(None if all(t[i] is None for t in per_thread) else sum(t[i] for t in per_thread if t[i] is not None)
+                           for i in range(len(params)))
+        else:
+            for future in [ctx.pool.submit(torch.autograd.backward, g, gr) for g, gr in zip(ctx.graphs, grads)]:
+                future.result()
+            summed = ()
+        ctx.graphs = ctx.params = None
+        return (None, None, None, *summed, *[None] * len(grads))
 
 
 class ThreadedForward:
     """``forward`` of a LayeredModel that trains k sub-batches in k threads."""
 
-    def __init__(self, model: LayeredModel, threads: int) -> None:
+    def __init__(self, model: LayeredModel, threads: int, accumulate_once: bool = False) -> None:
         self.model = model
         self.threads = threads
+        self.accumulate_once = accumulate_once  # inside DDP: each gradient arrives once per step
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="ddlx-dp")
 
     def _run(self, x: torch.Tensor, autocast: AutocastState) -> torch.Tensor:
@@ -64,17 +77,18 @@ class ThreadedForward:
         autocast = autocast_state()  # per thread: the sub-batch threads run in the training thread's
         graphs = list(self.pool.map(self._run, chunks, [autocast] * len(chunks)))
         leaves = [g.detach().requires_grad_() for g in graphs]
-        return _JoinSubBatches.apply(self.pool, graphs, *leaves)
+        params = tuple(p for p in self.model.parameters() if p.requires_grad) if self.accumulate_once else ()
+        return _JoinSubBatches.apply(self.pool, graphs, params, *params, *leaves)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
 
 
-def threads_parallelizer(threads: int):
+def threads_parallelizer(threads: int, accumulate_once: bool = False):
     def parallelize(model: LayeredModel, local_rank: int) -> ThreadedForward:
         cores = len(os.sched_getaffinity(0))
         torch.set_num_threads(max(1, cores // threads))
         log.info("threads: %d sub-batch threads x %d intra-op threads", threads, torch.get_num_threads())
-        return ThreadedForward(model, threads)
+        return ThreadedForward(model, threads, accumulate_once)
 
     return parallelize

@@ -48,7 +48,8 @@ def local_parallelizer(cfg, model, data, processes: int, name: str, devices_of):
     if local == "threads":
         from ..parallel.threads import threads_parallelizer
 
-        return threads_parallelizer(cfg.threads), {"local": local, "threads": str(cfg.threads)}
+        # Inside DDP, whose reducer expects each gradient once per step.
+        return threads_parallelizer(cfg.threads, accumulate_once=True), {"local": local, "threads": str(cfg.threads)}
     if local == "split":
         from ..parallel.split import split_parallelizer
 

@@ -126,3 +126,32 @@ def _wait_for_training(workdir: Path, timeout: float) -> None:
                 return
         time.sleep(1)
     raise AssertionError("the job never logged a training epoch")
+
+
+@pytest.mark.slow
+def test_rank_0_logs_to_an_mlflow_server_on_another_node(cluster, tmp_path, shared_data, sequential_weights):  # noqa: F811
+    """The store as a server every node reaches over the network (the nodes need not share the
+    project folder for it): ``mlflow server`` on the second node, the job started on the first."""
+    port, server_host = 5077, cluster.hosts[1]
+    uri = f"http://{cluster.addresses[1]}:{port}"
+    store = tmp_path / "server.db"
+    server = subprocess.Popen(cluster.command(server_host, [
+        sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{store}", "--host", cluster.addresses[1],
+        "--port", str(port), "--artifacts-destination", str(tmp_path / "server-artifacts"), "--workers", "1"]),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=subprocess_env(), cwd=tmp_path)
+    try:
+        probe = [sys.executable, "-c", f"import urllib.request as u; u.urlopen('{uri}/health', timeout=2)"]
+        deadline = time.monotonic() + 120
+        while subprocess.run(cluster.command(cluster.hosts[0], probe), capture_output=True).returncode:
+            assert server.poll() is None and time.monotonic() < deadline, "the MLflow server never answered"
+            time.sleep(1)
+        proc = _on_first_node(cluster, tmp_path, 2, 1, "strategy=mpi", f"logger.tracking_uri={uri}",
+                              f"paths.data_dir={shared_data}", *SAME_MATHS)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    finally:
+        cluster.kill(server_host, sys.executable)
+        server.wait(timeout=30)
+    _assert_same_weights(final_weights(tmp_path), sequential_weights, exact=False)
+    assert not (tmp_path / "mlflow.db").exists(), "nothing logged to the shared folder's default store"
+    (run,) = runs(f"sqlite:///{store}")
+    assert run.info.status == "FINISHED" and run.data.tags["nodes"] == "2"

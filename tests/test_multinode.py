@@ -72,7 +72,7 @@ def test_mpi_across_hosts_matches_sequential(case, cluster, tmp_path, shared_dat
     assert not any(cluster.pids(host) for host in cluster.hosts), "every rank and daemon exited"
 
 
-@pytest.mark.parametrize("how", ["rank_crashed", "node_lost"])
+@pytest.mark.parametrize("how", ["rank_crashed", pytest.param("node_lost", marks=pytest.mark.slow)])
 def test_a_rank_or_node_lost_mid_epoch_ends_every_rank_and_fails_the_run(how, cluster, tmp_path, shared_data):  # noqa: F811
     """rank_crashed: the second node's rank dies (its kernel closes its connections, its daemon
     tells mpirun); node_lost: the machine dies, its cable first, so nothing at all reaches the

@@ -120,7 +120,8 @@ CASES = {
     "pipe_torch_zero_bubble_checkpoint": pytest.param((["strategy=pipe", "strategy.engine=torch", "strategy.schedule=zero_bubble",
                                                         "strategy.chunks=4", "strategy.balance=[4,6,5,7]", "strategy.checkpoint=always"],
                                                        False), marks=pytest.mark.slow),
-    "hybrid_split": (["strategy=hybrid", "strategy.processes=2", "strategy.local=split"], False),
+    "hybrid_split": pytest.param((["strategy=hybrid", "strategy.processes=2", "strategy.local=split"], False),
+                                 marks=pytest.mark.slow),  # DataParallelNetworkStrategy: ran by the multi-host mpi test
     # Two pipelines of PyTorch's schedules (two processes each) averaging their gradients: 4 processes. The default
     # suite's ZB-V case (V placement, deferred weight gradients) is this one; the lone pipeline's is slow-marked.
     "hybrid_pipe_torch_1f1b": pytest.param((["strategy=hybrid", "strategy.processes=2", "strategy.local=pipe", "strategy.engine=torch",
@@ -262,7 +263,8 @@ def _assert_no_process_left(workdir: Path) -> None:
 
 
 MPI_CASES = {
-    "sequential": (2, []),
+    # In the slow suite: tests/test_multinode.py runs it across two hosts in the default suite.
+    "sequential": pytest.param((2, []), marks=pytest.mark.slow),
     # Two pipelines of two ranks each (PyTorch's GPipe), averaging gradients across them.
     "pipe_torch": pytest.param((4, ["strategy.local=pipe", "strategy.engine=torch", "strategy.chunks=2"]), marks=pytest.mark.slow),
 }

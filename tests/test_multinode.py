@@ -4,7 +4,6 @@ host name and address. The ranks can only meet over the nodes' addresses: a node
 reaches no other node."""
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 import time
@@ -13,17 +12,11 @@ from pathlib import Path
 import pytest
 from conftest import PROJECT_DIR, runs, subprocess_env
 from netns_cluster import Cluster, mpirun, unavailable
-from test_strategies import SAME_MATHS, _assert_same_weights, final_weights, sequential_weights, shared_data  # noqa: F401
+from test_strategies import SAME_MATHS, _assert_same_weights, _mpi_available, final_weights, sequential_weights, shared_data  # noqa: F401
 
 
 def _missing() -> str | None:
-    if shutil.which("mpirun") is None:
-        return "OpenMPI's mpirun is not installed (apt-get install -y openmpi-bin libopenmpi-dev)"
-    try:
-        import mpi4py  # noqa: F401
-    except ImportError:
-        return "mpi4py is not installed (pip install -e '.[mpi]')"
-    return unavailable()
+    return _mpi_available() or unavailable()
 
 
 pytestmark = pytest.mark.skipif(_missing() is not None, reason=str(_missing()))

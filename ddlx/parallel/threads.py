@@ -46,9 +46,8 @@ class _JoinSubBatches(torch.autograd.Function):
         if params:
             futures = [ctx.pool.submit(torch.autograd.grad, g, params, gr, allow_unused=True)
                        for g, gr in zip(ctx.graphs, grads)]
-            per_thread = [future.result() for future in futures]
-            summed = tuple(None if all(t[i] is None for t in per_thread) else sum(t[i] for t in per_thread if t[i] is not None)
-                           for i in range(len(params)))
+            per_param = zip(*(future.result() for future in futures))  # each parameter's gradient from each thread
+            summed = tuple(sum(present) if (present := [g for g in grads if g is not None]) else None for grads in per_param)
         else:
             for future in [ctx.pool.submit(torch.autograd.backward, g, gr) for g, gr in zip(ctx.graphs, grads)]:
                 future.result()

@@ -151,10 +151,10 @@ class TorchPipelineStrategy(RelaunchingDDPStrategy):
 
     def __init__(self, devices: list[torch.device], schedule: str, chunks: int, balance: list[int] | str,
                  sample_shape: tuple[int, ...], pin_cores: bool = True, timeout_s: float = 300.0,
-                 width: int | None = None, replicas: int = 1, **ddp_kwargs) -> None:
+                 width: int | None = None, replicas: int = 1, process_group_backend: str | None = None,
+                 **ddp_kwargs) -> None:
         super().__init__(accelerator=None, parallel_devices=list(devices),
-                         process_group_backend=ddp_kwargs.pop("process_group_backend", None)
-                         or ("nccl" if devices[0].type == "cuda" else "gloo"),
+                         process_group_backend=process_group_backend or ("nccl" if devices[0].type == "cuda" else "gloo"),
                          timeout=timedelta(seconds=timeout_s), **ddp_kwargs)
         self.schedule, self.chunks, self.balance, self.pin_cores = schedule, chunks, balance, pin_cores
         self.sample_shape, self.width, self.replicas = sample_shape, width or len(devices), replicas

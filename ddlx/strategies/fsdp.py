@@ -134,8 +134,7 @@ class Fsdp(StrategySpec):
     def memory(self, setup, job, hw, profile):
         """A replica's activations at its share of the batch; the state sharded by level: full
         keeps 1/W of the weights, gradients and momentum plus the largest layer gathered (hybrid:
-        1/shard_size),
-        grad_op the whole weights and 1/W of the rest, none all of it."""
+        1/shard_size), grad_op the whole weights and 1/W of the rest, none all of it."""
         w, sharding = setup.get("processes"), setup.get("sharding", "full")
         replica = replica_bytes(job, job.batch_size // w, recompute=recomputes(setup))
         state = profile.state_bytes(profile.params)

@@ -6,14 +6,14 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Optional
 
-from ..errors import ConfigError
 from ..knobs import knob
 from ..predict.costs import DEFAULT_BUCKET_MB, cost, cut_mb, link, memory_need
 from ..predict.perf_models import hybrid_s, split_s
 from .cpu_mp import TIMEOUT_S
 from .mpi import device_pairs, local_parallelizer
 from ..parallel.schedules import SCHEDULES
-from .pipe import (ENGINES, PIPE_CHECKPOINT, engine_refused_precisions, pipelines_candidates, pipelines_cost,
+from .pipe import (ENGINES, PIPE_CHECKPOINT, engine_refused_precisions, local_torch_pipeline,
+                   pipelines_candidates, pipelines_cost,
                    pipelines_memory, torch_pipeline, torch_pipeline_knobs)
 from .spec import Setup, StrategyPlan, StrategySpec, accelerator_of, warn_oversubscription
 from .split import halves_bytes
@@ -50,15 +50,11 @@ class Hybrid(StrategySpec):
         processes = cfg.processes
         pairs = device_pairs(cfg, processes, self.name)
         on_cpu = pairs[0][0].type == "cpu"
-        torch_engine = cfg.local == "pipe" and cfg.engine == "torch"
+        torch_engine = local_torch_pipeline(cfg)
         if on_cpu:
             warn_oversubscription(self.name, processes * (2 if torch_engine else 1), "processes")
         if torch_engine:
             return self._plan_torch(cfg, pairs, model, data)
-        if cfg.engine == "torch" or cfg.schedule != "gpipe":
-            raise ConfigError(f"strategy.engine={cfg.engine} strategy.schedule={cfg.schedule} with strategy.local={cfg.local}: "
-                              f"PyTorch's schedules run with strategy.local=pipe strategy.engine=torch; use those, or "
-                              f"strategy.engine=fairscale strategy.schedule=gpipe")
         parallelize, local_tags = local_parallelizer(cfg, model, data, processes, self.name, lambda rank: pairs[rank])
         strategy = DataParallelNetworkStrategy(parallelize, [pair[0] for pair in pairs],
                                                process_group_backend="gloo" if on_cpu else "nccl",

@@ -11,7 +11,7 @@ from ..knobs import knob
 from .cpu_mp import TIMEOUT_S
 from .ddp import data_parallel_cost, data_parallel_memory
 from ..parallel.schedules import SCHEDULES
-from .pipe import (ENGINES, PIPE_CHECKPOINT, engine_refused_precisions, pipe_knobs, pipelines_candidates,
+from .pipe import (ENGINES, PIPE_CHECKPOINT, engine_refused_precisions, local_torch_pipeline, pipe_knobs, pipelines_candidates,
                    pipelines_cost, pipelines_memory, torch_pipeline, torch_pipeline_knobs)
 from .spec import Setup, StrategyPlan, StrategySpec
 from .split import cut_point
@@ -87,12 +87,8 @@ class Mpi(StrategySpec):
         world, local_size, nodes = mpi_layout()
         set_rank_threads(local_size)
         on_gpus = accelerator == "gpu" and gpu_count() >= local_size
-        if cfg.local == "pipe" and cfg.engine == "torch":
+        if local_torch_pipeline(cfg):
             return self._plan_torch(cfg, model, data, world, local_size, nodes, on_gpus)
-        if cfg.engine == "torch" or cfg.schedule != "gpipe":
-            raise ConfigError(f"strategy.engine={cfg.engine} strategy.schedule={cfg.schedule} with strategy.local={cfg.local}: "
-                              f"PyTorch's schedules run with strategy.local=pipe strategy.engine=torch; use those, or "
-                              f"strategy.engine=fairscale strategy.schedule=gpipe")
         if cfg.local in ("split", "pipe"):
             pairs = device_pairs(cfg, local_size, self.name)
             roots = [pair[0] for pair in pairs]

@@ -67,9 +67,9 @@ def pipe_knobs(cfg, model, data, per_process_batch: int, stages: int):
     return chunks, balance, cfg.checkpoint, sample
 
 
-def torch_pipeline(cfg, devices, model, data, name: str, replicas: int = 1, **strategy_kwargs):
+def torch_pipeline(cfg, devices, model, data, name: str, replicas: int = 1, width: int | None = None, **strategy_kwargs):
     """The checked :class:`TorchPipelineStrategy` (and its tags) of ``replicas`` pipelines, each
-    over ``len(devices) // replicas`` processes (one per device of ``devices``, this node's)."""
+    over ``width`` processes (default: ``len(devices) // replicas``; one per device of ``devices``, this node's)."""
     from ..parallel.torch_pipe import TorchPipelineStrategy
 
     kinds = {d.type for d in devices}
@@ -81,7 +81,7 @@ def torch_pipeline(cfg, devices, model, data, name: str, replicas: int = 1, **st
                           f"strategy.engine=torch recomputes every block of every micro-batch or none: use "
                           f"strategy.checkpoint=always or never, or strategy.engine=fairscale")
     schedule, chunks = SCHEDULES[cfg.schedule], cfg.chunks
-    width = strategy_kwargs.pop("width", len(devices) // replicas)
+    width = width or len(devices) // replicas
     batch = data["batch_size"] // replicas  # each pipeline's share
     share = f"data.batch_size={data['batch_size']}" + (f" over {replicas} pipelines ({batch} each)" if replicas > 1 else "")
     if batch % chunks:
@@ -102,6 +102,18 @@ def torch_pipeline(cfg, devices, model, data, name: str, replicas: int = 1, **st
     strategy.recompute = recomputes(cfg)
     return strategy, {"chunks": str(chunks), "balance": str(balance), "checkpoint": cfg.checkpoint, "engine": "torch",
                       "schedule": cfg.schedule}
+
+
+def local_torch_pipeline(cfg) -> bool:
+    """Whether a data-parallel strategy's ``local`` is PyTorch's pipeline (local=pipe engine=torch);
+    its ``engine`` or ``schedule`` set for another local strategy is refused by name."""
+    if cfg.local == "pipe" and cfg.engine == "torch":
+        return True
+    if cfg.engine == "torch" or cfg.schedule != "gpipe":
+        raise ConfigError(f"strategy.engine={cfg.engine} strategy.schedule={cfg.schedule} with strategy.local={cfg.local}: "
+                          f"PyTorch's schedules run with strategy.local=pipe strategy.engine=torch; use those, or "
+                          f"strategy.engine=fairscale strategy.schedule=gpipe")
+    return False
 
 
 def engine_refused_precisions(knobs) -> dict[str, str]:

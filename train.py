@@ -11,7 +11,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from ddlx.cli import hydra_job_tags, register_config, run_training_job, task_overrides
+from ddlx.cli import hydra_job_tags, register_config, resume_requeued_job, run_training_job, task_overrides
 from ddlx.config_check import check_command_line
 
 PROJECT_DIR = Path(__file__).resolve().parent
@@ -23,7 +23,9 @@ def main(cfg: DictConfig) -> None:
     from ddlx.run import train  # imported here so --help and config errors answer fast
 
     output_dir, tags = hydra_job_tags(cfg.paths.root)
-    run_training_job(lambda: train(cfg, output_dir, tags), in_sweep="sweep_id" in tags, overrides=task_overrides())
+    requeue = resume_requeued_job(cfg, tags)  # under SLURM: a requeued job resumes where it stopped
+    run_training_job(lambda: train(cfg, output_dir, tags), in_sweep="sweep_id" in tags, overrides=task_overrides(),
+                     requeue=requeue)
 
 
 if __name__ == "__main__":

@@ -21,12 +21,14 @@ class SweepJobRefused(Exception):
 def register_config(project_dir: Path) -> None:
     """The schemas (:mod:`ddlx.config`) and the resolvers configs use: ``${project_dir:}``, the
     folder holding train.py, so mlflow.db and data/ land there whatever the working directory;
-    ``${job_id:}``, this job's id (:func:`job_id`), which keeps every run's folder its own."""
+    ``${job_id:}``, this job's id (:func:`job_id`), which keeps every run's folder its own. Its
+    value is cached in the config, as ``${now:}``'s is, so launchers that compose each sweep job's
+    config again in another process (submitit, on SLURM) keep the sweep's one folder."""
     from .config import register_schemas
 
     register_schemas()
     OmegaConf.register_new_resolver("project_dir", lambda: str(project_dir), replace=True)
-    OmegaConf.register_new_resolver("job_id", job_id, replace=True)
+    OmegaConf.register_new_resolver("job_id", job_id, replace=True, use_cache=True)
 
 
 # Launchers that start every rank of a job themselves: the variable that says how many processes
@@ -86,12 +88,16 @@ def report_config_errors(fn: Callable[[], Any], in_sweep: bool = False) -> Any:
         raise SystemExit(2) from None
 
 
-def run_training_job(fn: Callable[[], Any], in_sweep: bool, overrides: list[str]) -> Any:
+def run_training_job(fn: Callable[[], Any], in_sweep: bool, overrides: list[str], requeue=None) -> Any:
     """Run a train.py job (``fn``): config errors as :func:`report_config_errors`; a stop signal
     ends the process with 128 + its number (130 for Ctrl-C, 143 for SIGTERM), saying where the
-    checkpoint is and the command that resumes from it (``overrides``: the job's own)."""
+    checkpoint is and the command that resumes from it (``overrides``: the job's own). Under
+    SLURM (``requeue``: the job's :class:`ddlx.slurm.RequeueMarker`), a stopped job is left for
+    its requeued start to resume, and requeued when SLURM warned it of its end."""
+    from .parallel.launch import launch_rank
+
     try:
-        return report_config_errors(fn, in_sweep)
+        result = report_config_errors(fn, in_sweep)
     except SweepJobRefused:
         raise  # refused before training, on every rank alike
     except Exception:
@@ -104,7 +110,25 @@ def run_training_job(fn: Callable[[], Any], in_sweep: bool, overrides: list[str]
         if stop.resumable:
             kept = [o for o in overrides if not o.lstrip("+").startswith("ckpt_path=")]
             print(f"ddlx: resume with: python train.py {' '.join([*kept, f'ckpt_path={stop.checkpoint}'])}", file=sys.stderr)
+        if requeue is not None:
+            requeue.after_stop(stop, rank0=launch_rank() == 0)
         raise SystemExit(stop.exit_status) from None
+    if requeue is not None and launch_rank() == 0:
+        requeue.forget()
+    return result
+
+
+def resume_requeued_job(cfg, tags: dict[str, str]):
+    """Under SLURM, the job's :class:`ddlx.slurm.RequeueMarker` (None outside SLURM); when SLURM
+    requeued this job after a stop, ``cfg.ckpt_path`` becomes the checkpoint it stopped with."""
+    from .slurm import RequeueMarker
+
+    marker = RequeueMarker.of_this_job(cfg.paths.root, tags.get("sweep_job"))
+    checkpoint = marker.checkpoint_to_resume() if marker is not None else None
+    if checkpoint is not None:
+        print(f"ddlx: SLURM job {marker.job} was requeued: resuming from {checkpoint}", file=sys.stderr, flush=True)
+        cfg.ckpt_path = checkpoint
+    return marker
 
 
 def task_overrides() -> list[str]:

@@ -38,10 +38,11 @@ from .measure.resources import ResourceMonitor
 from .measure.timing import EpochTimer
 from .models import build_model
 from .module import ClassifierModule
-from .parallel.launch import RelaunchingDDPStrategy, end_distributed_job, launch_rank
+from .parallel.launch import RelaunchingDDPStrategy, end_distributed_job, launch_rank, settle_cluster_environment
 from .predict.memory import GIB, estimate_training_memory
 from .predict.numerics import CPU_FP16, PRECISION_NUMERICS
 from .records import run_name
+from .slurm import run_tags as slurm_run_tags
 from .stopping import StopAtSignal, StopSignals, disable_lightning_signal_handlers
 from .strategies import build_strategy
 from .tracking import (
@@ -137,6 +138,7 @@ def run_tags(cfg: DictConfig, extra: Mapping[str, str] | None = None) -> dict[st
         "precision": precision_of(cfg.trainer.precision),
         "use_case": use_case(cfg.model.name, cfg.data.name),
         **machine_tags(),
+        **slurm_run_tags(),
         **(extra or {}),
         **(cfg.logger.tags or {}),
     }
@@ -317,6 +319,7 @@ def check_job(cfg: DictConfig, resolved: dict, tags: dict, rank0: bool):
     check_allocator(cfg.cpu_allocator)
     meta = layered_model_meta(cfg)
     plan = build_strategy(cfg.strategy, cfg.trainer.accelerator, meta, cfg.data)
+    settle_cluster_environment(plan.trainer_kwargs, cfg.strategy.name)
     for key, why in plan.refused_trainer_args.items():
         if cfg.trainer.get(key) is not None:
             raise ConfigError(f"trainer.{key}={cfg.trainer[key]} with strategy={cfg.strategy.name}: {why}, "

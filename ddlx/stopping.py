@@ -1,5 +1,5 @@
-"""Stop signals: SIGINT (Ctrl-C), SIGTERM (SLURM, Kubernetes, ``timeout``) and SIGUSR1 (SLURM's
-pre-emption warning, ``sbatch --signal=USR1@90``).
+"""Stop signals: SIGINT (Ctrl-C), SIGTERM (SLURM, Kubernetes, ``timeout``), and SIGUSR1 and
+SIGUSR2 (SLURM's warning before a job's end: ``sbatch --signal=USR1@90``; submitit's is USR2).
 
 From the moment a run's MLflow run is open until it is closed, these raise :class:`Stopped` at
 once, so the run is recorded as KILLED and the process exits 128 + the signal's number. While
@@ -24,7 +24,7 @@ from .errors import Stopped
 
 log = logging.getLogger(__name__)
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
 
 class StopSignals:

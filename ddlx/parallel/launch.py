@@ -51,6 +51,39 @@ def launch_rank() -> int:
     return 0
 
 
+def settle_cluster_environment(trainer_kwargs: dict, strategy_name: str) -> None:
+    """Who starts the ranks of a multi-process strategy that names no cluster environment.
+
+    Under ``srun``, Lightning takes SLURM's tasks for the job's ranks (its SLURMEnvironment),
+    whatever their number: one task with ``processes=2`` trained alone, recorded as two, and a
+    batch script's own process waited for ranks of the job's ``--ntasks`` that nobody started.
+    Here: SLURM started one process, so ddlx starts the ranks itself, as on any machine; or it
+    started exactly the ranks, one per task (Lightning's way); any other count is refused.
+    """
+    from lightning_fabric.plugins.environments import LightningEnvironment, SLURMEnvironment
+
+    from ..errors import ConfigError
+    from ..slurm import started_ranks
+
+    strategy = trainer_kwargs.get("strategy")
+    started = started_ranks()
+    if started is None or getattr(strategy, "cluster_environment", False) is not None:
+        return  # not under SLURM, one process, or the strategy has its own (mpi: MPI's ranks)
+    ranks = int(trainer_kwargs.get("devices", 1)) * int(trainer_kwargs.get("num_nodes", 1))
+    if started == 1 or is_rank_worker():  # a rank worker: started by rank 0's launcher, which set LOCAL_RANK...
+        strategy.cluster_environment = LightningEnvironment()
+    elif started == ranks and SLURMEnvironment.detect():
+        if os.environ.get("SLURM_NTASKS_PER_NODE") is None:  # Lightning reads the local ranks from it
+            raise ConfigError(f"srun --ntasks={ranks} for strategy={strategy_name}: give the tasks per node instead, "
+                              f"srun --ntasks-per-node={ranks}")
+        strategy.cluster_environment = SLURMEnvironment(auto_requeue=False)  # ddlx requeues (ddlx.slurm)
+    else:
+        raise ConfigError(
+            f"srun started {started} tasks for this job step, but strategy={strategy_name} runs {ranks} processes: "
+            f"run it as one task (srun --ntasks=1 --cpus-per-task=N: ddlx starts the {ranks} processes itself) "
+            f"or as {ranks} tasks (srun --ntasks={ranks}), or use strategy=mpi for ranks that srun starts on many nodes")
+
+
 def end_distributed_job(strategy=None, timeout_s: float = 120.0) -> None:
     """After a job in the launching process: leave nothing for the next job of a sweep.
 

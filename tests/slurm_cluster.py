@@ -1,0 +1,172 @@
+"""A SLURM cluster on one machine, for running ddlx as a cluster user does: ``sbatch``, ``srun``,
+``scancel --signal``, requeue, and Hydra's submitit launcher.
+
+One controller (``slurmctld``) and one node daemon (``slurmd``) for this machine, with their own
+munge daemon, key, ports, state and logs inside one folder: nothing of the machine's own set-up
+(``/etc/slurm``, ``/etc/munge``, a running munged) is read or changed. Clients find the cluster
+through ``SLURM_CONF`` (:meth:`LocalSlurm.env`); jobs inherit it, so a job's own ``scontrol``
+talks to this cluster too.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue", "sacct")
+
+
+def unavailable() -> str | None:
+    """Why this machine cannot run the local cluster (None: it can)."""
+    if os.geteuid() != 0:
+        return "the local SLURM cluster runs its daemons as root"
+    missing = [tool for tool in DAEMONS if shutil.which(tool) is None and not Path("/usr/sbin", tool).exists()]
+    if missing:
+        return f"SLURM is not installed ({', '.join(missing)} missing: apt-get install -y slurm-wlm munge)"
+    return None
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def _tool(name: str) -> str:
+    return shutil.which(name) or str(Path("/usr/sbin", name))
+
+
+class LocalSlurm:
+    """The cluster in ``folder``; a context manager that stops its daemons."""
+
+    def __init__(self, folder: Path, cpus: int | None = None) -> None:
+        self.folder = Path(folder)
+        self.node = socket.gethostname()
+        self.cpus = cpus or os.cpu_count() or 1
+        self.conf = self.folder / "slurm.conf"
+        self._daemons: list[subprocess.Popen] = []
+
+    def env(self, base: dict[str, str] | None = None) -> dict[str, str]:
+        """``base`` (or this process's environment) pointed at this cluster."""
+        env = dict(os.environ if base is None else base)
+        env["SLURM_CONF"] = str(self.conf)
+        return env
+
+    def __enter__(self) -> LocalSlurm:
+        try:
+            self._start()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def _start(self) -> None:
+        f = self.folder
+        for sub in ("state", "spool", "log", "munge"):
+            (f / sub).mkdir(parents=True, exist_ok=True)
+        key, munge_socket = f / "munge" / "munge.key", f / "munge" / "munge.socket"
+        subprocess.run([_tool("mungekey"), "--create", "--force", f"--keyfile={key}"], check=True, capture_output=True)
+        key.chmod(0o600)
+        self._daemons.append(subprocess.Popen(
+            [_tool("munged"), "--foreground", "--force", f"--key-file={key}", f"--socket={munge_socket}",
+             f"--pid-file={f / 'munge' / 'munged.pid'}", f"--log-file={f / 'log' / 'munged.log'}",
+             f"--seed-file={f / 'munge' / 'seed'}"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+        _wait(lambda: munge_socket.exists(), 10, "munged did not open its socket", f / "log" / "munged.log")
+        ctld_port, node_port = _free_ports(2)
+        self.conf.write_text(f"""\
+ClusterName=ddlx
+SlurmctldHost={self.node}
+SlurmctldPort={ctld_port}
+SlurmdPort={node_port}
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={munge_socket}
+SlurmUser=root
+SlurmdUser=root
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SchedulerType=sched/backfill
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+MpiDefault=none
+ReturnToService=2
+JobRequeue=1
+StateSaveLocation={f / 'state'}
+SlurmdSpoolDir={f / 'spool'}
+SlurmctldPidFile={f / 'slurmctld.pid'}
+SlurmdPidFile={f / 'slurmd.pid'}
+SlurmctldLogFile={f / 'log' / 'slurmctld.log'}
+SlurmdLogFile={f / 'log' / 'slurmd.log'}
+NodeName={self.node} CPUs={self.cpus} RealMemory=4000 State=UNKNOWN
+PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+""")
+        env = self.env()
+        self._daemons.append(subprocess.Popen([_tool("slurmctld"), "-D", "-i", "-f", str(self.conf)], env=env,
+                                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+        self._daemons.append(subprocess.Popen([_tool("slurmd"), "-D", "-f", str(self.conf)], env=env,
+                                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+        _wait(self._node_idle, 30, "the node did not come up", f / "log" / "slurmd.log")
+
+    def _node_idle(self) -> bool:
+        for daemon in self._daemons:
+            if daemon.poll() is not None:
+                raise RuntimeError(f"{daemon.args[0]} exited with {daemon.returncode}: see {self.folder / 'log'}")
+        out = self.run("sinfo", "-h", "-N", "-o", "%t", check=False).stdout.strip()
+        return out.startswith("idle")
+
+    def run(self, *argv: str, check: bool = True, timeout: float = 60, **kwargs) -> subprocess.CompletedProcess:
+        """A SLURM client command against this cluster."""
+        kwargs.setdefault("env", self.env())
+        proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, **kwargs)
+        if check and proc.returncode:
+            raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}: {proc.stderr.strip()}")
+        return proc
+
+    def job_state(self, job_id: str) -> dict[str, str]:
+        """``scontrol show job``'s fields (JobState, Restarts, ExitCode...); {} once it is forgotten."""
+        proc = self.run("scontrol", "show", "job", "-o", job_id, check=False)
+        if proc.returncode:
+            return {}
+        return dict(field.split("=", 1) for field in proc.stdout.split() if "=" in field)
+
+    def wait_for(self, job_id: str, states: tuple[str, ...], timeout: float) -> dict[str, str]:
+        """Wait until the job is in one of ``states``; returns its fields."""
+        fields: dict[str, str] = {}
+
+        def reached() -> bool:
+            nonlocal fields
+            fields = self.job_state(job_id)
+            return fields.get("JobState") in states
+
+        _wait(reached, timeout, f"job {job_id} did not reach {states} (last: {fields.get('JobState')})",
+              self.folder / "log" / "slurmctld.log")
+        return fields
+
+    def __exit__(self, *exc) -> None:
+        if self._daemons and self.conf.exists():
+            self.run("scancel", "--full", "--user=root", check=False)
+        for daemon in reversed(self._daemons):
+            daemon.terminate()
+        for daemon in reversed(self._daemons):
+            try:
+                daemon.wait(timeout=3)
+            except subprocess.TimeoutExpired:
+                daemon.kill()
+                daemon.wait()
+        self._daemons.clear()
+
+
+def _wait(ready, timeout: float, what: str, log: Path | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if time.monotonic() > deadline:
+            tail = "".join(log.read_text().splitlines(True)[-15:]) if log is not None and log.exists() else ""
+            raise TimeoutError(f"{what} within {timeout:.0f} s" + (f"; {log}:\n{tail}" if tail else ""))
+        time.sleep(0.3)

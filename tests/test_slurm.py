@@ -1,0 +1,219 @@
+"""ddlx under SLURM, as a cluster user runs it: ``srun`` and ``sbatch`` on a local cluster
+(tests/slurm_cluster.py: one controller, one node daemon on this machine), a job warned of its
+end that checkpoints, is requeued and resumes into the same MLflow run, and a Hydra sweep
+through the submitit launcher, one SLURM job and one MLflow run per sweep job."""
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import PROJECT_DIR, runs, subprocess_env
+from slurm_cluster import LocalSlurm, unavailable
+from test_strategies import (  # noqa: F401
+    SAME_MATHS,
+    _assert_same_weights,
+    _mpi_available,
+    sequential_weights,
+    shared_data,
+    train_here,
+)
+
+pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
+
+TRAIN = [sys.executable, str(PROJECT_DIR / "train.py")]
+# Long enough to be signalled mid-training: 12 epochs of 4 steps (a few seconds per start).
+EPOCHS = 12
+LONG = [o for o in SAME_MATHS if not o.startswith(("trainer.max_epochs", "trainer.limit_train_batches"))] + \
+       [f"trainer.max_epochs={EPOCHS}"]
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    with LocalSlurm(tmp_path_factory.mktemp("slurm"), cpus=2) as cluster:
+        yield cluster
+
+
+def _sbatch(slurm: LocalSlurm, workdir: Path, options: list[str], lines: list[str]) -> str:
+    """Submit a batch script, as a user writes one; returns the job id."""
+    script = workdir / "job.sh"
+    script.write_text("#!/bin/bash\n" + "".join(f"#SBATCH {o}\n" for o in options) + "\n".join(lines) + "\n")
+    return slurm.run("sbatch", "--parsable", f"--output={workdir}/slurm-%j.out", "--open-mode=append",
+                     f"--chdir={workdir}", str(script), env=slurm.env(subprocess_env())).stdout.strip()
+
+
+def _command(*argv: str) -> str:
+    return " ".join(shlex.quote(a) for a in argv)
+
+
+def _weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    state = torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"]
+    return {k: v for k, v in state.items() if k.startswith("model.")}
+
+
+def _only_run(workdir: Path):
+    (run,) = runs(f"sqlite:///{workdir / 'mlflow.db'}")
+    return run
+
+
+def _job_log(workdir: Path, job: str) -> str:
+    return (workdir / f"slurm-{job}.out").read_text(errors="replace")
+
+
+def test_srun_starts_the_mpi_ranks(slurm, tmp_path, shared_data, sequential_weights):  # noqa: F811
+    """Two tasks of one job step are the two ranks of ``strategy=mpi`` (PMIx gives them MPI)."""
+    if _mpi_available():
+        pytest.skip(_mpi_available())
+    proc = slurm.run("srun", "--ntasks=2", "--mpi=pmix", *TRAIN, f"paths.root={tmp_path}", f"hydra.run.dir={tmp_path}/run",
+                     f"paths.data_dir={shared_data}", "strategy=mpi", *SAME_MATHS, check=False, timeout=240,
+                     env=slurm.env(subprocess_env()), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    run = _only_run(tmp_path)
+    assert run.info.status == "FINISHED" and run.data.tags["strategy"] == "mpi"
+    assert run.data.tags["slurm_job_id"].isdigit()
+    _assert_same_weights(_weights(tmp_path / "run" / "checkpoints" / "last.ckpt"), sequential_weights, exact=False)
+
+
+DDP_LAUNCHES = {
+    # how the batch script starts train.py: (sbatch options, the command's prefix)
+    "batch_script": (["--ntasks=2"], []),  # the script's own process: ddlx starts the second rank
+    "one_task": pytest.param((["--ntasks=1", "--cpus-per-task=2"], ["srun"]), marks=pytest.mark.slow),
+    "tasks_are_ranks": pytest.param((["--ntasks-per-node=2"], ["srun"]), marks=pytest.mark.slow),  # Lightning's way
+}
+
+
+@pytest.mark.parametrize("launch", list(DDP_LAUNCHES.values()), ids=list(DDP_LAUNCHES))
+def test_ddp_under_sbatch_trains_with_all_its_processes(launch, slurm, tmp_path, shared_data, sequential_weights):  # noqa: F811
+    """Lightning takes SLURM's tasks for the ranks: a one-task step with processes=2 used to train
+    alone (recorded as two), and a batch script's own process waited for ranks nobody started."""
+    options, prefix = launch
+    job = _sbatch(slurm, tmp_path, options, [_command(*prefix, *TRAIN, f"paths.root={tmp_path}", f"hydra.run.dir={tmp_path}/run",
+                                                      f"paths.data_dir={shared_data}", "strategy=ddp_gloo",
+                                                      "strategy.processes=2", *SAME_MATHS)])
+    fields = slurm.wait_for(job, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), timeout=240)
+    assert fields["JobState"] == "COMPLETED", _job_log(tmp_path, job)[-4000:]
+    assert "MEMBER: 2/2" in _job_log(tmp_path, job)
+    run = _only_run(tmp_path)
+    assert run.info.status == "FINISHED" and run.data.tags["slurm_job_id"] == job
+    _assert_same_weights(_weights(tmp_path / "run" / "checkpoints" / "last.ckpt"), sequential_weights, exact=False)
+
+
+def test_srun_tasks_that_are_not_the_ranks_are_refused(slurm, tmp_path):
+    proc = slurm.run("srun", "--ntasks=2", *TRAIN, f"paths.root={tmp_path}", "strategy=ddp_gloo", "strategy.processes=4",
+                     *SAME_MATHS, check=False, timeout=120, env=slurm.env(subprocess_env()), cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "srun started 2 tasks" in proc.stderr and "--ntasks=1" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "mlflow.db").exists() or not runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
+
+
+def _wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} within {timeout:.0f} s")
+        time.sleep(0.5)
+
+
+def _training(workdir: Path) -> bool:
+    """A start's second epoch is under way (its job log is under the run's own folder)."""
+    return any("epoch 2/" in log.read_text(errors="replace") for log in workdir.glob("**/train.log"))
+
+
+def _requeued_and_released(slurm: LocalSlurm, job: str) -> None:
+    """Wait for SLURM to hold the requeued job, then let it start now: SLURM holds a requeued
+    job about two minutes (its begin time), which a test need not wait through."""
+    slurm.wait_for(job, ("PENDING",), timeout=120)
+    slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now")
+
+
+def _assert_resumed_run(workdir: Path, job: str, reference: dict) -> None:
+    run = _only_run(workdir)
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["slurm_job_id"] == job and run.data.tags["resumes"] == "1"
+    assert run.data.metrics["epoch"] == EPOCHS - 1, "the run goes on to its last epoch"
+    checkpoint = Path(run.data.tags["resumed_from"])
+    assert checkpoint.exists() and not list((workdir / "outputs" / "requeued").glob("*")), "the marker is gone"
+    got = _weights(checkpoint)
+    assert got.keys() == reference.keys()
+    for name in reference:  # the same steps on the same samples: equal up to float summation order
+        torch.testing.assert_close(got[name], reference[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_weights(tmp_path_factory, shared_data):  # noqa: F811
+    workdir = tmp_path_factory.mktemp("uninterrupted")
+    train_here(workdir, "strategy=sequential", "strategy.threads=1", f"paths.data_dir={shared_data}", "checkpoint.save=full",
+               *LONG)
+    return _weights(workdir / "run" / "checkpoints" / "last.ckpt")
+
+
+def test_a_job_warned_of_its_end_is_requeued_and_resumes_its_run(slurm, tmp_path, shared_data, uninterrupted_weights):  # noqa: F811
+    """``sbatch --signal=USR1@90 --requeue``: the warning (sent here with scancel --signal, as
+    SLURM sends it 90 s before the time limit) stops training after a step with a checkpoint, the
+    job requeues itself, and its second start resumes the same run to the end, with the weights
+    an uninterrupted run ends with."""
+    job = _sbatch(slurm, tmp_path, ["--ntasks=1", "--cpus-per-task=1", "--requeue", "--signal=USR1@90"],
+                  [_command("srun", *TRAIN, f"paths.root={tmp_path}", f"paths.data_dir={shared_data}", "strategy=sequential",
+                            "strategy.threads=1", "checkpoint.save=full", *LONG)])
+    _wait_for(lambda: _training(tmp_path), 120, "training")
+    slurm.run("scancel", "--signal=USR1", job)
+    _requeued_and_released(slurm, job)
+    fields = slurm.wait_for(job, ("COMPLETED", "FAILED", "CANCELLED"), timeout=240)
+    log = _job_log(tmp_path, job)
+    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", log[-4000:]
+    assert f"requeueing SLURM job {job}" in log and f"SLURM job {job} was requeued: resuming from" in log
+    _assert_resumed_run(tmp_path, job, uninterrupted_weights)
+
+
+def _submitit_missing() -> str | None:
+    try:
+        import hydra_plugins.hydra_submitit_launcher  # noqa: F401
+    except ImportError:
+        return "hydra-submitit-launcher is not installed (pip install -e '.[slurm]')"
+    return None
+
+
+def _sweep(slurm: LocalSlurm, workdir: Path, *overrides: str) -> subprocess.Popen:
+    return subprocess.Popen([*TRAIN, "-m", "hydra/launcher=submitit_slurm", "hydra.launcher.partition=main",
+                             "hydra.launcher.timeout_min=10", f"paths.root={workdir}", *overrides],
+                            env=slurm.env(subprocess_env()), cwd=workdir, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.skipif(_submitit_missing() is not None, reason=str(_submitit_missing()))
+def test_a_sweep_through_submitit_is_one_slurm_job_and_one_run_per_job(slurm, tmp_path, shared_data):  # noqa: F811
+    sweep = _sweep(slurm, tmp_path, "hydra.launcher.cpus_per_task=1", f"paths.data_dir={shared_data}",
+                   "strategy=sequential,threads", *SAME_MATHS)
+    out, _ = sweep.communicate(timeout=300)
+    assert sweep.returncode == 0, out[-4000:]
+    found = runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert sorted(r.data.tags["strategy"] for r in found) == ["sequential", "threads"]
+    assert all(r.info.status == "FINISHED" for r in found)
+    assert len({r.data.tags["slurm_job_id"] for r in found}) == 2, "each sweep job is its own SLURM job"
+    # Every job's folder in the one sweep folder the launcher made (each job resolves the config again).
+    (sweep_dir,) = (tmp_path / "multirun").glob("*/*")
+    assert {r.data.tags["sweep_id"] for r in found} == {str(sweep_dir.relative_to(tmp_path))}
+    assert {r.data.tags["output_dir"] for r in found} == {str(sweep_dir / "0"), str(sweep_dir / "1")}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_submitit_missing() is not None, reason=str(_submitit_missing()))
+def test_a_submitit_job_warned_of_its_end_is_requeued_and_resumes_its_run(slurm, tmp_path, shared_data,  # noqa: F811
+                                                                         uninterrupted_weights):
+    """submitit's warning is USR2 (its --signal=USR2@signal_delay_s)."""
+    sweep = _sweep(slurm, tmp_path, "hydra.launcher.cpus_per_task=1", "+hydra.launcher.additional_parameters.requeue=true",
+                   f"paths.data_dir={shared_data}", "strategy=sequential", "strategy.threads=1", "checkpoint.save=full", *LONG)
+    try:
+        _wait_for(lambda: _training(tmp_path), 120, "training")
+        (job,) = slurm.run("squeue", "--noheader", "--format=%i").stdout.split()
+        slurm.run("scancel", "--signal=USR2", job)
+        _requeued_and_released(slurm, job)
+        out, _ = sweep.communicate(timeout=300)
+    finally:
+        sweep.kill()
+    assert sweep.returncode == 0, out[-4000:]
+    _assert_resumed_run(tmp_path, job, uninterrupted_weights)

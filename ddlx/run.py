@@ -39,6 +39,7 @@ from .measure.timing import EpochTimer
 from .models import build_model
 from .module import ClassifierModule
 from .parallel.launch import RelaunchingDDPStrategy, end_distributed_job, launch_rank, settle_cluster_environment
+from .parallel.same_job import SameJobOnEveryRank
 from .predict.memory import GIB, estimate_training_memory
 from .predict.numerics import CPU_FP16, PRECISION_NUMERICS
 from .records import run_name
@@ -245,7 +246,7 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, extra_tags: Mapping[st
         checkpoint_dir = saved.path.parent if saved is not None else output_dir / "checkpoints"
         checkpoint_file = None if cfg.checkpoint.save == "none" else checkpoint_dir / LAST
         timer, *others = measurement_callbacks(cfg)
-        callbacks = [timer, *others, identity,
+        callbacks = [SameJobOnEveryRank(params), timer, *others, identity,
                      StopAtSignal(signals, checkpoint_file, weights_only=cfg.checkpoint.save == "weights")]
         trainer = build_trainer(cfg, plan, logger, output_dir, callbacks, checkpoint_dir)
     except ConfigError as err:

@@ -100,3 +100,15 @@ def test_every_trainer_argument_can_be_set_and_the_schema_follows_lightning():
     assert set(PRECISIONS) == accepted, "the schema's precision choices are Lightning's"
     with pytest.raises(ConfigError, match=r"trainer.precision=bf17: expected one of .*bf16-mixed"):
         check_config(compose_config(["trainer.precision=bf17"]))
+
+
+def test_ranks_that_composed_different_jobs_are_named_value_by_value():
+    from ddlx.parallel.same_job import disagreements
+
+    rank0 = {"optim.lr": "0.01", "data.num_images": "40", "paths.root": "/a", "ckpt_path": "/a/last.ckpt"}
+    same_but_mounted_elsewhere = {**rank0, "paths.root": "/mnt/b"}
+    requeue_marker_unseen = {**rank0, "ckpt_path": "None", "optim.lr": "0.02"}
+    found = disagreements([rank0, same_but_mounted_elsewhere, requeue_marker_unseen], ["n0", "n1", "n2"])
+    assert len(found) == 2 and all(f.startswith("rank 2 (n2): ") for f in found)
+    assert any("ckpt_path=None where rank 0 (n0) has ckpt_path=/a/last.ckpt" in f for f in found)
+    assert any("optim.lr=0.02" in f for f in found)

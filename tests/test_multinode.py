@@ -148,3 +148,19 @@ def test_rank_0_logs_to_an_mlflow_server_on_another_node(cluster, tmp_path, shar
     assert not (tmp_path / "mlflow.db").exists(), "nothing logged to the shared folder's default store"
     (run,) = runs(f"sqlite:///{store}")
     assert run.info.status == "FINISHED" and run.data.tags["nodes"] == "2"
+
+
+@pytest.mark.slow
+def test_a_node_that_composes_another_job_is_refused_by_every_rank(cluster, tmp_path, shared_data):  # noqa: F811
+    """The second node runs the command with another value (as from another copy of the project):
+    every rank refuses before training, naming the value and the node, and the run is FAILED."""
+    first = _train_argv(tmp_path, "strategy=mpi", f"paths.data_dir={shared_data}", *SAME_MATHS)
+    argv = [*mpirun(cluster, 1, 1, cluster.hostfile(tmp_path / "hosts", 1)), *first, ":", "-np", "1", *first, "optim.lr=0.02"]
+    proc = subprocess.run(cluster.command(cluster.hosts[0], argv), capture_output=True, text=True, timeout=300,
+                          env=subprocess_env(), cwd=tmp_path)
+    assert proc.returncode != 0
+    (run,) = runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert run.info.status == "FAILED" and "ConfigError" in run.data.tags["error"]
+    assert f"rank 1 ({cluster.hosts[1]}): optim.lr=0.02" in run.data.tags["error"]
+    assert "Traceback" not in proc.stderr
+    assert not any(cluster.pids(host) for host in cluster.hosts), "every rank and daemon exited"

@@ -78,10 +78,14 @@ class RequeueMarker:
         # The last thing this process does: SLURM ends the job's processes as it requeues it.
         print(f"ddlx: requeueing SLURM job {self.job}: when it starts again it resumes from {stop.checkpoint}",
               file=sys.stderr, flush=True)
-        done = subprocess.run(["scontrol", "requeue", self.job], capture_output=True, text=True)
-        if done.returncode:
-            print(f"ddlx: SLURM did not requeue job {self.job} ({done.stderr.strip() or done.returncode}); submit it "
-                  f"with --requeue, or resume by hand with ckpt_path={stop.checkpoint}", file=sys.stderr, flush=True)
+        try:
+            done = subprocess.run(["scontrol", "requeue", self.job], capture_output=True, text=True, timeout=60)
+            why = (done.stderr.strip() or f"exit status {done.returncode}") if done.returncode else None
+        except (OSError, subprocess.TimeoutExpired) as err:  # no scontrol here (a container in the job)
+            why = str(err)
+        if why is not None:
+            print(f"ddlx: SLURM did not requeue job {self.job} ({why}); submit it with --requeue, or resume by hand "
+                  f"with ckpt_path={stop.checkpoint}", file=sys.stderr, flush=True)
 
     def forget(self) -> None:
         """The job's run is done: a later requeue (a node failure) starts no stale resume."""

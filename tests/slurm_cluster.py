@@ -1,11 +1,13 @@
 """A SLURM cluster on one machine, for running ddlx as a cluster user does: ``sbatch``, ``srun``,
 ``scancel --signal``, requeue, and Hydra's submitit launcher.
 
-One controller (``slurmctld``) and one node daemon (``slurmd``) for this machine, with their own
-munge daemon, key, ports, state and logs inside one folder: nothing of the machine's own set-up
-(``/etc/slurm``, ``/etc/munge``, a running munged) is read or changed. Clients find the cluster
-through ``SLURM_CONF`` (:meth:`LocalSlurm.env`); jobs inherit it, so a job's own ``scontrol``
-talks to this cluster too.
+One controller (``slurmctld``) and one node daemon (``slurmd``) for this machine, or, over the
+network namespaces of tests/netns_cluster.py, a node daemon in each namespace "host" and the
+controller on the first; with their own munge daemon, key, ports, state and logs inside one
+folder: nothing of the machine's own set-up (``/etc/slurm``, ``/etc/munge``, a running munged)
+is read or changed. Clients find the cluster through ``SLURM_CONF`` (:meth:`LocalSlurm.env`);
+jobs inherit it, so a job's own ``scontrol`` talks to this cluster too. (munge's socket is a
+file: daemons in every namespace reach it.)
 """
 from __future__ import annotations
 
@@ -46,12 +48,18 @@ def _tool(name: str) -> str:
 class LocalSlurm:
     """The cluster in ``folder``; a context manager that stops its daemons."""
 
-    def __init__(self, folder: Path, cpus: int | None = None) -> None:
+    def __init__(self, folder: Path, cpus: int | None = None, hosts=None) -> None:
+        """``hosts``: a :class:`netns_cluster.Cluster` whose hosts are the nodes (None: this machine)."""
         self.folder = Path(folder)
-        self.node = socket.gethostname()
+        self.hosts = hosts
+        self.nodes = list(hosts.hosts) if hosts is not None else [socket.gethostname()]
         self.cpus = cpus or os.cpu_count() or 1
         self.conf = self.folder / "slurm.conf"
         self._daemons: list[subprocess.Popen] = []
+
+    def on(self, node: str, argv: list[str]) -> list[str]:
+        """``argv`` as run on ``node``."""
+        return self.hosts.command(node, argv) if self.hosts is not None else argv
 
     def env(self, base: dict[str, str] | None = None) -> dict[str, str]:
         """``base`` (or this process's environment) pointed at this cluster."""
@@ -69,8 +77,14 @@ class LocalSlurm:
 
     def _start(self) -> None:
         f = self.folder
-        for sub in ("state", "spool", "log", "munge"):
+        for sub in ("state", "log", "munge", *(f"spool/{n}" for n in self.nodes)):
             (f / sub).mkdir(parents=True, exist_ok=True)
+        # slurmd loads its cgroup plugin whatever the proctrack and task plugins; a namespace host's
+        # /sys (ip netns exec mounts a fresh one) has no cgroup mounts: slurmd makes them.
+        (f / "cgroup.conf").write_text("CgroupAutomount=yes\n")
+        # PMIx's per-step folders, named by job and step only: each node needs its own (below).
+        (f / "pmix").mkdir(exist_ok=True)
+        (f / "mpi.conf").write_text(f"PMIxCliTmpDirBase={f / 'pmix'}\n")
         key, munge_socket = f / "munge" / "munge.key", f / "munge" / "munge.socket"
         subprocess.run([_tool("mungekey"), "--create", "--force", f"--keyfile={key}"], check=True, capture_output=True)
         key.chmod(0o600)
@@ -80,51 +94,63 @@ class LocalSlurm:
              f"--seed-file={f / 'munge' / 'seed'}"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
         _wait(lambda: munge_socket.exists(), 10, "munged did not open its socket", f / "log" / "munged.log")
         ctld_port, node_port = _free_ports(2)
+        addresses = self.hosts.addresses if self.hosts is not None else [None] * len(self.nodes)
+        controller = self.nodes[0] + (f"({addresses[0]})" if addresses[0] else "")
+        nodes = "".join(f"NodeName={n}{f' NodeAddr={a}' if a else ''} CPUs={self.cpus} RealMemory=4000 State=UNKNOWN\n"
+                        for n, a in zip(self.nodes, addresses))
+        # cred_expire: how long a requeued job waits before it may start again (120 s by default);
+        # sched_interval and bf_interval: how often pending jobs are looked at (60 s and 30 s).
         self.conf.write_text(f"""\
 ClusterName=ddlx
-SlurmctldHost={self.node}
+SlurmctldHost={controller}
 SlurmctldPort={ctld_port}
 SlurmdPort={node_port}
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={munge_socket}
+AuthInfo=socket={munge_socket},cred_expire=5
 SlurmUser=root
 SlurmdUser=root
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=1,bf_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 MpiDefault=none
 ReturnToService=2
 JobRequeue=1
 StateSaveLocation={f / 'state'}
-SlurmdSpoolDir={f / 'spool'}
+SlurmdSpoolDir={f / 'spool' / '%n'}
 SlurmctldPidFile={f / 'slurmctld.pid'}
-SlurmdPidFile={f / 'slurmd.pid'}
+SlurmdPidFile={f / 'slurmd-%n.pid'}
 SlurmctldLogFile={f / 'log' / 'slurmctld.log'}
-SlurmdLogFile={f / 'log' / 'slurmd.log'}
-NodeName={self.node} CPUs={self.cpus} RealMemory=4000 State=UNKNOWN
-PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+SlurmdLogFile={f / 'log' / 'slurmd-%n.log'}
+{nodes}PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """)
         env = self.env()
-        self._daemons.append(subprocess.Popen([_tool("slurmctld"), "-D", "-i", "-f", str(self.conf)], env=env,
-                                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
-        self._daemons.append(subprocess.Popen([_tool("slurmd"), "-D", "-f", str(self.conf)], env=env,
-                                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
-        _wait(self._node_idle, 30, "the node did not come up", f / "log" / "slurmd.log")
+        daemons = [self.on(self.nodes[0], [_tool("slurmctld"), "-D", "-i", "-f", str(self.conf)])]
+        slurmd = [[_tool("slurmd"), "-D", "-N", n, "-f", str(self.conf)] for n in self.nodes]
+        if self.hosts is not None:  # in each host's own mount namespace (ip netns exec makes one)
+            mounts = ["mount -t tmpfs cgroup /sys/fs/cgroup", "mkdir /sys/fs/cgroup/systemd",
+                      "mount -t cgroup -o none,name=systemd cgroup /sys/fs/cgroup/systemd",
+                      f"mount -t tmpfs pmix {f / 'pmix'}"]  # the host's own, as on separate machines
+            slurmd = [["sh", "-c", " && ".join([*mounts, f"exec {' '.join(argv)}"])] for argv in slurmd]
+        daemons += [self.on(n, argv) for n, argv in zip(self.nodes, slurmd)]
+        for argv in daemons:
+            self._daemons.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+        _wait(self._nodes_idle, 30, "the nodes did not come up", f / "log" / "slurmctld.log")
 
-    def _node_idle(self) -> bool:
+    def _nodes_idle(self) -> bool:
         for daemon in self._daemons:
             if daemon.poll() is not None:
-                raise RuntimeError(f"{daemon.args[0]} exited with {daemon.returncode}: see {self.folder / 'log'}")
-        out = self.run("sinfo", "-h", "-N", "-o", "%t", check=False).stdout.strip()
-        return out.startswith("idle")
+                raise RuntimeError(f"{' '.join(daemon.args)} exited with {daemon.returncode}: see {self.folder / 'log'}")
+        states = self.run("sinfo", "-h", "-N", "-o", "%t", check=False).stdout.split()
+        return len(states) == len(self.nodes) and all(s == "idle" for s in states)
 
     def run(self, *argv: str, check: bool = True, timeout: float = 60, **kwargs) -> subprocess.CompletedProcess:
-        """A SLURM client command against this cluster."""
+        """A SLURM client command against this cluster, run on its first node."""
         kwargs.setdefault("env", self.env())
-        proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, **kwargs)
+        proc = subprocess.run(self.on(self.nodes[0], list(argv)), capture_output=True, text=True, timeout=timeout, **kwargs)
         if check and proc.returncode:
             raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}: {proc.stderr.strip()}")
         return proc

@@ -295,3 +295,44 @@ def test_ddp_sweeps_started_at_once_each_get_their_own_folders_config_and_record
     for r in recorded:
         config = Path(client.download_artifacts(r.info.run_id, "config_resolved.yaml", str(tmp_path / r.info.run_id)))
         assert f"seed: {r.data.params['seed']}" in config.read_text()
+
+
+def test_a_slurm_job_stopped_with_a_checkpoint_is_resumed_only_once_slurm_requeued_it(tmp_path, monkeypatch, capsys):
+    """The marker a requeued job resumes from (ddlx.slurm): written by rank 0 when a stop leaves a
+    resumable checkpoint, read only by a start that SLURM counts as a restart; the warning signal
+    requeues the job, SIGTERM does not; scontrol's refusal is said with the way to resume by hand."""
+    from ddlx.errors import Stopped
+    from ddlx.slurm import RequeueMarker
+
+    calls = tmp_path / "scontrol-calls"
+    fake = tmp_path / "bin" / "scontrol"
+    fake.parent.mkdir()
+    fake.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n[ "$2" != refused ] || {{ echo "Requeue not allowed" >&2; exit 1; }}\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "41")
+    monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    checkpoint = tmp_path / "run" / "last.ckpt"
+
+    marker = RequeueMarker.of_this_job(tmp_path, sweep_job="3")
+    marker.after_stop(Stopped(signal.SIGTERM, checkpoint, step=5, resumable=True), rank0=False)
+    assert not marker.path.exists(), "only rank 0 leaves it"
+    marker.after_stop(Stopped(signal.SIGTERM, checkpoint, step=5, resumable=True), rank0=True)
+    assert marker.path.name == "41-3" and not calls.exists(), "SIGTERM leaves the marker, and does not requeue"
+    assert marker.checkpoint_to_resume() is None, "a first start resumes nothing"
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    assert marker.checkpoint_to_resume() == str(checkpoint.resolve())
+
+    marker.after_stop(Stopped(signal.SIGUSR1, checkpoint, step=9, resumable=True), rank0=True)
+    assert calls.read_text().split() == ["requeue", "41"]
+    marker.forget()
+    assert marker.checkpoint_to_resume() is None
+
+    monkeypatch.setenv("SLURM_JOB_ID", "refused")
+    RequeueMarker.of_this_job(tmp_path, None).after_stop(Stopped(signal.SIGUSR2, checkpoint, 9, resumable=True), rank0=True)
+    err = capsys.readouterr().err
+    assert "did not requeue job refused" in err and "Requeue not allowed" in err and f"ckpt_path={checkpoint}" in err
+    weights_only = RequeueMarker.of_this_job(tmp_path / "w", None)
+    weights_only.after_stop(Stopped(signal.SIGUSR1, checkpoint, 9, resumable=False), rank0=True)
+    assert not weights_only.path.exists(), "nothing to resume from"

@@ -11,7 +11,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from .errors import ConfigError, Stopped, StoreError
+from .errors import ConfigError, RanksDisagree, Stopped, StoreError
 
 
 class SweepJobRefused(Exception):
@@ -75,11 +75,17 @@ def report_config_errors(fn: Callable[[], Any], in_sweep: bool = False) -> Any:
     """Run ``fn``; a :class:`ConfigError` becomes one clear message, no traceback: exit status 2
     for a single run; in a sweep, a failed job (recorded as a FAILED MLflow run) and the sweep goes
     on, unless the store itself refuses (:class:`StoreError`): then no job could be recorded, and
-    the sweep stops with exit status 2 rather than try each of them."""
+    the sweep stops with exit status 2 rather than try each of them. In an MPI job (mpirun,
+    srun), a single run's refusal ends every rank: the others may have passed the check that
+    refused this one, and would wait for it forever."""
     try:
         return fn()
     except ConfigError as err:
         print(f"ddlx: error: {err}", file=sys.stderr)
+        if not in_sweep and not isinstance(err, RanksDisagree):  # RanksDisagree: every rank refuses together
+            from .parallel.mpi import abort_job
+
+            abort_job(2, show_traceback=False)
         if in_sweep:
             if not isinstance(err, StoreError):
                 raise SweepJobRefused(str(err)) from None

@@ -15,6 +15,10 @@ class StoreError(ConfigError):
     refused alike, so a sweep stops at the first instead of failing each of its jobs."""
 
 
+class RanksDisagree(ConfigError):
+    """The ranks of one job composed different jobs: every rank finds it at once, and refuses."""
+
+
 class Stopped(BaseException):
     """Training was stopped by a signal (:mod:`ddlx.stopping`). A BaseException, as
     KeyboardInterrupt, so no ``except Exception`` on the way swallows it. ``checkpoint``: the

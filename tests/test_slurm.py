@@ -107,6 +107,21 @@ def test_srun_across_two_nodes_starts_one_mpi_rank_on_each(two_nodes, tmp_path, 
     _assert_same_weights(_weights(tmp_path / "run" / "checkpoints" / "last.ckpt"), sequential_weights, exact=False)
 
 
+def test_a_rank_that_refuses_its_job_alone_ends_every_rank(slurm, tmp_path, shared_data):  # noqa: F811
+    """One task cannot see the data (``data.root`` missing on its node): it refuses before joining
+    MPI, and srun, unlike mpirun, leaves the other task waiting in MPI for it. The refusing rank
+    joins MPI to abort the job, so srun ends at once instead of hanging."""
+    if _mpi_available():
+        pytest.skip(_mpi_available())
+    command = _command(*TRAIN, f"paths.root={tmp_path}", f"paths.data_dir={shared_data}", "strategy=mpi", *SAME_MATHS)
+    script = f'if [ "$SLURM_PROCID" = 1 ]; then exec {command} data.root={tmp_path}/not-here; fi; exec {command}'
+    proc = slurm.run("srun", "--ntasks=2", "--mpi=pmix", "sh", "-c", script, check=False, timeout=180,
+                     env=slurm.env(subprocess_env()), cwd=tmp_path)
+    assert proc.returncode != 0
+    assert f"data.root={tmp_path}/not-here does not exist" in proc.stderr
+    assert all(r.info.status != "RUNNING" for r in runs(f"sqlite:///{tmp_path / 'mlflow.db'}"))
+
+
 DDP_LAUNCHES = {
     # how the batch script starts train.py: (sbatch options, the command's prefix)
     "batch_script": (["--ntasks=2"], []),  # the script's own process: ddlx starts the second rank

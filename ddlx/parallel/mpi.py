@@ -35,6 +35,13 @@ def mpi_layout() -> tuple[int, int, int]:
     return world.Get_size(), local_size, world.Get_size() // local_size
 
 
+def _started_as_mpi_rank() -> bool:
+    """One of several ranks that mpirun or srun (with PMI or PMIx) started."""
+    size = os.environ.get("OMPI_COMM_WORLD_SIZE") or os.environ.get("PMI_SIZE") or \
+        (os.environ.get("SLURM_STEP_NUM_TASKS") if "PMIX_RANK" in os.environ else None)
+    return int(size or 1) > 1
+
+
 def set_rank_threads(local_size: int) -> int:
     """Intra-op threads of one MPI rank: its bound cores, or an equal share when mpirun did not bind."""
     cores = len(os.sched_getaffinity(0))
@@ -43,14 +50,24 @@ def set_rank_threads(local_size: int) -> int:
     return threads
 
 
-def abort_job(status: int) -> None:
+def abort_job(status: int, show_traceback: bool = True) -> None:
     """End the whole MPI job now, from a rank whose training failed (its run already marked
-    FAILED): mpi4py finalizes MPI at exit, which waits for every rank, and a lost rank never
-    comes; MPI_Abort has mpirun end the others instead. Nothing outside an MPI job."""
+    FAILED) or that refused its job alone: mpi4py finalizes MPI at exit, which waits for every
+    rank, and a lost rank never comes; the others would wait in their next collective, which has
+    no timeout before the process group is up. MPI_Abort has mpirun or srun end them instead.
+    Nothing outside an MPI job."""
     mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None and _started_as_mpi_rank():
+        # Refused before this rank joined MPI: join, to end the others (srun, unlike mpirun,
+        # leaves them running when one task exits).
+        try:
+            from mpi4py import MPI as mpi
+        except ImportError:
+            return
     if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-        import traceback
+        if show_traceback:
+            import traceback
 
-        traceback.print_exc()  # what Hydra would have printed, had the process lived to
+            traceback.print_exc()  # what Hydra would have printed, had the process lived to
         sys.stderr.flush()
         mpi.COMM_WORLD.Abort(status)

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 
 import pytorch_lightning as pl
 
-from ..errors import ConfigError
+from ..errors import RanksDisagree
 
 # Where things are may differ from node to node (each mounts the shared folder at its own path);
 # only rank 0 logs, so its store is the one that counts.
@@ -35,7 +35,7 @@ def disagreements(params_of_ranks: Sequence[Mapping[str, str]], hosts: Sequence[
 
 class SameJobOnEveryRank(pl.Callback):
     """At setup, after the process group is up: the ranks exchange their resolved configs, and
-    all refuse to train (a :class:`ConfigError` naming the values) when one differs."""
+    all refuse to train (:class:`RanksDisagree`, naming the values) when one differs."""
 
     def __init__(self, params: Mapping[str, str]) -> None:
         self.params = dict(params)
@@ -52,5 +52,5 @@ class SameJobOnEveryRank(pl.Callback):
         found = disagreements([params for _, params in gathered], [host for host, _ in gathered])
         if found:
             shown = "; ".join(found[:5]) + (f"; and {len(found) - 5} more" if len(found) > 5 else "")
-            raise ConfigError(f"the ranks composed different jobs: {shown}. Every node must run the same command "
+            raise RanksDisagree(f"the ranks composed different jobs: {shown}. Every node must run the same command "
                               f"on the same project and see the same data and shared folder (docs/multi-node.md)")

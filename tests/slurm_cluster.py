@@ -178,6 +178,10 @@ SlurmdLogFile={f / 'log' / 'slurmd-%n.log'}
     def __exit__(self, *exc) -> None:
         if self._daemons and self.conf.exists():
             self.run("scancel", "--full", "--user=root", check=False)
+            try:
+                _wait(lambda: not self.run("squeue", "--noheader", check=False).stdout.strip(), 15, "jobs ending")
+            except TimeoutError:
+                pass  # what is left is killed below
         for daemon in reversed(self._daemons):
             daemon.terminate()
         for daemon in reversed(self._daemons):
@@ -187,6 +191,20 @@ SlurmdLogFile={f / 'log' / 'slurmd-%n.log'}
                 daemon.kill()
                 daemon.wait()
         self._daemons.clear()
+        self._kill_leftovers()
+
+    def _kill_leftovers(self) -> None:
+        """Job step daemons (``slurmstepd``) and job processes outlive slurmd; they carry this
+        cluster's ``SLURM_CONF``, which nothing else does."""
+        mark = f"SLURM_CONF={self.conf}".encode()
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit() or int(proc.name) == os.getpid():
+                continue
+            try:
+                if mark in (proc / "environ").read_bytes().split(b"\0"):
+                    os.kill(int(proc.name), 9)
+            except (OSError, ProcessLookupError):
+                pass
 
 
 def _wait(ready, timeout: float, what: str, log: Path | None = None) -> None:

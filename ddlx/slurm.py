@@ -35,7 +35,8 @@ def job_id() -> str | None:
 
 def run_tags() -> dict[str, str]:
     """The SLURM job a run belongs to (``squeue``, ``sacct`` and the run's record agree)."""
-    return {"slurm_job_id": job_id()} if job_id() else {}
+    job = job_id()
+    return {"slurm_job_id": job} if job else {}
 
 
 def started_ranks() -> int | None:
@@ -57,7 +58,8 @@ class RequeueMarker:
     @classmethod
     def of_this_job(cls, root: str | os.PathLike, sweep_job: str | None) -> RequeueMarker | None:
         """None outside a SLURM job."""
-        return cls(root, job_id(), sweep_job) if job_id() else None
+        job = job_id()
+        return cls(root, job, sweep_job) if job else None
 
     def checkpoint_to_resume(self) -> str | None:
         """The checkpoint the previous start of this job stopped with, once SLURM has requeued it."""

@@ -18,14 +18,14 @@ import subprocess
 import time
 from pathlib import Path
 
-DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue", "sacct")
+TOOLS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue", "sacct")
 
 
 def unavailable() -> str | None:
     """Why this machine cannot run the local cluster (None: it can)."""
     if os.geteuid() != 0:
         return "the local SLURM cluster runs its daemons as root"
-    missing = [tool for tool in DAEMONS if shutil.which(tool) is None and not Path("/usr/sbin", tool).exists()]
+    missing = [tool for tool in TOOLS if not Path(_tool(tool)).exists()]
     if missing:
         return f"SLURM is not installed ({', '.join(missing)} missing: apt-get install -y slurm-wlm munge)"
     return None
@@ -92,7 +92,7 @@ class LocalSlurm:
             [_tool("munged"), "--foreground", "--force", f"--key-file={key}", f"--socket={munge_socket}",
              f"--pid-file={f / 'munge' / 'munged.pid'}", f"--log-file={f / 'log' / 'munged.log'}",
              f"--seed-file={f / 'munge' / 'seed'}"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
-        _wait(lambda: munge_socket.exists(), 10, "munged did not open its socket", f / "log" / "munged.log")
+        wait_until(lambda: munge_socket.exists(), 10, "munged did not open its socket", f / "log" / "munged.log")
         ctld_port, node_port = _free_ports(2)
         addresses = self.hosts.addresses if self.hosts is not None else [None] * len(self.nodes)
         controller = self.nodes[0] + (f"({addresses[0]})" if addresses[0] else "")
@@ -138,7 +138,7 @@ SlurmdLogFile={f / 'log' / 'slurmd-%n.log'}
         daemons += [self.on(n, argv) for n, argv in zip(self.nodes, slurmd)]
         for argv in daemons:
             self._daemons.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
-        _wait(self._nodes_idle, 30, "the nodes did not come up", f / "log" / "slurmctld.log")
+        wait_until(self._nodes_idle, 30, "the nodes did not come up", f / "log" / "slurmctld.log")
 
     def _nodes_idle(self) -> bool:
         for daemon in self._daemons:
@@ -171,7 +171,7 @@ SlurmdLogFile={f / 'log' / 'slurmd-%n.log'}
             fields = self.job_state(job_id)
             return fields.get("JobState") in states
 
-        _wait(reached, timeout, f"job {job_id} did not reach {states} (last: {fields.get('JobState')})",
+        wait_until(reached, timeout, f"job {job_id} did not reach {states} (last: {fields.get('JobState')})",
               self.folder / "log" / "slurmctld.log")
         return fields
 
@@ -179,7 +179,7 @@ SlurmdLogFile={f / 'log' / 'slurmd-%n.log'}
         if self._daemons and self.conf.exists():
             self.run("scancel", "--full", "--user=root", check=False)
             try:
-                _wait(lambda: not self.run("squeue", "--noheader", check=False).stdout.strip(), 15, "jobs ending")
+                wait_until(lambda: not self.run("squeue", "--noheader", check=False).stdout.strip(), 15, "jobs ending")
             except TimeoutError:
                 pass  # what is left is killed below
         for daemon in reversed(self._daemons):
@@ -207,7 +207,8 @@ SlurmdLogFile={f / 'log' / 'slurmd-%n.log'}
                 pass
 
 
-def _wait(ready, timeout: float, what: str, log: Path | None = None) -> None:
+def wait_until(ready, timeout: float, what: str, log: Path | None = None) -> None:
+    """Poll ``ready`` until true; a TimeoutError naming ``what`` (and the tail of ``log``) after ``timeout`` s."""
     deadline = time.monotonic() + timeout
     while not ready():
         if time.monotonic() > deadline:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import shlex
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -15,11 +14,12 @@ import torch
 from conftest import PROJECT_DIR, runs, subprocess_env
 from netns_cluster import Cluster
 from netns_cluster import unavailable as netns_unavailable
-from slurm_cluster import LocalSlurm, unavailable
+from slurm_cluster import LocalSlurm, unavailable, wait_until
 from test_strategies import (  # noqa: F401
     SAME_MATHS,
     _assert_same_weights,
     _mpi_available,
+    final_weights,
     sequential_weights,
     shared_data,
     train_here,
@@ -92,7 +92,7 @@ def test_srun_starts_the_mpi_ranks(slurm, tmp_path, shared_data, sequential_weig
     run = _only_run(tmp_path)
     assert run.info.status == "FINISHED" and run.data.tags["strategy"] == "mpi"
     assert run.data.tags["slurm_job_id"].isdigit()
-    _assert_same_weights(_weights(tmp_path / "run" / "checkpoints" / "last.ckpt"), sequential_weights, exact=False)
+    _assert_same_weights(final_weights(tmp_path), sequential_weights, exact=False)
 
 
 @pytest.mark.slow  # as the warned job's two starts in the default suite, with a check of the nodes
@@ -104,7 +104,7 @@ def test_srun_across_two_nodes_starts_one_mpi_rank_on_each(two_nodes, tmp_path, 
     run = _only_run(tmp_path)
     assert run.info.status == "FINISHED" and run.data.tags["nodes"] == "2"
     assert run.data.tags["host"] == two_nodes.nodes[0], "rank 0 logs, on the first node"
-    _assert_same_weights(_weights(tmp_path / "run" / "checkpoints" / "last.ckpt"), sequential_weights, exact=False)
+    _assert_same_weights(final_weights(tmp_path), sequential_weights, exact=False)
 
 
 def test_a_rank_that_refuses_its_job_alone_ends_every_rank(slurm, tmp_path, shared_data):  # noqa: F811
@@ -143,7 +143,7 @@ def test_ddp_under_sbatch_trains_with_all_its_processes(launch, slurm, tmp_path,
     assert "MEMBER: 2/2" in _job_log(tmp_path, job)
     run = _only_run(tmp_path)
     assert run.info.status == "FINISHED" and run.data.tags["slurm_job_id"] == job
-    _assert_same_weights(_weights(tmp_path / "run" / "checkpoints" / "last.ckpt"), sequential_weights, exact=False)
+    _assert_same_weights(final_weights(tmp_path), sequential_weights, exact=False)
 
 
 def test_srun_tasks_that_are_not_the_ranks_are_refused(slurm, tmp_path):
@@ -152,14 +152,6 @@ def test_srun_tasks_that_are_not_the_ranks_are_refused(slurm, tmp_path):
     assert proc.returncode != 0
     assert "srun started 2 tasks" in proc.stderr and "--ntasks=1" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "mlflow.db").exists() or not runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
-
-
-def _wait_for(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} within {timeout:.0f} s")
-        time.sleep(0.5)
 
 
 def _training(workdir: Path) -> bool:
@@ -217,7 +209,7 @@ def test_a_job_warned_of_its_end_is_requeued_and_resumes_its_run(case, request, 
     job = _sbatch(slurm, tmp_path, [*options, "--requeue", "--signal=USR1@90"],
                   [_command(*prefix, *TRAIN, f"paths.root={tmp_path}", f"paths.data_dir={shared_data}", *strategy,
                             "checkpoint.save=full", *LONG)], env)
-    _wait_for(lambda: _training(tmp_path), 120, "training")
+    wait_until(lambda: _training(tmp_path), 120, "the job did not start training")
     slurm.run("scancel", "--signal=USR1", job)
     fields = slurm.wait_for(job, ("COMPLETED", "FAILED", "CANCELLED"), timeout=240)
     log = _job_log(tmp_path, job)
@@ -265,7 +257,7 @@ def test_a_submitit_job_warned_of_its_end_is_requeued_and_resumes_its_run(slurm,
     sweep = _sweep(slurm, tmp_path, "hydra.launcher.cpus_per_task=1", "+hydra.launcher.additional_parameters.requeue=true",
                    f"paths.data_dir={shared_data}", "strategy=sequential", "strategy.threads=1", "checkpoint.save=full", *LONG)
     try:
-        _wait_for(lambda: _training(tmp_path), 120, "training")
+        wait_until(lambda: _training(tmp_path), 120, "the job did not start training")
         (job,) = slurm.run("squeue", "--noheader", "--format=%i").stdout.split()
         slurm.run("scancel", "--signal=USR2", job)
         out, _ = sweep.communicate(timeout=300)

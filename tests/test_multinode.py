@@ -65,6 +65,29 @@ def test_mpi_across_hosts_matches_sequential(case, cluster, tmp_path, shared_dat
     assert not any(cluster.pids(host) for host in cluster.hosts), "every rank and daemon exited"
 
 
+def test_torchrun_across_hosts_trains_ddp_with_a_rank_on_each(cluster, tmp_path, shared_data, sequential_weights):  # noqa: F811
+    """``torchrun --nnodes=2`` on each node, as a user starts it on two machines: Lightning takes
+    torchrun's ranks, one per node, and the job is ``ddp_gloo`` with 2 processes over 2 nodes."""
+    first = cluster.hosts[0]
+    agents = [subprocess.Popen(cluster.command(host, [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", f"--node-rank={i}",
+        f"--master-addr={first}", "--master-port=29400",
+        *_train_argv(tmp_path, "strategy=ddp_gloo", "strategy.processes=2", f"paths.data_dir={shared_data}", *SAME_MATHS)[1:]]),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=subprocess_env(), cwd=tmp_path)
+        for i, host in enumerate(cluster.hosts)]
+    try:
+        errors = [agent.communicate(timeout=300)[1] for agent in agents]
+    finally:
+        for agent in agents:
+            agent.kill()
+    assert [agent.returncode for agent in agents] == [0, 0], errors[0][-3000:] + errors[1][-3000:]
+    _assert_same_weights(final_weights(tmp_path), sequential_weights, exact=False)
+    (run,) = runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert run.info.status == "FINISHED" and run.data.tags["host"] == first, "rank 0 logs, on the first node"
+    assert (run.data.tags["nodes"], run.data.tags["processes"]) == ("2", "2")
+    assert not any(cluster.pids(host) for host in cluster.hosts), "every rank and agent exited"
+
+
 @pytest.mark.parametrize("how", ["rank_crashed", pytest.param("node_lost", marks=pytest.mark.slow)])
 def test_a_rank_or_node_lost_mid_epoch_ends_every_rank_and_fails_the_run(how, cluster, tmp_path, shared_data):  # noqa: F811
     """rank_crashed: the second node's rank dies (its kernel closes its connections, its daemon

@@ -107,6 +107,24 @@ def test_srun_across_two_nodes_starts_one_mpi_rank_on_each(two_nodes, tmp_path, 
     _assert_same_weights(final_weights(tmp_path), sequential_weights, exact=False)
 
 
+def test_srun_across_two_nodes_runs_hsdp_with_a_shard_group_per_node(  # noqa: F811
+        two_nodes, tmp_path, shared_data, sequential_weights):  # noqa: F811
+    """``fsdp sharding=hybrid`` as it is meant to run: 2 nodes x 2 tasks, the weights sharded
+    inside each node's group, the gradients averaged across the nodes; Lightning's SLURM
+    environment gives each task its rank, and the mesh is (2 nodes, 2 per node)."""
+    proc = two_nodes.run("srun", "--nodes=2", "--ntasks-per-node=2", *TRAIN, f"paths.root={tmp_path}",
+                         f"hydra.run.dir={tmp_path}/run", f"paths.data_dir={shared_data}", "strategy=fsdp",
+                         "strategy.processes=4", "strategy.sharding=hybrid", *SAME_MATHS, check=False, timeout=300,
+                         env=two_nodes.env(subprocess_env()), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    run = _only_run(tmp_path)
+    assert run.info.status == "FINISHED" and run.data.tags["host"] == two_nodes.nodes[0]
+    assert (run.data.tags["nodes"], run.data.tags["shard_size"], run.data.params["strategy.processes"]) == ("2", "2", "4")
+    output = proc.stderr + proc.stdout
+    assert "MEMBER: 4/4" in output and "sharding=hybrid over a device mesh of (2, 2)" in output
+    _assert_same_weights(final_weights(tmp_path), sequential_weights, exact=False)
+
+
 def test_a_rank_that_refuses_its_job_alone_ends_every_rank(slurm, tmp_path, shared_data):  # noqa: F811
     """One task cannot see the data (``data.root`` missing on its node): it refuses before joining
     MPI, and srun, unlike mpirun, leaves the other task waiting in MPI for it. The refusing rank
@@ -150,7 +168,7 @@ def test_srun_tasks_that_are_not_the_ranks_are_refused(slurm, tmp_path):
     proc = slurm.run("srun", "--ntasks=2", *TRAIN, f"paths.root={tmp_path}", "strategy=ddp_gloo", "strategy.processes=4",
                      *SAME_MATHS, check=False, timeout=120, env=slurm.env(subprocess_env()), cwd=tmp_path)
     assert proc.returncode != 0
-    assert "srun started 2 tasks" in proc.stderr and "--ntasks=1" in proc.stderr and "Traceback" not in proc.stderr
+    assert "srun started 2 ranks" in proc.stderr and "--ntasks=1" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "mlflow.db").exists() or not runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
 
 

@@ -326,9 +326,17 @@ def test_sweep_with_ddp_gives_one_run_per_job_and_records_a_refused_job(tmp_path
         assert "mean_epoch_time_s" in got["8" if job == "0" else "16"].data.metrics
 
 
-def test_killed_rank_does_not_hang_the_others(tmp_path, shared_data):
+KILLED_RANK = {  # a strategy's second process, killed mid-training
+    "ddp_gloo": ["strategy=ddp_gloo", "strategy.processes=2"],
+    "pipe_torch": ["strategy=pipe", "strategy.engine=torch", "strategy.schedule=1f1b", "strategy.chunks=2"],  # a stage
+    "fsdp": pytest.param(["strategy=fsdp", "strategy.processes=2"], marks=pytest.mark.slow),  # a shard
+}
+
+
+@pytest.mark.parametrize("strategy", list(KILLED_RANK.values()), ids=list(KILLED_RANK))
+def test_killed_rank_does_not_hang_the_others(strategy, tmp_path, shared_data):
     cmd = [sys.executable, str(PROJECT_DIR / "train.py"), f"paths.root={tmp_path}", f"paths.data_dir={shared_data}",
-           f"hydra.run.dir={tmp_path}/run", "strategy=ddp_gloo", "strategy.processes=2", "strategy.timeout_s=30",
+           f"hydra.run.dir={tmp_path}/run", *strategy, "strategy.timeout_s=30",
            *SAME_MATHS, "trainer.max_epochs=1000", "trainer.limit_train_batches=1.0"]
     parent = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=subprocess_env(), cwd=tmp_path)
     try:
@@ -344,6 +352,7 @@ def test_killed_rank_does_not_hang_the_others(tmp_path, shared_data):
             parent.kill()
     (run,) = runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
     assert run.info.status in ("FAILED", "KILLED"), run.info.status
+    _assert_no_process_left(tmp_path)
 
 
 def _wait_for_worker(parent_pid: int, timeout: float) -> int:
@@ -396,13 +405,43 @@ def test_pipe_knobs_are_checked():
         _plan("strategy=hybrid", "strategy.local=split", "strategy.engine=torch")
     plan = _plan("strategy=hybrid", "strategy.local=pipe", "strategy.engine=torch", "strategy.schedule=1f1b")
     assert (plan.trainer_kwargs["devices"], plan.data_parallel, plan.tags["schedule"]) == (4, 2, "1f1b")
-    with pytest.raises(ConfigError, match=r"strategy.shard_size=3 does not divide strategy.processes=4.*\[1, 2, 4\]"):
+    with pytest.raises(ConfigError, match=r"strategy.shard_size=3 .*\[1, 2, 4\]"):
         _plan("strategy=fsdp", "strategy.processes=4", "strategy.sharding=hybrid", "strategy.shard_size=3")
     with pytest.raises(ConfigError, match=r"strategy.shard_size=2 .*sharding=full.*strategy.sharding=hybrid"):
         _plan("strategy=fsdp", "strategy.shard_size=2")
     assert _plan("strategy=fsdp", "strategy.sharding=hybrid").tags["shard_size"] == "2", "null: the node's ranks"
     with pytest.raises(ConfigError, match=r"strategy.cut_point='after_conv9'.*after_conv4"):
         _plan("strategy=split", "strategy.cut_point=after_conv9")
+
+
+LAUNCHED = {  # a cluster launcher started 4 ranks, 2 on each of 2 nodes (this process one of them)
+    "srun": {"SLURM_JOB_ID": "7", "SLURM_STEP_NUM_TASKS": "4", "SLURM_NTASKS_PER_NODE": "2", "SLURM_STEP_NUM_NODES": "2"},
+    "torchrun": {"TORCHELASTIC_RUN_ID": "none", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"},
+}
+
+
+@pytest.mark.parametrize("launcher", list(LAUNCHED))
+def test_ddp_and_fsdp_ranks_follow_the_nodes_a_launcher_started(launcher, monkeypatch):
+    """Under srun or torchrun the job's ranks are the launcher's, placed over its nodes: Lightning
+    gets the ranks of a node and the node count, and HSDP's groups default to a node's ranks."""
+    from ddlx.parallel.launch import settle_cluster_environment
+
+    for name, value in LAUNCHED[launcher].items():
+        monkeypatch.setenv(name, value)
+    for strategy in (["strategy=ddp_gloo"], ["strategy=fsdp", "strategy.sharding=hybrid"]):
+        plan = _plan(*strategy, "strategy.processes=4")
+        assert (plan.trainer_kwargs["devices"], plan.trainer_kwargs["num_nodes"], plan.data_parallel) == (2, 2, 4)
+        assert plan.tags["nodes"] == "2"
+        settle_cluster_environment(plan.trainer_kwargs, strategy[0])
+        assert plan.trainer_kwargs["strategy"].cluster_environment.creates_processes_externally
+    assert plan.tags["shard_size"] == "2", "one node's ranks"
+    with pytest.raises(ConfigError, match=r"strategy.shard_size=4 .*\[1, 2\]"):
+        _plan("strategy=fsdp", "strategy.processes=4", "strategy.sharding=hybrid", "strategy.shard_size=4")
+    with pytest.raises(ConfigError, match=rf"{launcher} started 4 ranks.*strategy.processes=2.*strategy.processes=4"):
+        _plan("strategy=ddp_gloo", "strategy.processes=2")
+    plan = _plan("strategy=cpu_mp", "strategy.processes=4")  # shared memory: one node
+    with pytest.raises(ConfigError, match=r"on 2 nodes, but strategy=cpu_mp runs on one"):
+        settle_cluster_environment(plan.trainer_kwargs, "cpu_mp")
 
 
 def test_indivisible_batches(tiny_config):

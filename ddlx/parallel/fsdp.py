@@ -21,6 +21,7 @@ sequential model's names and the optimizer's index keys, so they load under any 
 """
 from __future__ import annotations
 
+import logging
 from datetime import timedelta
 
 import torch
@@ -28,6 +29,8 @@ import torch
 from .launch import RelaunchingDDPStrategy, plain_optimizer
 from .network import find_layered_model
 from .pinning import Restore, pin_rank, unpin
+
+log = logging.getLogger(__name__)
 
 class FullyShardedStrategy(RelaunchingDDPStrategy):
     strategy_name = "ddlx_fsdp"
@@ -60,6 +63,7 @@ class FullyShardedStrategy(RelaunchingDDPStrategy):
         from torch.distributed.fsdp import fully_shard
 
         mesh, keep = self._mesh(), self.sharding == "grad_op"
+        log.info("fsdp rank %d: sharding=%s over a device mesh of %s", self.global_rank, self.sharding, tuple(mesh.shape))
         network = find_layered_model(self.model)
         if self.recompute:  # before sharding: each block's recomputation gathers its layers again
             from .recompute import recompute_at_cut_points

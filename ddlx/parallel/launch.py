@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 
 from lightning_fabric.strategies.launchers.subprocess_script import (
     _ChildProcessObserver,
@@ -51,37 +52,94 @@ def launch_rank() -> int:
     return 0
 
 
+@dataclass(frozen=True)
+class StartedRanks:
+    """The ranks a cluster launcher started, this process one of them."""
+
+    launcher: str  # srun | torchrun
+    ranks: int
+    per_node: int | None  # None: srun without --ntasks-per-node
+    nodes: int
+
+
+def started_ranks() -> StartedRanks | None:
+    """The ranks srun (a job step of several tasks) or torchrun started, when this process is one
+    of them; None when ddlx starts a job's ranks itself (one process, a batch script's own, or a
+    rank worker of ddlx's launcher)."""
+    from .. import slurm
+
+    if is_rank_worker():
+        return None
+    if os.environ.get("TORCHELASTIC_RUN_ID") is not None and "LOCAL_WORLD_SIZE" in os.environ:
+        world, local = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
+        return StartedRanks("torchrun", world, local, max(1, world // local))
+    tasks = slurm.started_ranks()
+    if tasks is None or tasks == 1:
+        return None
+    per_node = os.environ.get("SLURM_NTASKS_PER_NODE")
+    nodes = int(os.environ.get("SLURM_STEP_NUM_NODES") or os.environ.get("SLURM_NNODES") or 1)
+    return StartedRanks("srun", tasks, int(per_node) if per_node else None, nodes)
+
+
+def ranks_per_node(processes: int, strategy_name: str) -> tuple[int, int]:
+    """(ranks per node, nodes) of a DDP-family job of ``processes`` ranks: all on this machine
+    when ddlx starts them, else as srun or torchrun placed them (checked: they are the job's
+    ranks, and every node holds as many)."""
+    from ..errors import ConfigError
+
+    started = started_ranks()
+    if started is None:
+        return processes, 1
+    if started.ranks != processes:
+        how = ("as one task (srun --ntasks=1 --cpus-per-task=N: ddlx starts the processes itself) "
+               f"or as {processes} tasks (srun --nodes=N --ntasks-per-node={processes}/N)" if started.launcher == "srun"
+               else f"with torchrun --nnodes=N --nproc-per-node={processes}/N, or without torchrun (ddlx starts them)")
+        raise ConfigError(
+            f"{started.launcher} started {started.ranks} ranks, but strategy={strategy_name} strategy.processes={processes}: "
+            f"set strategy.processes={started.ranks}, or run it {how}")
+    if started.per_node is None:  # Lightning reads the local ranks from it
+        raise ConfigError(f"srun --ntasks={processes} for strategy={strategy_name}: give the tasks per node instead, "
+                          f"srun --nodes={started.nodes} --ntasks-per-node={processes // started.nodes}")
+    if started.per_node * started.nodes != processes:
+        raise ConfigError(f"{started.launcher} placed {processes} ranks unevenly over {started.nodes} nodes; "
+                          f"strategy={strategy_name} runs as many ranks on every node: --ntasks-per-node=N with "
+                          f"strategy.processes=N x nodes")
+    return started.per_node, started.nodes
+
+
 def settle_cluster_environment(trainer_kwargs: dict, strategy_name: str) -> None:
     """Who starts the ranks of a multi-process strategy that names no cluster environment.
 
     Under ``srun``, Lightning takes SLURM's tasks for the job's ranks (its SLURMEnvironment),
     whatever their number: one task with ``processes=2`` trained alone, recorded as two, and a
     batch script's own process waited for ranks of the job's ``--ntasks`` that nobody started.
-    Here: SLURM started one process, so ddlx starts the ranks itself, as on any machine; or it
-    started exactly the ranks, one per task (Lightning's way); any other count is refused.
+    Here: nobody else started ranks, so ddlx starts them itself, as on any machine; or srun or
+    torchrun started exactly the job's ranks, one per task, on the nodes the strategy planned
+    for (Lightning's way); anything else is refused.
     """
-    from lightning_fabric.plugins.environments import LightningEnvironment, SLURMEnvironment
+    from lightning_fabric.plugins.environments import LightningEnvironment, SLURMEnvironment, TorchElasticEnvironment
 
     from ..errors import ConfigError
-    from ..slurm import started_ranks
+    from ..slurm import job_id as slurm_job_id
 
     strategy = trainer_kwargs.get("strategy")
+    if getattr(strategy, "cluster_environment", False) is not None:
+        return  # one process, or the strategy has its own (mpi: MPI's ranks)
+    per_node, nodes = int(trainer_kwargs.get("devices", 1)), int(trainer_kwargs.get("num_nodes", 1))
     started = started_ranks()
-    if started is None or getattr(strategy, "cluster_environment", False) is not None:
-        return  # not under SLURM, one process, or the strategy has its own (mpi: MPI's ranks)
-    ranks = int(trainer_kwargs.get("devices", 1)) * int(trainer_kwargs.get("num_nodes", 1))
-    if started == 1 or is_rank_worker():  # a rank worker: started by rank 0's launcher, which set LOCAL_RANK...
-        strategy.cluster_environment = LightningEnvironment()
-    elif started == ranks and SLURMEnvironment.detect():
-        if os.environ.get("SLURM_NTASKS_PER_NODE") is None:  # Lightning reads the local ranks from it
-            raise ConfigError(f"srun --ntasks={ranks} for strategy={strategy_name}: give the tasks per node instead, "
-                              f"srun --ntasks-per-node={ranks}")
-        strategy.cluster_environment = SLURMEnvironment(auto_requeue=False)  # ddlx requeues (ddlx.slurm)
-    else:
+    if started is None:
+        if slurm_job_id() is not None:  # not Lightning's SLURMEnvironment: ddlx starts the ranks
+            strategy.cluster_environment = LightningEnvironment()
+        return
+    ranks_per_node(per_node * nodes, strategy_name)  # the same ranks, evenly placed
+    if started.nodes != nodes:
         raise ConfigError(
-            f"srun started {started} tasks for this job step, but strategy={strategy_name} runs {ranks} processes: "
-            f"run it as one task (srun --ntasks=1 --cpus-per-task=N: ddlx starts the {ranks} processes itself) "
-            f"or as {ranks} tasks (srun --ntasks={ranks}), or use strategy=mpi for ranks that srun starts on many nodes")
+            f"{started.launcher} started the ranks on {started.nodes} nodes, but strategy={strategy_name} runs on one: "
+            f"start it on one node, or use strategy=fsdp or strategy=ddp_* (across nodes under srun or torchrun), "
+            f"or strategy=mpi")
+    strategy.cluster_environment = (SLURMEnvironment(auto_requeue=False) if started.launcher == "srun"  # ddlx requeues
+                                    else TorchElasticEnvironment())
+    _set_num_threads_if_needed(num_processes=per_node)  # as Lightning's own launcher does: the node's cores shared
 
 
 def end_distributed_job(strategy=None, timeout_s: float = 120.0) -> None:

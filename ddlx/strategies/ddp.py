@@ -94,15 +94,16 @@ class Ddp(StrategySpec):
 
     def plan(self, cfg, accelerator, model, data) -> StrategyPlan:
         from ..parallel.devices import gpu_count
-        from ..parallel.launch import RelaunchingDDPStrategy
+        from ..parallel.launch import RelaunchingDDPStrategy, ranks_per_node
 
         processes = cfg.processes
+        per_node, nodes = ranks_per_node(processes, self.name)  # srun or torchrun may spread them over nodes
         if self.backend == "nccl":
             gpus = gpu_count()
-            if gpus < processes:
+            if gpus < per_node:
                 raise ConfigError(
-                    f"strategy=ddp_nccl asks for {processes} CUDA GPU(s) (NCCL runs only on GPUs), but this machine has "
-                    f"{gpus}; use strategy=ddp_gloo (CPU) or strategy.processes={gpus}" if gpus else
+                    f"strategy=ddp_nccl asks for {per_node} CUDA GPU(s) per node (NCCL runs only on GPUs), but this "
+                    f"machine has {gpus}; use strategy=ddp_gloo (CPU) or strategy.processes={gpus * nodes}" if gpus else
                     f"strategy=ddp_nccl needs CUDA GPUs (NCCL runs only on GPUs), but this machine has none "
                     f"(devices: cpu); use strategy=ddp_gloo strategy.processes={processes}"
                 )
@@ -110,16 +111,16 @@ class Ddp(StrategySpec):
         else:
             device_accelerator = "cpu" if accelerator in ("cpu", "auto") else accelerator
             if device_accelerator == "cpu":
-                warn_oversubscription(self.name, processes, "processes")
+                warn_oversubscription(self.name, per_node, "processes")
         strategy = RelaunchingDDPStrategy(process_group_backend=self.backend, bucket_cap_mb=cfg.bucket_cap_mb,
                                           timeout=timedelta(seconds=cfg.timeout_s), **comm_hook(cfg.comm_hook))
         strategy.recompute = recomputes(cfg)
         return StrategyPlan(
-            trainer_kwargs={"strategy": strategy, "devices": processes, "accelerator": device_accelerator},
-            tags={"processes": str(processes), "backend": self.backend, "bucket_cap_mb": f"{cfg.bucket_cap_mb:g}",
-                  "comm_hook": cfg.comm_hook, "checkpoint": cfg.checkpoint},
+            trainer_kwargs={"strategy": strategy, "devices": per_node, "num_nodes": nodes, "accelerator": device_accelerator},
+            tags={"processes": str(processes), "nodes": str(nodes), "backend": self.backend,
+                  "bucket_cap_mb": f"{cfg.bucket_cap_mb:g}", "comm_hook": cfg.comm_hook, "checkpoint": cfg.checkpoint},
             data_parallel=processes,
-            replicas_per_machine=processes,
+            replicas_per_machine=per_node,
             recompute=strategy.recompute,
         )
 

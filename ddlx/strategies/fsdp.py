@@ -58,45 +58,49 @@ class Fsdp(StrategySpec):
 
         from ..parallel.devices import gpu_count
         from ..parallel.fsdp import FullyShardedStrategy
+        from ..parallel.launch import ranks_per_node
 
         p = cfg.processes
+        per_node, nodes = ranks_per_node(p, self.name)  # srun or torchrun may spread them over nodes
         if accelerator in ("gpu", "cuda"):
-            if gpu_count() < p:
-                raise ConfigError(f"strategy=fsdp strategy.processes={p} with trainer.accelerator={accelerator} needs {p} "
-                                  f"GPU(s), this machine has {gpu_count()}; use strategy.processes={max(1, gpu_count())} "
-                                  f"or trainer.accelerator=cpu")
-            devices = [torch.device(f"cuda:{i}") for i in range(p)]
+            if gpu_count() < per_node:
+                raise ConfigError(f"strategy=fsdp strategy.processes={p} with trainer.accelerator={accelerator} needs "
+                                  f"{per_node} GPU(s) per node, this machine has {gpu_count()}; use strategy.processes="
+                                  f"{max(1, gpu_count()) * nodes} or trainer.accelerator=cpu")
+            devices = [torch.device(f"cuda:{i}") for i in range(per_node)]
         else:
-            warn_oversubscription(self.name, p, "processes")
-            devices = [torch.device("cpu")] * p
-        shard_size = self._shard_size(cfg)
+            warn_oversubscription(self.name, per_node, "processes")
+            devices = [torch.device("cpu")] * per_node
+        shard_size = self._shard_size(cfg, per_node)
         strategy = FullyShardedStrategy(devices, cfg.sharding, pin_cores=cfg.pin_cores, timeout_s=cfg.timeout_s,
                                         shard_size=shard_size)
         strategy.recompute = recomputes(cfg)
         return StrategyPlan(
-            trainer_kwargs={"strategy": strategy, "devices": p, "accelerator": "gpu" if devices[0].type == "cuda" else "cpu"},
-            tags={"processes": str(p), "sharding": cfg.sharding, "checkpoint": cfg.checkpoint,
+            trainer_kwargs={"strategy": strategy, "devices": per_node, "num_nodes": nodes,
+                            "accelerator": "gpu" if devices[0].type == "cuda" else "cpu"},
+            tags={"processes": str(p), "nodes": str(nodes), "sharding": cfg.sharding, "checkpoint": cfg.checkpoint,
                   **({"shard_size": str(shard_size)} if cfg.sharding == "hybrid" else {})},
-            data_parallel=p, replicas_per_machine=p, recompute=strategy.recompute,
+            data_parallel=p, replicas_per_machine=per_node, recompute=strategy.recompute,
             refused_precisions=self.refused_precisions(cfg),
         )
 
     @staticmethod
-    def _shard_size(cfg) -> int | None:
+    def _shard_size(cfg, per_node: int) -> int | None:
         """``shard_size``, checked: it divides a node's ranks (a group never spans nodes) and
         belongs to sharding=hybrid; null there: the node's ranks."""
-        size, p = cfg.get("shard_size"), cfg.processes
+        size = cfg.get("shard_size")
         if cfg.sharding != "hybrid":
             if size is not None:
                 raise ConfigError(f"strategy.shard_size={size} sets the groups of strategy.sharding=hybrid, not of "
                                   f"sharding={cfg.sharding}; use strategy.sharding=hybrid or drop strategy.shard_size")
             return None
         if size is None:
-            return p
-        if p % size:
-            divisors = [d for d in range(1, p + 1) if p % d == 0]
-            raise ConfigError(f"strategy.shard_size={size} does not divide strategy.processes={p}: each shard group is "
-                              f"{size} ranks of one node; use one of {divisors}")
+            return per_node
+        if per_node % size:
+            divisors = [d for d in range(1, per_node + 1) if per_node % d == 0]
+            raise ConfigError(f"strategy.shard_size={size} does not divide the {per_node} ranks of a node "
+                              f"(strategy.processes={cfg.processes}): each shard group is ranks of one node; "
+                              f"use one of {divisors}")
         return size
 
     def refused_precisions(self, knobs) -> dict[str, str]:
@@ -109,9 +113,19 @@ class Fsdp(StrategySpec):
                                  *recompute_knob(params)))
 
     def candidates(self, hw, job) -> list[Setup]:
-        n = hw.devices_per_node
+        """Every device of a node, full or grad_op; with several nodes, every device of the
+        cluster, full or hybrid (HSDP: a shard group per node)."""
+        n, total = hw.devices_per_node, hw.total_devices
         plain = [Setup(self.name, (("processes", n), ("sharding", s))) for s in ("full", "grad_op")] if n > 1 else []
+        if hw.nodes > 1:
+            plain += [Setup(self.name, (("processes", total), ("sharding", "full"))),
+                      Setup(self.name, (("processes", total), ("sharding", "hybrid"), ("shard_size", n)))]
         return [*plain, *map(with_recompute, plain)]
+
+    def launcher(self, setup, hw) -> str:
+        """srun's tasks are the ranks when they span nodes (ddlx starts a node's ranks itself)."""
+        p, n = setup.get("processes"), hw.devices_per_node
+        return f"srun --nodes={p // n} --ntasks-per-node={n}" if p > n else ""
 
     def cost(self, setup, job, hw, profile, seq):
         """DDP's Eq. 5.1 with FSDP's ring volume (``VOLUME``): the gathers and the reduce-scatter

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 import torchvision
-from conftest import CONF_DIR, PROJECT_DIR, subprocess_env
+from conftest import CONF_DIR, PROJECT_DIR, compose_config, subprocess_env
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
@@ -475,6 +475,25 @@ def test_every_machine_with_two_devices_gets_torch_pipeline_setups_with_time_mem
     # Data-parallel pipelines where a node has 4 devices (hybrid) or there are several nodes (mpi).
     expected = {"hybrid"} if spec.devices_per_node >= 4 else set()
     assert {p.setup.strategy for p in torch_pipes} - {"pipe"} == expected | ({"mpi"} if spec.nodes > 1 else set())
+
+
+@pytest.mark.parametrize("overrides", [["hw=cpu_2core_cluster"], ["hw=titanrtx_4x", "hw.nodes=2"]], ids=["cpu", "gpu_2_nodes"])
+def test_every_printed_command_composes_and_names_its_launcher(overrides):
+    """What a user copies from the table runs: its train.py overrides compose, and setups whose
+    ranks span nodes are started by their launcher (mpirun's -np, srun's tasks per node)."""
+    from ddlx.predict.render import train_command
+
+    spec = hardware(_compose_hw(*overrides))
+    rec = Predictor(spec, []).recommend(Job("resnet18", "cifar10", 3, 3, 32, 256, 50000))
+    commands = {p.setup.label: train_command(rec, p, []) for p in rec.predictions}
+    for label, command in commands.items():
+        launcher, train = command.split("python train.py ")
+        compose_config(train.split())  # a key the config does not have fails here
+        if label.startswith("mpi "):
+            assert launcher == f"mpirun -np {spec.total_devices} ", label
+    hsdp = f"fsdp processes={spec.total_devices} sharding=hybrid shard_size={spec.devices_per_node}"
+    assert commands[hsdp].startswith(f"srun --nodes={spec.nodes} --ntasks-per-node={spec.devices_per_node} python train.py")
+    assert commands[f"fsdp processes={spec.devices_per_node} sharding=full"].startswith("python train.py")
 
 
 def test_data_parallel_pipelines_are_one_pipeline_on_its_share_then_a_gradient_average_per_stage():

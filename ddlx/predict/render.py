@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 
 from ..allocator import KEEP_FREED
-from ..strategies import BASELINE
+from ..strategies import BASELINE, spec_of
 from .prediction import Prediction, Recommendation, allocator_advice
 
 
@@ -18,7 +18,8 @@ def train_command(rec: Recommendation, prediction: Prediction, job_overrides: li
         parts[override.split("=")[0]] = override
     for override in prediction.data_overrides:
         parts[override.split("=")[0]] = override
-    return " ".join(["python train.py", *parts.values(), prediction.setup.overrides])
+    launcher = spec_of(prediction.setup.strategy).launcher(prediction.setup, rec.hw)
+    return " ".join([*([launcher] if launcher else []), "python train.py", *parts.values(), prediction.setup.overrides])
 
 
 def figure(value: float, calibrated: bool) -> str:

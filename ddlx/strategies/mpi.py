@@ -144,6 +144,9 @@ class Mpi(StrategySpec):
         pipelines = pipelines_candidates(self.name, ranks // 2, job, ranks=ranks) if hw.devices_per_node % 2 == 0 else []
         return [Setup(self.name, (("ranks", ranks), ("local", "sequential"))), *pipelines]
 
+    def launcher(self, setup, hw) -> str:
+        return f"mpirun -np {setup.get('ranks')}"  # ranks fill each node's slots in order (the host file's)
+
     def cost(self, setup, job, hw, profile, seq):
         if setup.get("engine") == "torch":
             return pipelines_cost(setup, setup.get("ranks") // 2, self._pipelines_per_node(setup, hw), job, hw, profile, seq)

@@ -58,11 +58,17 @@ class Setup:
 
     @property
     def overrides(self) -> str:
-        """The train.py overrides that run this setup."""
+        """The train.py overrides that run this setup (what its launcher sets is not one of them)."""
         parts = [f"strategy={self.strategy}"]
         for key, value in self.knobs:
+            if key in LAUNCHER_KNOBS:
+                continue
             parts.append(f"trainer={value}" if key == "trainer" else f"strategy.{key}={_render(value)}")
         return " ".join(parts)
+
+
+# Knobs of a setup that the launcher sets, not train.py (``mpirun -np 8``: the ranks of strategy=mpi).
+LAUNCHER_KNOBS = ("ranks",)
 
 
 def _render(value) -> str:
@@ -108,6 +114,11 @@ class StrategySpec:
     def memory(self, setup: Setup, job: Job, hw: HardwareSpec, profile: ModelProfile) -> MemoryNeed:
         """Memory per device (per node's RAM on CPU, where its processes share it)."""
         raise NotImplementedError(f"no memory model for strategy {self.name!r}")
+
+    def launcher(self, setup: Setup, hw: HardwareSpec) -> str:
+        """What starts ``python train.py`` for ``setup`` on ``hw`` ('': train.py itself, ddlx
+        starting any other ranks on the machine)."""
+        return ""
 
     def processes(self, setup: Setup) -> int:
         """Training processes (each with its own data loader)."""

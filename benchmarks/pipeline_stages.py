@@ -5,15 +5,25 @@ PyTorch's schedules themselves, without ddlx, one process per core, against one 
     python benchmarks/pipeline_stages.py --model vgg11 --balance auto --chunks 4 8
     python benchmarks/pipeline_stages.py --model alexnet --chunks 4 8      # the model's split point
 
-For each micro-batch count m it prints the one-core time of the batch (m micro-batches through
-every layer: it includes re-reading each stage's weights per micro-batch), the slowest stage's
-time per micro-batch, and the GPipe/1F1B schedule time (m + W - 1) x that (Eq. 6.1 with unequal
-stages): the speedup a pipeline could reach if sending activations cost nothing. Dividing a
-measured epoch ratio (benchmarks/strategies_cpu.py) by this ceiling gives what the transfers,
-the schedule's bookkeeping and the data loading cost on top. The second table times
-``torch.distributed.pipelining`` alone (in-memory batch, gloo, each stage pinned to one core,
-SGD step) against one core training the same batch: what the engine reaches before ddlx's loop,
-data loading and logging are added.
+First, one core trains the whole batch (the baseline, with its SGD step). Then, for each
+micro-batch count m: the slowest stage's time per micro-batch (measured layer by layer on one
+core), the GPipe/1F1B schedule time (m + W - 1) x that (Eq. 6.1 with unequal stages), and the
+ceiling, baseline / schedule: the speedup a pipeline could reach if sending activations cost
+nothing. What it loses is split into the bubble (W - 1 of m + W - 1 slots), the imbalance of the
+stages, and the micro-batch tax: the m micro-batches through every layer on one core against
+the whole batch (smaller matrix products, each stage's weights read and its gradients written
+again per micro-batch). Dividing a measured epoch ratio (benchmarks/strategies_cpu.py) by the
+ceiling gives what the transfers, the schedule's bookkeeping and the data loading cost on top.
+The second table times ``torch.distributed.pipelining`` alone (in-memory batch, gloo, each
+stage pinned to one core, SGD step) against the baseline: what the engine reaches before ddlx's
+loop, data loading and logging are added. The third says where the engine's distance to the
+ceiling goes: each stage's forward and backward per micro-batch alone and while the other core
+runs its own stage at the same time (no transfers: what sharing the machine's memory system
+costs), and one micro-batch's activation and gradient sent through gloo and back.
+
+Every process runs with the heap train.py would use (``cpu_allocator=auto``, docs/allocator.md):
+glibc's default maps the one-core baseline's large activations afresh each step, which makes it
+slower and a pipeline look better than it is against ddlx's sequential runs.
 """
 from __future__ import annotations
 
@@ -31,6 +41,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ddlx.allocator import AUTO, apply_allocator, resolve_allocator  # noqa: E402
 from ddlx.models import build_model  # noqa: E402
 from ddlx.parallel.balance import contiguous_balance, layer_times  # noqa: E402
 
@@ -48,12 +59,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps after a warm-up one")
     args = parser.parse_args()
 
+    allocator = resolve_allocator(AUTO)
+    apply_allocator(allocator)  # here and, through the environment, in the stages
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = build_model(args.model, args.classes, 3, args.image_size)
-    print(f"{args.model} at {args.image_size} px, batch {args.batch_size}, 2 stages of one core each\n")
-    print("| micro-batches | balance | stage 1 s/mb | stage 2 s/mb | one core s/batch | schedule s/batch | ceiling | of which bubble | of which imbalance |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    one = statistics.median(_one_core_steps(model, args))
+    print(f"{args.model} at {args.image_size} px, batch {args.batch_size}, 2 stages of one core each, "
+          f"cpu_allocator={allocator}; one core trains the whole batch in {one:.2f} s/step\n")
+    print("| micro-batches | balance | stage 1 s/mb | stage 2 s/mb | micro-batches on one core s | schedule s/batch "
+          "| ceiling | bubble | imbalance | micro-batch tax |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     balances = {}
     for m in args.chunks:
         micro = args.batch_size // m
@@ -65,15 +81,14 @@ def main() -> None:
         else:
             balance = [model.split_index, len(model) - model.split_index]
         stages = [sum(times[: balance[0]]), sum(times[balance[0]:])]
-        one_core = m * sum(stages)
+        in_micro_batches = m * sum(stages)  # each stage's weights read again per micro-batch, at a smaller batch
         schedule = (m + 1) * max(stages)
         balanced = (m + 1) * sum(stages) / 2
-        print(f"| {m} | {balance} | {stages[0]:.3f} | {stages[1]:.3f} | {one_core:.2f} | {schedule:.2f} | {one_core / schedule:.2f}x "
-              f"| {1 / m:.0%} | {schedule / balanced - 1:.0%} |")
+        print(f"| {m} | {balance} | {stages[0]:.3f} | {stages[1]:.3f} | {in_micro_batches:.2f} | {schedule:.2f} "
+              f"| {one / schedule:.2f}x | {1 / m:.0%} | {schedule / balanced - 1:.0%} | {in_micro_batches / one - 1:.0%} |")
         balances[m] = balance
     if not args.schedules:
         return
-    one = statistics.median(_one_core_steps(model, args))
     print(f"\nPyTorch's schedules alone, median s/step of {args.steps} (one core: {one:.2f} s/step)\n")
     print("| schedule | micro-batches | balance | s/step | speedup over one core |")
     print("|---|---|---|---|---|")
@@ -83,6 +98,19 @@ def main() -> None:
             mp.spawn(_stage, args=(args, schedule, m, balances[m], out), nprocs=2)
             step = out.get()
             print(f"| {schedule} | {m} | {balances[m]} | {step:.2f} | {one / step:.2f}x |")
+    print("\nBoth cores busy: each stage's s/mb (forward and backward) alone, the other core idle, and while the "
+          "other stage computes on the other core; send+recv: one micro-batch's activation forward and its gradient "
+          "back through gloo; the ceilings are the first table's with these times\n")
+    print("| micro-batches | stage 1 s/mb alone / busy | stage 2 s/mb alone / busy | send+recv s/mb | ceiling, both busy | with send+recv |")
+    print("|---|---|---|---|---|---|")
+    for m in args.chunks:
+        out = mp.get_context("spawn").SimpleQueue()
+        mp.spawn(_busy_stage, args=(args, m, balances[m], out), nprocs=2)
+        t = dict(out.get() for _ in range(5))
+        slowest = max(t["stage 1 busy"], t["stage 2 busy"])
+        print(f"| {m} | {t['stage 1 alone']:.3f} / {t['stage 1 busy']:.3f} | {t['stage 2 alone']:.3f} / "
+              f"{t['stage 2 busy']:.3f} | {t['send+recv']:.3f} | {one / ((m + 1) * slowest):.2f}x "
+              f"| {one / ((m + 1) * (slowest + t['send+recv'])):.2f}x |")
 
 
 def _batch(args):
@@ -140,6 +168,59 @@ def _stage(rank: int, args, schedule: str, m: int, balance: list[int], out) -> N
     times = _timed_steps(step, part, args.steps, settle=dist.barrier)  # a step ends when both stages have stepped
     if rank == 0:
         out.put(statistics.median(times))
+    dist.destroy_process_group()
+
+
+def _busy_stage(rank: int, args, m: int, balance: list[int], out) -> None:
+    """This rank's stage, forward and backward of ``m`` micro-batches, while the other rank runs
+    its own at the same time on the other core (no transfers); then the boundary's activation
+    sent to the second stage and its gradient back, per micro-batch."""
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, [cores[rank % len(cores)]])
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("PIPELINE_PORT", "29631"))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = build_model(args.model, args.classes, 3, args.image_size)
+    x, y = (t[: args.batch_size // m] for t in _batch(args))
+    with torch.no_grad():
+        boundary = model[: balance[0]](x)
+    part, inputs = (model[: balance[0]], x) if rank == 0 else (model[balance[0] :], boundary.requires_grad_())
+    if getattr(part[0], "inplace", False):
+        part[0].inplace = False
+
+    def micro_batches() -> None:
+        for _ in range(m):
+            output = part(inputs)
+            output.backward(torch.ones_like(output)) if rank == 0 else nn.functional.cross_entropy(output, y).backward()
+
+    def transfers() -> None:
+        for _ in range(m):
+            if rank == 0:
+                dist.send(boundary, 1)
+                dist.recv(boundary, 1)
+            else:
+                dist.recv(boundary, 0)
+                dist.send(boundary, 0)
+
+    def timed(work, runs: bool) -> float:
+        times = []
+        for _ in range(args.steps + 1):
+            dist.barrier()  # the ranks start together
+            start = time.perf_counter()
+            if runs:
+                work()
+            times.append((time.perf_counter() - start) / m)
+        return statistics.median(times[1:])
+
+    for turn in (0, 1):  # each stage alone, the other core idle
+        alone = timed(micro_batches, runs=rank == turn)
+        if rank == turn:
+            out.put((f"stage {rank + 1} alone", alone))
+    out.put((f"stage {rank + 1} busy", timed(micro_batches, runs=True)))
+    transfer = timed(transfers, runs=True)
+    if rank == 0:
+        out.put(("send+recv", transfer))
     dist.destroy_process_group()
 
 

@@ -35,7 +35,7 @@ SETUPS = {
     # PyTorch's pipelining: one process per stage, one core each.
     **{f"pipe torch {schedule} chunks={chunks}": ["strategy=pipe", "strategy.engine=torch", f"strategy.schedule={schedule}",
                                                   f"strategy.chunks={chunks}"]
-       for schedule in ("gpipe", "1f1b") for chunks in (4, 8)},
+       for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble") for chunks in (4, 8, 16)},
 }
 
 

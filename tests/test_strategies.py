@@ -330,6 +330,7 @@ KILLED_RANK = {  # a strategy's second process, killed mid-training
     "ddp_gloo": ["strategy=ddp_gloo", "strategy.processes=2"],
     "pipe_torch": ["strategy=pipe", "strategy.engine=torch", "strategy.schedule=1f1b", "strategy.chunks=2"],  # a stage
     "fsdp": pytest.param(["strategy=fsdp", "strategy.processes=2"], marks=pytest.mark.slow),  # a shard
+    "cpu_mp": pytest.param(["strategy=cpu_mp", "strategy.processes=2"], marks=pytest.mark.slow),  # a slice's owner
 }
 
 

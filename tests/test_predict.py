@@ -479,8 +479,9 @@ def test_every_machine_with_two_devices_gets_torch_pipeline_setups_with_time_mem
 
 @pytest.mark.parametrize("overrides", [["hw=cpu_2core_cluster"], ["hw=titanrtx_4x", "hw.nodes=2"]], ids=["cpu", "gpu_2_nodes"])
 def test_every_printed_command_composes_and_names_its_launcher(overrides):
-    """What a user copies from the table runs: its train.py overrides compose, and setups whose
-    ranks span nodes are started by their launcher (mpirun's -np, srun's tasks per node)."""
+    """What a user copies from the table runs: its train.py overrides compose, train on the
+    machine's kind of device, and setups whose ranks span nodes are started by their launcher
+    (mpirun's -np, srun's tasks per node)."""
     from ddlx.predict.render import train_command
 
     spec = hardware(_compose_hw(*overrides))
@@ -488,7 +489,8 @@ def test_every_printed_command_composes_and_names_its_launcher(overrides):
     commands = {p.setup.label: train_command(rec, p, []) for p in rec.predictions}
     for label, command in commands.items():
         launcher, train = command.split("python train.py ")
-        compose_config(train.split())  # a key the config does not have fails here
+        cfg = compose_config(train.split())  # a key the config does not have fails here
+        assert cfg.trainer.accelerator == ("cpu" if spec.device_kind == "cpu" else "gpu"), label  # the machine's devices
         if label.startswith("mpi "):
             assert launcher == f"mpirun -np {spec.total_devices} ", label
     hsdp = f"fsdp processes={spec.total_devices} sharding=hybrid shard_size={spec.devices_per_node}"
@@ -606,8 +608,9 @@ def test_recommend_py_answers_as_json_with_no_runs(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     answer = json.loads(proc.stdout)
     rec = answer["recommended"]
-    assert rec["command"] == f"python train.py model=vgg16 data=firesmall data.image_size=128 {rec['overrides']}", \
-        "the command trains the job asked about, at its image size"
+    gpus = "" if "trainer=gpu" in rec["overrides"] else "trainer=gpu "
+    assert rec["command"] == f"python train.py model=vgg16 data=firesmall data.image_size=128 {gpus}{rec['overrides']}", \
+        "the command trains the job asked about, at its image size, on the GPUs"
     assert answer["hw"] == "titanrtx_4x" and answer["runs"].startswith("no MLflow store")
     assert answer["allocator_advice"] is None, "GPUs: CUDA's caching allocator keeps freed blocks"
     setups = {p["strategy"] for p in answer["predictions"]}
@@ -747,7 +750,7 @@ def test_recommend_py_reproduces_the_thesis_out_of_memory_case(tmp_path):
     assert recomputed["fits"] and recomputed["global_batch"] == 128
     best = answer["recommended"]
     assert best["fits"] and best["predicted_epoch_s"] <= gpipe["predicted_epoch_s"]
-    assert best["command"].endswith("data=highres " + best["overrides"])
+    assert best["command"].endswith("data=highres trainer=gpu " + best["overrides"]), "the thesis job, on the GPUs"
 
 
 def test_calibration_is_chosen_by_how_well_it_predicts_held_out_runs():

@@ -12,12 +12,15 @@ from .prediction import Prediction, Recommendation, allocator_advice
 
 def train_command(rec: Recommendation, prediction: Prediction, job_overrides: list[str]) -> str:
     """The train.py command that runs ``prediction``'s setup on the job: model and data, the
-    user's own model/data overrides (the later of two for one key wins, as in Hydra), the setup."""
+    user's own model/data overrides (the later of two for one key wins, as in Hydra), the setup,
+    on a GPU machine its GPUs, started by the setup's launcher where one starts its ranks."""
     parts = {"model": f"model={rec.job.model}", "data": f"data={rec.job.data}"}
     for override in job_overrides:
         parts[override.split("=")[0]] = override
     for override in prediction.data_overrides:
         parts[override.split("=")[0]] = override
+    if rec.hw.device_kind != "cpu" and "trainer" not in dict(prediction.setup.knobs):
+        parts["trainer"] = "trainer=gpu"  # fsdp, mpi and hybrid would train on the CPU under the default trainer
     launcher = spec_of(prediction.setup.strategy).launcher(prediction.setup, rec.hw)
     return " ".join([*([launcher] if launcher else []), "python train.py", *parts.values(), prediction.setup.overrides])
 

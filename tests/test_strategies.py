@@ -191,6 +191,16 @@ def test_cpu_mp_resumes_with_its_optimizer_state(tmp_path, shared_data):
     _assert_same_weights(final_weights(tmp_path / "cut"), final_weights(tmp_path / "whole"), exact=True)
 
 
+def test_cpu_mp_accumulates_gradients_as_sequential_does(tmp_path, shared_data):
+    """trainer.accumulate_grad_batches=2: the ranks reduce once per optimizer step, the gradients
+    of both backward passes (reduced after each, the first pass's were counted wrongly)."""
+    job = [f"paths.data_dir={shared_data}", *SAME_MATHS, "trainer.limit_train_batches=4", "trainer.accumulate_grad_batches=2"]
+    for folder in ("sequential", "cpu_mp"):
+        (tmp_path / folder).mkdir()
+        train(compose_config([f"paths.root={tmp_path / folder}", f"strategy={folder}", *job]), output_dir=tmp_path / folder / "run")
+    _assert_same_weights(final_weights(tmp_path / "cpu_mp"), final_weights(tmp_path / "sequential"), exact=False)
+
+
 def test_torch_pipe_resumes_and_trains_a_smaller_last_batch(tmp_path, shared_data):
     """Each stage's weights and momentum are gathered into one checkpoint under the sequential
     model's names; a resumed run ends with the weights of one that never stopped, and an epoch's

@@ -52,10 +52,6 @@ class CpuMultiProcessStrategy(RelaunchingDDPStrategy):
         dist.broadcast_object_list(holder, src=0)
         return holder[0]
 
-    def post_backward(self, closure_loss: torch.Tensor) -> None:
-        if self._shared is not None and self.lightning_module.training:
-            self._shared.reduce()
-
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):
         """The configured optimizer's step, taken by :class:`.SharedWeights` on this rank's slice."""
         if self._shared is None:
@@ -83,7 +79,7 @@ class CpuMultiProcessStrategy(RelaunchingDDPStrategy):
 
 
 class _SliceStep:
-    """What the precision plugin steps: the closure (forward, backward, the reduce), then the
+    """What the precision plugin steps: the closure (forward, backward), the reduce, then the
     configured optimizer's step on this rank's slice of the shared weights. The rest is the
     optimizer's own (hooks read its groups)."""
 
@@ -92,6 +88,8 @@ class _SliceStep:
 
     def step(self, closure=None, **kwargs):
         loss = closure() if closure is not None else None
+        # After the step's last backward: with accumulate_grad_batches the gradients of several.
+        self._shared.reduce()
         self._shared.step(self._optimizer)
         return loss
 

@@ -219,7 +219,11 @@ def test_group_errors_are_the_validated_median_errors_of_groups_with_enough_conf
 
 
 def _run(run_id: str, setup: Setup, params: dict, epoch_s: float, host: str = "test-host") -> MeasuredRun:
-    strategy_params = {f"strategy.{k}": str(v) for k, v in setup.knobs if k != "devices"}
+    from ddlx.strategies import spec_of
+
+    # A run records every knob, the ones its setup leaves at their defaults too.
+    strategy_params = {f"strategy.{k}": v for k, v in spec_of(setup.strategy).default_knob_tags.items()}
+    strategy_params.update({f"strategy.{k}": str(v) for k, v in setup.knobs if k != "devices"})
     tags = {"strategy": setup.strategy, "host": host, "accelerator": "cpu"}
     if setup.get("devices"):
         tags["devices"] = ",".join(setup.get("devices"))

@@ -143,3 +143,102 @@ def test_one_buffer_in_the_models_format(dtype):
     for key, want in reference.state_dict().items():
         assert after[key].dtype == dtype, key
         torch.testing.assert_close(after[key], want, **tolerance, msg=key)
+
+
+# ---- layers split by rows between the ranks (ddlx.parallel.split_linear), in real processes -------
+
+
+def _split_net() -> torch.nn.Module:
+    """Output widths that do not divide by 3 ranks: the last rank's block is short."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.ReLU(), torch.nn.Linear(10, 5), torch.nn.ReLU(),
+                               torch.nn.Linear(5, 3))
+
+
+def _split_rank(rank: int, world: int, port: int, folder: str) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    from ddlx.parallel.split_linear import RowSplitLinear
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    net = _split_net()
+    opt = torch.optim.Adam([{"params": list(net[0].parameters()) + list(net[4].parameters())},
+                            {"params": list(net[2].parameters()), "lr": 0.002}], lr=0.01)
+    split = [RowSplitLinear(net[i], rank, world) for i in (0, 2)]
+    net[0], net[2] = split
+    owned = {p: rows for layer in split for p, rows in layer.owned_rows().items()}
+    shared = SharedWeights(list(net.parameters()), rank, world, dist.barrier, _broadcast, owned_rows=owned)
+    for layer in split:
+        layer.rows = [shared.rows(p) for p in layer.owned_rows()]
+    for x, y in _batches(3):
+        opt.zero_grad()
+        for half in (slice(0, 6), slice(6, 12)):  # two backward passes, one step: accumulated gradients
+            _loss(net, x[half][rank::world], y[half][rank::world]).div(2).backward()
+        assert all(p.grad is None for layer in split for p in layer.owned_rows()), "the split rows' leaves take the gradient"
+        shared.reduce()
+        shared.step(opt)
+    slices = [None] * world
+    dist.all_gather_object(slices, shared.slice_state())
+    if rank == 0:
+        torch.save({"weights": net.state_dict(), "optimizer": shared.full_state(opt, slices)}, f"{folder}/rank0.pt")
+    dist.destroy_process_group()
+
+
+def _broadcast(name):
+    import torch.distributed as dist
+
+    holder = [name]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_split_rows_step_as_one_optimizer_on_the_whole_batch(world, tmp_path):
+    """Each rank computes its block of rows of the split layers for the whole batch and steps
+    them, the rest data parallel: the weights and the gathered optimizer state are those of one
+    optimizer on the whole batch, with uneven blocks (10 and 5 rows over 3 ranks), two parameter
+    groups and gradients accumulated over two backward passes."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    reference = _split_net()
+    ref_opt = torch.optim.Adam([{"params": list(reference[0].parameters()) + list(reference[4].parameters())},
+                                {"params": list(reference[2].parameters()), "lr": 0.002}], lr=0.01)
+    for x, y in _batches(3):
+        ref_opt.zero_grad()
+        for half in (slice(0, 6), slice(6, 12)):
+            _loss(reference, x[half], y[half]).div(2).backward()
+        ref_opt.step()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_split_rank, args=(world, port, str(tmp_path)), nprocs=world)
+    saved = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    for key, want in reference.state_dict().items():
+        torch.testing.assert_close(saved["weights"][key], want, rtol=1e-5, atol=1e-6, msg=key)
+    want_state = ref_opt.state_dict()["state"]
+    for index, state in saved["optimizer"]["state"].items():
+        for name in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(state[name], want_state[index][name], rtol=1e-5, atol=1e-7, msg=f"{index} {name}")
+
+
+def test_which_fully_connected_layers_are_split():
+    """AlexNet's and VGG's two wide classifier layers, ResNet's 2048x1000 head; never a narrow
+    output layer (3 classes), and nothing for one rank."""
+    from ddlx.models import build_model
+    from ddlx.parallel.split_linear import worth_splitting
+
+    def split(arch, size=224, batch=32, world=2, classes=3):
+        net = build_model(arch, classes, 3, size)
+        return [(m.in_features, m.out_features) for m in net.modules()
+                if isinstance(m, torch.nn.Linear) and worth_splitting(m.in_features, m.out_features, batch, world)]
+
+    assert split("alexnet") == [(9216, 4096), (4096, 4096)]
+    assert split("vgg11") == [(25088, 4096), (4096, 4096)]
+    assert split("resnet50", 128, classes=1000) == [(2048, 1000)]
+    assert split("alexnet", world=1) == []
+    assert split("alexnet", batch=2048) == [(9216, 4096)], "a batch half as wide as a layer: its activations outweigh it"

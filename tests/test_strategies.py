@@ -84,7 +84,9 @@ def _mpi_available() -> str | None:
 CASES = {
     # name: (overrides, exact)
     "threads": (["strategy=threads", "strategy.threads=2"], False),
-    "cpu_mp": (["strategy=cpu_mp", "strategy.processes=2"], False),
+    "cpu_mp": (["strategy=cpu_mp", "strategy.processes=2"], False),  # its two wide classifier layers split by rows
+    "cpu_mp_split_never": pytest.param((["strategy=cpu_mp", "strategy.processes=2", "strategy.split_linear=never"], False),
+                                       marks=pytest.mark.slow),
     "ddp_gloo": (["strategy=ddp_gloo", "strategy.processes=2"], False),
     # The papers' way of stating it (source 004 Table 3.3): 4 per process x 2 = the reference's global 8.
     "ddp_gloo_batch_per_worker": (["strategy=ddp_gloo", "strategy.processes=2", "data.batch_per=worker", "data.batch_size=4"], False),
@@ -155,8 +157,21 @@ def meshes(monkeypatch) -> list[tuple[int, ...]]:
     return shapes
 
 
+@pytest.fixture
+def split_layers(monkeypatch) -> list[tuple[int, int]]:
+    """(in, out) of the layers cpu_mp split by rows on rank 0: the weights alone would match the
+    sequential run's were every layer left data parallel."""
+    from ddlx.parallel import cpu_mp
+
+    shapes, split = [], cpu_mp.split_linears
+    monkeypatch.setattr(cpu_mp, "split_linears", lambda *a, **kw: (layers := split(*a, **kw),
+                                                                   shapes.extend((m.in_features, m.out_features) for m in layers))[0])
+    return shapes
+
+
 @pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
-def test_strategy_matches_sequential(case, tmp_path, shared_data, sequential_weights, recwarn, recomputations, meshes):
+def test_strategy_matches_sequential(case, tmp_path, shared_data, sequential_weights, recwarn, recomputations, meshes,
+                                     split_layers):
     overrides, exact = case
     if exact:
         torch.set_num_threads(1)  # bit for bit needs the reference's single intra-op thread too
@@ -168,6 +183,8 @@ def test_strategy_matches_sequential(case, tmp_path, shared_data, sequential_wei
     if overrides[0] == "strategy=fsdp":
         groups = {"strategy.sharding=hybrid": (2, 2), "strategy.sharding=none": (2, 1)}
         assert set(meshes) == {next((m for o, m in groups.items() if o in overrides), (2,))}, "the level's device mesh"
+    if overrides[0] == "strategy=cpu_mp":  # the small AlexNet's 1024x4096 and 4096x4096, not its 4096x3
+        assert split_layers == ([] if "strategy.split_linear=never" in overrides else [(1024, 4096), (4096, 4096)])
     _assert_one_run(tmp_path, overrides[0].split("=")[1])
     _assert_no_process_left(tmp_path)
     # The timing figures are reduced across ranks by the timer: no advice to sync them again.

@@ -5,8 +5,10 @@ many intra-op threads (so ranks never oversubscribe), its own data shard (Lightn
 DistributedSampler) and its own loader workers (which inherit the pinning). The ranks train one
 copy of the weights in shared memory, each reducing and stepping its own slice of it
 (:mod:`.shared_memory`), instead of DDP's socket allreduce and a full optimizer step per rank.
-Processes start like DDP's (the script re-launched per rank); the process group carries only
-barriers, metric reductions and, at a checkpoint, the optimizer state's slices.
+The large fully connected layers are split by rows between the ranks instead of run whole by
+each (:mod:`.split_linear`). Processes start like DDP's (the script re-launched per rank); the
+process group carries barriers, the split layers' activations, metric reductions and, at a
+checkpoint, the optimizer state's slices.
 """
 from __future__ import annotations
 
@@ -18,12 +20,14 @@ import torch.distributed as dist
 from .launch import RelaunchingDDPStrategy, plain_optimizer
 from .pinning import Restore, pin_rank, unpin
 from .shared_memory import SharedWeights
+from .split_linear import split_linears
 
 
 class CpuMultiProcessStrategy(RelaunchingDDPStrategy):
     strategy_name = "ddlx_cpu_mp"
 
-    def __init__(self, processes: int, pin_cores: bool = True, timeout_s: float = 300.0) -> None:
+    def __init__(self, processes: int, pin_cores: bool = True, timeout_s: float = 300.0,
+                 split_linear_batch: int | None = None) -> None:
         super().__init__(
             accelerator=None,
             parallel_devices=[torch.device("cpu")] * processes,
@@ -31,6 +35,7 @@ class CpuMultiProcessStrategy(RelaunchingDDPStrategy):
             timeout=timedelta(seconds=timeout_s),
         )
         self.pin_cores = pin_cores
+        self.split_linear_batch = split_linear_batch  # the global batch the split is judged at; None: no layer split
         self._shared: SharedWeights | None = None
         self._restore: Restore | None = None
 
@@ -43,8 +48,13 @@ class CpuMultiProcessStrategy(RelaunchingDDPStrategy):
 
     def configure_ddp(self) -> None:
         # No DDP wrapper: every rank's parameters become views of one shared copy (rank 0's start weights).
+        split = ([] if self.split_linear_batch is None
+                 else split_linears(self.model, self.split_linear_batch, self.global_rank, self.world_size))
+        owned = {p: rows for layer in split for p, rows in layer.owned_rows().items()}
         self._shared = SharedWeights(list(self.model.parameters()), rank=self.global_rank, world_size=self.world_size,
-                                     barrier=dist.barrier, broadcast_name=self._broadcast_name)
+                                     barrier=dist.barrier, broadcast_name=self._broadcast_name, owned_rows=owned)
+        for layer in split:
+            layer.rows = [self._shared.rows(p) for p in layer.owned_rows()]
 
     @staticmethod
     def _broadcast_name(name: str | None) -> str:

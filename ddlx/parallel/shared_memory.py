@@ -17,7 +17,7 @@ from __future__ import annotations
 import inspect
 import os
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -25,91 +25,127 @@ SHM_DIR = "/dev/shm"
 KERNEL_CHOICE = ("foreach", "fused")  # how an optimizer computes, not what
 
 
+def shared_file(size: int, dtype: torch.dtype, creator: bool, barrier: Callable[[], None],
+                broadcast_name: Callable[[str | None], str], what: str) -> torch.Tensor:
+    """``size`` zeroed elements of ``dtype`` that every caller maps from one file in shared
+    memory (one machine's processes). The ``creator`` makes the file and ``broadcast_name``
+    gives every caller its name; once all have mapped it the file is unlinked, so nothing is
+    left behind however the processes end. Collective: every caller, with the same ``size``."""
+    folder = SHM_DIR if os.path.isdir(SHM_DIR) else "/tmp"
+    name = broadcast_name(os.path.join(folder, f"ddlx-{what}-{uuid.uuid4().hex}") if creator else None)
+    if creator:
+        with open(name, "wb") as f:
+            f.truncate(size * dtype.itemsize)
+    barrier()
+    if not os.path.exists(name):
+        raise RuntimeError(f"the shared {what} {name} are not there: made on another machine?")
+    buffer = torch.from_file(name, shared=True, size=size, dtype=dtype)
+    barrier()  # everyone has mapped it (from_file would create a new file once it is unlinked)
+    if creator:
+        os.unlink(name)  # the mappings stay valid
+    return buffer
+
+
 class SharedWeights:
     """``params`` (the model's, on every rank) made views of one shared buffer, stepped by slice.
 
     ``broadcast_name(name_or_none)`` returns rank 0's name on every rank; ``barrier()`` waits for
     all ranks. Both come from the process group, which carries only these small messages.
+    ``owned_rows`` maps the parameters of layers split by rows (:mod:`.split_linear`) to the rows
+    of them this rank computes alone: its slice of those parameters is those rows, and their
+    gradient reaches it complete, through the leaves :meth:`rows` gives the layers.
     """
 
     def __init__(self, params: Sequence[torch.Tensor], rank: int, world_size: int, barrier: Callable[[], None],
-                 broadcast_name: Callable[[str | None], str]) -> None:
+                 broadcast_name: Callable[[str | None], str],
+                 owned_rows: Mapping[torch.Tensor, tuple[int, int]] | None = None) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.rank, self.world_size, self.barrier = rank, world_size, barrier
-        self.offsets, total = [], 0
+        rows = {id(p): r for p, r in (owned_rows or {}).items()}
+        # Where each parameter lies in the weights and, unless split by rows, in each rank's gradient slot.
+        self.offsets, self.slot_offsets, total, averaged = [], [], 0, 0
         for p in self.params:
             self.offsets.append(total)
             total += p.numel()
-        folder = SHM_DIR if os.path.isdir(SHM_DIR) else "/tmp"
-        name = broadcast_name(os.path.join(folder, f"ddlx-weights-{uuid.uuid4().hex}") if rank == 0 else None)
-        size = (1 + world_size) * total
+            self.slot_offsets.append(None if id(p) in rows else averaged)
+            averaged += 0 if id(p) in rows else p.numel()
         dtype = self.params[0].dtype  # the model's format (Lightning's *-true precisions convert it), one for all
         if any(p.dtype != dtype for p in self.params):
             raise RuntimeError(f"cpu_mp shares one buffer of one format; the parameters are in {sorted({str(p.dtype) for p in self.params})}")
-        if rank == 0:
-            with open(name, "wb") as f:
-                f.truncate(size * dtype.itemsize)
-        barrier()
-        if not os.path.exists(name):
-            raise RuntimeError(f"cpu_mp rank {rank}: rank 0's shared weights {name} are not there (another machine?)")
-        buffer = torch.from_file(name, shared=True, size=size, dtype=dtype)
-        barrier()  # every rank has mapped it (from_file would create a new file once it is unlinked)
+        buffer = shared_file(total + world_size * averaged, dtype, rank == 0, barrier, broadcast_name, "weights")
         self.weights = buffer[:total]
-        self.slots = buffer[total:].view(world_size, total)
+        self.slots = buffer[total:].view(world_size, averaged)
         if rank == 0:
-            os.unlink(name)  # the mapping stays valid; nothing is left behind if a rank dies
             for p, o in zip(self.params, self.offsets):
                 self.weights[o : o + p.numel()].copy_(p.detach().reshape(-1))  # rank 0's start weights for all
         barrier()
         with torch.no_grad():
             for p, o in zip(self.params, self.offsets):
                 p.data = self.weights[o : o + p.numel()].view_as(p)
-        chunk = -(-total // world_size)
-        self.start, self.stop = min(rank * chunk, total), min((rank + 1) * chunk, total)
+        # This rank's slice: [a, b) of each parameter's elements (empty: a == b). The averaged
+        # parameters are cut in equal runs of their concatenation; the split ones by their rows.
+        chunk = -(-averaged // world_size)
+        start, stop = min(rank * chunk, averaged), min((rank + 1) * chunk, averaged)
+        self.owned: list[tuple[int, int]] = []
+        self._leaves: dict[int, torch.Tensor] = {}
+        for i, (p, o, s) in enumerate(zip(self.params, self.offsets, self.slot_offsets)):
+            if s is None:
+                first, last = rows[id(p)]
+                per_row = p[0].numel() if p.dim() else 1
+                a, b = first * per_row, last * per_row
+                self._leaves[i] = self.weights[o + a : o + b].view(last - first, *p.shape[1:]).detach().requires_grad_()
+            else:
+                a, b = max(start, s) - s, min(stop, s + p.numel()) - s
+            self.owned.append((a, b) if a < b else (0, 0))
         self._optimizer: torch.optim.Optimizer | None = None
         self._views: list[torch.Tensor] = []  # the slice optimizer's parameters, one per piece
         self._averaged: dict[int, torch.Tensor] = {}  # this step's averaged gradient of each parameter's part in the slice
         self._pieces: list[tuple[int, int, int, int]] = []  # (group, param index, start, stop) of each slice view
 
+    def rows(self, param: torch.Tensor) -> torch.Tensor:
+        """The leaf a split layer computes with: this rank's rows of ``param``, in the shared
+        weights, whose gradient :meth:`reduce` takes (the parameter itself gets none)."""
+        return self._leaves[next(i for i, p in enumerate(self.params) if p is param)]
+
     # ---- one step ---------------------------------------------------------------------------
     def reduce(self) -> None:
         """The parts of this rank's gradient other ranks own into its slot; then its own slice
         of the gradient plus every other rank's, averaged, in place: the gradient its slice of
-        the optimizer steps with. Each rank writes into shared memory only what others read."""
+        the optimizer steps with. Each rank writes into shared memory only what others read.
+        The rows of split layers need no exchange: this rank's gradient of them is the sum of
+        every rank's loss's, divided here by the ranks as the others are averaged."""
         mine = self.slots[self.rank]
         grads = [None if p.grad is None else p.grad.reshape(-1) for p in self.params]
-        for grad, (a, b), o in self._outside(grads):
-            if grad is None:
-                mine[a:b].zero_()
-            else:
-                mine[a:b].copy_(grad[a - o : b - o])
+        for grad, p, s, (a, b) in zip(grads, self.params, self.slot_offsets, self.owned):
+            if s is None:
+                continue
+            for lo, hi in ((0, a), (b, p.numel())):
+                if lo < hi:
+                    if grad is None:
+                        mine[s + lo : s + hi].zero_()
+                    else:
+                        mine[s + lo : s + hi].copy_(grad[lo:hi])
         self.barrier()  # every slot written, and every rank's step done with the previous result
         others = [r for r in range(self.world_size) if r != self.rank]
         self._averaged = {}
-        for i, (grad, (a, b), o) in self._inside(grads):
-            # Into the rank's own gradient where it has one: its slot's own slice is never touched (nor resident).
-            total = grad[a - o : b - o] if grad is not None else mine[a:b].zero_()
-            if grad is not None and len(others) == 1:  # (own + other) / 2 in one pass
-                torch.lerp(total, self.slots[others[0], a:b], 0.5, out=total)
-            else:
-                for other in others:
-                    total.add_(self.slots[other, a:b])
+        for i, (grad, s, (a, b)) in enumerate(zip(grads, self.slot_offsets, self.owned)):
+            if a == b:
+                continue
+            if s is None:
+                leaf = self._leaves[i]
+                total = leaf.grad.reshape(-1) if leaf.grad is not None else torch.zeros(b - a, dtype=leaf.dtype)
+                leaf.grad = None  # the next backward starts a new one
                 total.div_(self.world_size)
+            else:
+                # Into the rank's own gradient where it has one: its slot's own slice is never touched (nor resident).
+                total = grad[a:b] if grad is not None else mine[s + a : s + b].zero_()
+                if grad is not None and len(others) == 1:  # (own + other) / 2 in one pass
+                    torch.lerp(total, self.slots[others[0], s + a : s + b], 0.5, out=total)
+                else:
+                    for other in others:
+                        total.add_(self.slots[other, s + a : s + b])
+                    total.div_(self.world_size)
             self._averaged[i] = total
-
-    def _outside(self, grads):
-        """(gradient, a flat range of it outside this rank's slice, its offset), every parameter."""
-        for grad, p, o in zip(grads, self.params, self.offsets):
-            for a, b in ((o, min(o + p.numel(), self.start)), (max(o, self.stop), o + p.numel())):
-                if a < b:
-                    yield grad, (a, b), o
-
-    def _inside(self, grads):
-        """(index, (gradient, its flat range inside this rank's slice, its offset)), every parameter."""
-        for i, (grad, p, o) in enumerate(zip(grads, self.params, self.offsets)):
-            a, b = max(o, self.start), min(o + p.numel(), self.stop)
-            if a < b:
-                yield i, (grad, (a, b), o)
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """``optimizer``'s step (its class, groups and current hyperparameters) on this rank's
@@ -136,11 +172,10 @@ class SharedWeights:
             views = []
             for p in group["params"]:
                 i = next(indices)
-                o = self.offsets[i]
-                a, b = max(o, self.start), min(o + p.numel(), self.stop)
+                o, (a, b) = self.offsets[i], self.owned[i]
                 if a < b:
-                    views.append(self.weights[a:b])  # its gradient: set by each step (reduce)
-                    self._pieces.append((len(groups), i, a - o, b - o))
+                    views.append(self.weights[o + a : o + b])  # its gradient: set by each step (reduce)
+                    self._pieces.append((len(groups), i, a, b))
             if views:
                 groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": views})
                 self._groups.append(g)

@@ -101,6 +101,19 @@ def cpu_mp_s(t_seq_one_core: float, processes: int, gradient_mb: float, bandwidt
     return t_seq_one_core / processes + shared_weights_reduce_s(gradient_mb, processes, bandwidth_mb_s, barrier_s)
 
 
+def split_exchange_s(layers: Sequence[tuple[int, int]], batch: int, processes: int, activation_bytes: int, link: Link) -> float:
+    """The activations of fully connected layers split by rows between ``processes`` ranks
+    (:mod:`ddlx.parallel.split_linear`), each ``(in, out)``: per layer and rank, forward an
+    all-gather of the batch's inputs and an all-to-all of its block of outputs, backward a
+    reduce-scatter and an all-to-all of the same sizes: 2(P-1)(b/P)(in + out/P) values sent,
+    over ``link``, four collectives' latency."""
+    if processes <= 1 or not layers:
+        return 0.0
+    share = batch / processes
+    values = sum(2 * (processes - 1) * share * (i + -(-o // processes)) for i, o in layers)
+    return link.send_s(values * activation_bytes / 1e6) + (4 * len(layers) - 1) * link.latency_s
+
+
 def hybrid_s(t_local: float, processes: int, gradient_mb: float, bucket_mb: float, ring: Sequence[Link], fixed_s: float) -> float:
     """DDP over ``processes`` groups, each running split/pipe on its own devices: the local
     strategy's time on b/processes, plus the allreduce between groups (the last bucket exposed)."""

@@ -34,6 +34,7 @@ class LayerProfile:
     forward_flops: float  # per sample
     activation_bytes: int  # per sample: outputs kept for backward (in-place outputs not counted twice)
     output_bytes: int  # per sample: what the next layer receives
+    linears: tuple[tuple[int, int], ...] = ()  # (in, out) features of each fully connected layer in it
 
 
 @dataclass(frozen=True)
@@ -159,7 +160,8 @@ def profile_model(arch: str, num_classes: int, in_channels: int, image_size: int
     path = _cache_path(arch, num_classes, in_channels, image_size)
     try:
         kept = json.loads(path.read_text())
-        return ModelProfile(**{**kept, "layers": tuple(LayerProfile(**layer) for layer in kept["layers"]),
+        return ModelProfile(**{**kept, "layers": tuple(LayerProfile(**{**layer, "linears": tuple(map(tuple, layer["linears"]))})
+                                                       for layer in kept["layers"]),
                                "cut_points": tuple(tuple(point) for point in kept["cut_points"])})
     except (OSError, ValueError, TypeError, KeyError):
         pass  # not kept yet, or unreadable: count it again
@@ -194,6 +196,7 @@ def _count_profile(arch: str, num_classes: int, in_channels: int, image_size: in
                 forward_flops=float(counter.get_total_flops()),
                 activation_bytes=sum(kept) * FLOAT_BYTES,
                 output_bytes=x.numel() * FLOAT_BYTES,
+                linears=tuple((m.in_features, m.out_features) for m in layer.modules() if isinstance(m, nn.Linear)),
             ))
     return ModelProfile(
         arch=arch,

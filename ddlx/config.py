@@ -15,7 +15,7 @@ from omegaconf import MISSING
 
 from .allocator import AUTO
 from .allocator import CHOICES as ALLOCATORS
-from .job import BATCH_PER
+from .job import BATCH_PER, CACHE_CHOICES
 from .knobs import knob
 from .strategies import STRATEGIES
 
@@ -53,6 +53,7 @@ class DataConfig:
     pin_memory: bool = False
     shuffle: bool = True
     random_flip: bool = True
+    cache: str = knob("auto", choices=CACHE_CHOICES)  # auto: decoded images kept in memory when they fit (ddlx.data.cache)
 
 
 @dataclass

@@ -27,6 +27,7 @@ class Job:
     num_workers: int = 0  # data loader worker processes per training process (data.num_workers)
     cpu_allocator: str = SYSTEM  # see ddlx/allocator.py: runs of another allocator do not inform it
     precision: str = FP32  # Lightning's trainer.precision: runs of another precision do not inform it
+    data_cache: str = "none"  # memory: the decoded images kept in memory (ddlx.data.cache); runs of the other do not inform it
 
     @property
     def steps(self) -> float:
@@ -34,6 +35,15 @@ class Job:
 
 
 BATCH_PER = ("global", "worker")
+CACHE_CHOICES = ("auto", "none")  # data.cache (ddlx.data.cache)
+CACHE_SHARE_OF_RAM = 0.25  # data.cache=auto: what the decoded images may take of a machine's available RAM
+
+
+def cache_outcome(choice: str, images: int, channels: int, image_size: int, room_bytes: float) -> str:
+    """What ``data.cache=choice`` does with ``images`` of ``image_size`` px where ``room_bytes``
+    of RAM are available: ``memory`` (decoded once, kept) or ``none`` (decoded every epoch)."""
+    need = images * channels * image_size * image_size
+    return "memory" if choice == "auto" and need <= CACHE_SHARE_OF_RAM * room_bytes else "none"
 
 
 @dataclass(frozen=True)

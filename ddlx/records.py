@@ -36,13 +36,15 @@ class Workload:
     use_case: str = ""
     cpu_allocator: str = SYSTEM
     precision: str = FP32  # Lightning's trainer.precision, by its full name (precision_of)
+    data_cache: str = "none"  # memory: the decoded images kept in memory (ddlx.data.cache); runs before it: none
 
     @property
     def label(self) -> str:
         name = self.use_case or f"{self.model}/{self.data}"
         allocator = f" cpu_allocator={self.cpu_allocator}" if self.cpu_allocator != SYSTEM else ""
         precision = f" precision={self.precision}" if self.precision != FP32 else ""
-        return f"{name} {self.image_size}px b{self.batch_size}{allocator}{precision}"
+        cache = " decoded in memory" if self.data_cache == "memory" else ""
+        return f"{name} {self.image_size}px b{self.batch_size}{allocator}{precision}{cache}"
 
     def baseline_command(self, device: str) -> str:
         over = [f"model={self.model}", f"data={self.data}", f"data.image_size={self.image_size}",
@@ -54,6 +56,7 @@ class Workload:
             over.append(f"cpu_allocator={self.cpu_allocator}")
         if self.precision != FP32:
             over.append(f"trainer.precision={self.precision}")
+        over.append("data.cache=auto" if self.data_cache == "memory" else "data.cache=none")
         over += ["strategy=sequential", "strategy.threads=1"] if device == "cpu" else ["strategy=sequential", "trainer=gpu"]
         return "python train.py " + " ".join(over)
 
@@ -132,7 +135,8 @@ def workload_of(params: dict[str, str], tags: dict[str, str]) -> Workload:
     values = (str(params.get(k, "")) for k in WORKLOAD_PARAMS)
     return Workload(tags.get("host", "?"), *(SAME_VALUES.get(k, {}).get(v, v) for k, v in zip(WORKLOAD_PARAMS, values)),
                     use_case=tags.get("use_case", ""), cpu_allocator=params.get("cpu_allocator", SYSTEM),
-                    precision=precision_of(tags.get("precision", params.get("trainer.precision"))))
+                    precision=precision_of(tags.get("precision", params.get("trainer.precision"))),
+                    data_cache=tags.get("data_cache", "none"))
 
 
 def to_measured_run(run) -> MeasuredRun:
@@ -176,7 +180,7 @@ def job_of_run(run: MeasuredRun) -> Job:
         batch_size=int(p["data.batch_size"]),
         train_samples=round(m["mean_samples_per_s"] * m["mean_epoch_time_s"]),
         num_workers=int(p.get("data.num_workers", 0)), cpu_allocator=run.workload.cpu_allocator,
-        precision=run.workload.precision,
+        precision=run.workload.precision, data_cache=run.workload.data_cache,
     )
 
 

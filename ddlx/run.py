@@ -59,6 +59,7 @@ from .tracking import (
     recorded,
     reopen_run,
     start_run,
+    tag_run,
     use_case,
 )
 
@@ -292,6 +293,8 @@ def fit(cfg: DictConfig, trainer: pl.Trainer, module: ClassifierModule, datamodu
         trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     finally:
         end_distributed_job(trainer.strategy)
+        if datamodule.cached is not None:  # part of the workload: a run's loading cost depends on it
+            tag_run(logger, {"data_cache": "memory" if datamodule.cached else "none"})
     if trainer.fast_dev_run or not timer.epoch_times:
         record_unmeasured(logger, "trainer.fast_dev_run" if trainer.fast_dev_run else "no training step")
 
@@ -341,7 +344,7 @@ def check_job(cfg: DictConfig, resolved: dict, tags: dict, rank0: bool):
     if cfg.memory_check:
         check_memory(cfg, plan.data_parallel, plan.replicas_per_machine, plan.recompute)
     datamodule.prepare_data()
-    datamodule.setup("fit")
+    datamodule.build_sets()  # its errors now; the images are kept in memory (data.cache) once the ranks run
     if rank0:
         client = prepare_store(cfg.logger.tracking_uri, cfg.logger.experiment_name, cfg.logger.artifact_location)
         close_vanished_runs(client, [client.get_experiment_by_name(cfg.logger.experiment_name).experiment_id])

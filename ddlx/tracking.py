@@ -415,6 +415,12 @@ def close_vanished_runs(client, experiment_ids: list[str]) -> list[str]:
     return closed
 
 
+def tag_run(logger: MLFlowLogger | None, tags: Mapping[str, str]) -> None:
+    """Tags learnt during the run (rank 0's logger; None elsewhere: nothing)."""
+    if logger is not None and logger.run_id is not None:
+        _set_tags(logger.experiment, logger.run_id, tags)
+
+
 def _set_tags(client, run_id: str, tags: Mapping[str, str]) -> None:
     from mlflow.entities import RunTag
 

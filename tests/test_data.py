@@ -192,3 +192,40 @@ def test_bad_knobs_fail_before_any_work(tmp_path):
     with pytest.raises(ConfigError, match="data.num_images=2: .*at least one image per class"):
         fire_module(tmp_path, num_images=2)
     assert not os.path.exists(tmp_path / "synthetic")
+
+
+def test_decoded_images_kept_in_memory_load_the_same_samples(tmp_path):
+    """data.cache=auto decodes every image once before training; a sample read from there is the
+    tensor decoding the file gives, to the bit, flipped as it would be, for training and
+    validation alike; none keeps nothing."""
+    kept, decoded = fire_module(tmp_path), fire_module(tmp_path, cache="none")
+    for dm in (kept, decoded):
+        dm.prepare_data()
+        dm.setup("fit")
+    assert kept.cached and decoded.cached is False and decoded.train_set.cache is None
+    assert kept.train_set.cache.shape == (len(kept.train_set), 3, 32, 32) and kept.train_set.cache.dtype == torch.uint8
+    for key in [(i, epoch) for i in range(len(kept.train_set)) for epoch in (0, 1)]:
+        got, label = kept.train_set[key]
+        want, want_label = decoded.train_set[key]
+        assert torch.equal(got, want) and label == want_label, key
+    for i in range(len(kept.val_set)):
+        assert torch.equal(kept.val_set[i][0], decoded.val_set[i][0])
+    batch, _ = next(iter(kept.train_dataloader()))
+    assert torch.equal(batch, next(iter(decoded.train_dataloader()))[0]), "the loader's batches too"
+
+
+def test_decoded_images_stay_on_disk_where_memory_is_short(tmp_path, monkeypatch, caplog):
+    """auto keeps them only in a quarter of the available RAM (and where /dev/shm has room)."""
+    import logging
+    from types import SimpleNamespace
+
+    from ddlx.data import cache
+
+    monkeypatch.setattr(cache.psutil, "virtual_memory", lambda: SimpleNamespace(available=4 * 3 * 32 * 32 * 10))
+    dm = fire_module(tmp_path)
+    dm.prepare_data()
+    with caplog.at_level(logging.INFO, logger="ddlx.data.cache"):
+        dm.setup("fit")
+    assert dm.cached is False and dm.train_set.cache is None
+    assert "take more than 25% of the available RAM" in caplog.text
+    assert dm.train_set[0][0].shape == (3, 32, 32), "decoded from the file every time"

@@ -62,6 +62,7 @@ def test_train_py_logs_one_mlflow_run(tmp_path):
     assert client.get_experiment_by_name("ddlx").tags["mlflow.experimentKind"] == "custom_model_development", \
         "MLflow 3's UI opens it on the training runs, not its GenAI pages"
     assert "threads" not in run.data.metrics and tags["precision"] == "32-true"
+    assert tags["data_cache"] == "memory", "data.cache=auto kept the small set's decoded images in memory"
     history = client.get_metric_history(run.info.run_id, "epoch_time_s")
     assert len(history) == 2, "one epoch_time_s per epoch"
     # Defaults put the store and data in the project folder given as paths.root.

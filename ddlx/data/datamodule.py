@@ -15,7 +15,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from ..errors import ConfigError
 from .folder import scan_imagefolder
 from .synthetic import SyntheticSpec, ensure_synthetic_imagefolder
-from .transforms import build_transform, flips
+from .cache import CACHE_CHOICES, keep_decoded
+from .transforms import ImageTransform, build_transform, flips
 
 log = logging.getLogger(__name__)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
@@ -25,30 +26,38 @@ class ImageFileDataset(Dataset):
     """(path, label) pairs loaded as ``mode`` images and transformed; errors name the file.
 
     Indexed by ``(index, epoch)`` (what :class:`ResumableSampler` yields) or a plain index (epoch
-    0). With ``flip_seed``, a sample is flipped horizontally when :func:`flips` says so.
+    0). With ``flip_seed``, a sample is flipped horizontally when :func:`flips` says so. With
+    ``cache`` (:mod:`.cache`), its decoded pixels are read from there instead of the file.
     """
 
-    def __init__(self, samples: Sequence[tuple[str, int]], transform, mode: str, flip_seed: int | None = None) -> None:
+    def __init__(self, samples: Sequence[tuple[str, int]], transform: ImageTransform, mode: str,
+                 flip_seed: int | None = None) -> None:
         self.samples = list(samples)
         self.transform = transform
         self.mode = mode
         self.flip_seed = flip_seed
+        self.cache: torch.Tensor | None = None  # [images, channels, size, size] uint8, set by cache.keep_decoded
 
     def __len__(self) -> int:
         return len(self.samples)
 
-    def __getitem__(self, key: int | tuple[int, int]):
-        index, epoch = key if isinstance(key, tuple) else (key, 0)
-        path, label = self.samples[index]
+    def decode(self, index: int) -> torch.Tensor:
+        """Sample ``index``'s pixels, scaled to the image size (uint8 CHW)."""
+        path = self.samples[index][0]
         try:
             with Image.open(path) as image:
                 image = to_mode(image, self.mode)
         except (OSError, UnidentifiedImageError) as err:
             raise RuntimeError(f"cannot read image {path}: {err}") from err
-        tensor = self.transform(image)
+        return self.transform.decode(image)
+
+    def __getitem__(self, key: int | tuple[int, int]):
+        index, epoch = key if isinstance(key, tuple) else (key, 0)
+        pixels = self.cache[index] if self.cache is not None else self.decode(index)
+        tensor = self.transform.to_input(pixels)
         if self.flip_seed is not None and flips(self.flip_seed, epoch, index):
             tensor = tensor.flip(-1)
-        return tensor, label
+        return tensor, self.samples[index][1]
 
 
 class LabelsOnly(Dataset):
@@ -161,6 +170,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
         pin_memory: bool = False,
         shuffle: bool = True,
         random_flip: bool = True,
+        cache: str = "auto",
     ) -> None:
         super().__init__()  # types and ranges: the data schema (ddlx.config.DataConfig)
         if len(mean) != channels or len(std) != channels:
@@ -198,6 +208,10 @@ class ImageFolderDataModule(pl.LightningDataModule):
         self.pin_memory = pin_memory
         self.shuffle = shuffle
         self.random_flip = random_flip
+        if cache not in CACHE_CHOICES:
+            raise ConfigError(f"data.cache={cache}; expected one of {', '.join(CACHE_CHOICES)}")
+        self.cache = cache
+        self.cached: bool | None = None  # whether the images are decoded in memory (None: not decided yet)
         self.train_set: ImageFileDataset | None = None
         self.val_set: ImageFileDataset | None = None
 
@@ -216,6 +230,15 @@ class ImageFolderDataModule(pl.LightningDataModule):
             ensure_synthetic_imagefolder(self.data_folder, self.synthetic_spec)
 
     def setup(self, stage: str | None = None) -> None:
+        """The splits (:meth:`build_sets`) and, once every process of the job calls it (Lightning
+        does, with the process group up), the decoded images kept in memory (``data.cache``)."""
+        self.build_sets()
+        if self.cached is None:
+            self.cached = keep_decoded([self.train_set, self.val_set], self.cache, self.channels, self.image_size)
+
+    def build_sets(self) -> None:
+        """The train and validation splits of the folder, every error in it named: what can be
+        checked before any process starts (train.py does, then Lightning calls :meth:`setup`)."""
         if self.train_set is not None:
             return
         classes, samples = scan_imagefolder(self.data_folder)

@@ -3,7 +3,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
+from PIL import Image
 from torchvision import transforms as T
+from torchvision.transforms import functional as TF
 
 # Source 000, section 3.2 (the ImageNet statistics).
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -11,12 +14,28 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 MASK64 = 2**64 - 1
 
 
-def build_transform(image_size: int, mean: Sequence[float], std: Sequence[float]) -> T.Compose:
-    """Crop/scale to ``image_size``, to tensor, normalize (the training flip: :func:`flips`).
+class ImageTransform:
+    """Crop/scale to ``image_size`` (:meth:`decode`: an image to its pixels, uint8 CHW, what
+    :mod:`.cache` keeps), then to float in [0, 1] and normalize (:meth:`to_input`), as
+    ``Resize, CenterCrop, ToTensor, Normalize`` do. The training flip: :func:`flips`."""
 
-    ``ToTensor`` runs before ``Normalize`` because torchvision normalizes tensors, not images.
-    """
-    return T.Compose([T.Resize(image_size), T.CenterCrop(image_size), T.ToTensor(), T.Normalize(mean=list(mean), std=list(std))])
+    def __init__(self, image_size: int, mean: Sequence[float], std: Sequence[float]) -> None:
+        self.image_size = image_size
+        self.mean, self.std = list(mean), list(std)
+        self._scale = T.Compose([T.Resize(image_size), T.CenterCrop(image_size), T.PILToTensor()])
+
+    def decode(self, image: Image.Image) -> torch.Tensor:
+        return self._scale(image).contiguous()
+
+    def to_input(self, pixels: torch.Tensor) -> torch.Tensor:
+        return TF.normalize(pixels.float().div(255), self.mean, self.std)  # ToTensor's division, then Normalize's
+
+    def __call__(self, image: Image.Image) -> torch.Tensor:
+        return self.to_input(self.decode(image))
+
+
+def build_transform(image_size: int, mean: Sequence[float], std: Sequence[float]) -> ImageTransform:
+    return ImageTransform(image_size, mean, std)
 
 
 def flips(seed: int, epoch: int, index: int) -> bool:

@@ -14,12 +14,12 @@ from ..allocator import apply_allocator, check_allocator, resolve_allocator
 from ..config_check import check_bounds
 from ..data.folder import complete_data_config
 from ..errors import ConfigError
-from ..job import Batches, Job
+from ..job import Batches, Job, cache_outcome
 from ..models import check_request
 from ..records import left_out
 from ..strategies import BASELINE
 from ..tracking import check_tracking_uri, load_runs, log_result_run, store_exists
-from .hardware import HardwareSpec, detect_local, machine_identity, validate
+from .hardware import GB, HardwareSpec, detect_local, machine_identity, validate
 from .kept import forget, kept
 from .prediction import Predictor, Recommendation, data_config_of_job
 from .setups import check_tries
@@ -92,6 +92,15 @@ def job_from_config(cfg: DictConfig) -> Job:
                data.num_workers, cfg.cpu_allocator, numerics_of(cfg.trainer.precision).precision)
 
 
+def with_data_cache(job: Job, cfg: DictConfig, target) -> Job:
+    """``job`` keeping its decoded images in memory where train.py would on ``target`` (its RAM
+    per node, all of it available); the probes then load as the job would."""
+    images = round(job.train_samples / (1 - cfg.data.val_fraction)) if cfg.data.val_fraction < 1 else job.train_samples
+    outcome = cache_outcome(cfg.data.cache, images, job.channels, job.image_size, target.ram_per_node_gb * GB)
+    cfg.data.cache = "auto" if outcome == "memory" else "none"
+    return dataclasses.replace(job, data_cache=outcome)
+
+
 def measured_runs(cfg: DictConfig) -> tuple[list, str]:
     uri = cfg.logger.tracking_uri
     if not store_exists(uri):
@@ -134,6 +143,7 @@ def run(cfg: DictConfig, out_dir: Path, hw_dir: Path, job_overrides: list[str] |
     target = hardware(cfg.hw, detected_dir, refresh=cfg.mode == "probe")
     if job is not None:
         numerics_on(job.precision, target.device_kind)  # 16-mixed on CPU: Lightning would train bf16-mixed
+        job = with_data_cache(job, cfg, target)
     if cfg.mode == "probe":  # measures everything again, the kept rates and probes included
         from .linkprobe import write_probed_hw
 

@@ -221,9 +221,11 @@ class Predictor:
         """``job``'s batch is the batch as stated (``batches`` says what each setup's global batch
         is then); ``setups``: these, else the candidates on the hardware (``tries``: the knob
         values they try instead of the strategies' own choice)."""
-        # Another allocator (docs/allocator.md) or precision changes every timing: not this job's runs.
+        # Another allocator (docs/allocator.md), precision or loading (decoded images kept in memory or
+        # not) changes every timing: not this job's runs.
         runs = [r for r in self.runs if r.workload.cpu_allocator == job.cpu_allocator
-                and r.workload.precision == job.precision and not (exclude and exclude(r))]
+                and r.workload.precision == job.precision and r.workload.data_cache == job.data_cache
+                and not (exclude and exclude(r))]
         profile = profile_of_job(job)
         seq = self._sequential_with_loading(job, runs)
         load_core = self._load_core_s(job) if job.num_workers > 0 or seq.load_per_sample_s == 0 else None
@@ -286,7 +288,9 @@ def data_config_of_job(job: Job, runs: Sequence[MeasuredRun]):
     or None."""
     for run in runs:
         if usable(run) and job_of_run(run) == job:
-            return data_config_from_params(run.params)
+            data = data_config_from_params(run.params)
+            data.cache = "auto" if run.workload.data_cache == "memory" else "none"  # as it loaded
+            return data
     return None
 
 

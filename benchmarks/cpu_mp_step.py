@@ -11,13 +11,18 @@ own processes, in one sitting, for every model:
 - ``cpu_mp old``: the design before (commit 38c48c3): 2 ranks, one core each, each with its own
   weights and optimizer; each copies its gradient into its shared slot, sums its half of the
   slots, then steps the optimizer over the whole model in its own copy;
-- ``cpu_mp new``: ``ddlx.parallel.shared_memory.SharedWeights``, as ``strategy=cpu_mp`` runs it:
-  one shared copy of the weights, each rank reduces and steps its half.
+- ``cpu_mp shared``: ``ddlx.parallel.shared_memory.SharedWeights`` with every layer data
+  parallel (``strategy.split_linear=never``): one shared copy of the weights, each rank reduces
+  and steps its half;
+- ``cpu_mp split``: as ``strategy=cpu_mp`` runs by default: the same, with the wide fully
+  connected layers split by rows between the ranks (``ddlx.parallel.split_linear``).
 
-Per step (median over the steps after the first few): compute (forward and backward), reduce
-(gradient into the slot and the slice's sum), step (the optimizer), waiting (in the two barriers:
-for the slower rank), and the total; the speedup is over ``sequential threads=1``. Timings on
-this shared machine swing: compare the ratios of one sitting.
+Per step (median over the steps after the first few): compute (forward and backward, without
+the split layers' collectives), exchange (those collectives), reduce (gradient into the slot and
+the slice's sum), step (the optimizer), waiting (in the two barriers: for the slower rank), and
+the total; the speedup is over ``sequential threads=1``. Timings on this shared machine swing:
+compare the ratios of one sitting. Every process runs with the heap train.py would use
+(``cpu_allocator=auto``, docs/allocator.md).
 """
 from __future__ import annotations
 
@@ -35,12 +40,15 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from ddlx.allocator import AUTO, apply_allocator, resolve_allocator  # noqa: E402
 from ddlx.models import build_model  # noqa: E402
-from ddlx.parallel.cpu_mp import CpuMultiProcessStrategy, core_share  # noqa: E402
+from ddlx.parallel.cpu_mp import CpuMultiProcessStrategy  # noqa: E402
+from ddlx.parallel.pinning import core_share  # noqa: E402
+from ddlx.parallel import split_linear  # noqa: E402
 from ddlx.parallel.shared_memory import SharedWeights  # noqa: E402
 
 MODELS = {"alexnet": 224, "vgg11": 224, "resnet18": 128, "mobilenet_v2": 128}
-PHASES = ("compute", "reduce", "step", "waiting")
+PHASES = ("compute", "exchange", "reduce", "step", "waiting")
 
 
 class Clock:
@@ -52,10 +60,10 @@ class Clock:
         self.steps: list[dict[str, float]] = []
         self._nested = [0.0]
 
-    def timed(self, phase: str, fn, *args):
+    def timed(self, phase: str, fn, *args, **kwargs):
         self._nested.append(0.0)
         start = time.perf_counter()
-        out = fn(*args)
+        out = fn(*args, **kwargs)
         spent = time.perf_counter() - start
         inner = self._nested.pop()
         self.now[phase] += spent - inner
@@ -124,16 +132,24 @@ def rank_main(rank: int, world: int, design: str, model: str, size: int, steps: 
     x, y = x[rank::world], y[rank::world]
     clock = Clock()
     barrier = lambda: clock.timed("waiting", dist.barrier)  # noqa: E731
-    if design == "new":
-        shared = SharedWeights(list(net.parameters()), rank, world, dist.barrier, CpuMultiProcessStrategy._broadcast_name)
+    if design in ("shared", "split"):
+        layers = split_linear.split_linears(net, 32, rank, world) if design == "split" else []
+        owned = {p: rows for layer in layers for p, rows in layer.owned_rows().items()}
+        shared = SharedWeights(list(net.parameters()), rank, world, dist.barrier, CpuMultiProcessStrategy._broadcast_name,
+                               owned_rows=owned)
+        for layer in layers:
+            layer.rows = [shared.rows(p) for p in layer.owned_rows()]
         shared.barrier = barrier
+        for name in ("_all_gather", "_reduce_scatter", "_all_to_all"):  # the split layers' collectives, timed apart
+            collective = getattr(split_linear, name)
+            setattr(split_linear, name, lambda *a, _c=collective, **kw: clock.timed("exchange", _c, *a, **kw))
     else:
         averager = OldAverager(net.parameters(), rank, world, barrier, name)
     dist.barrier()
     for _ in range(steps):
         opt.zero_grad(set_to_none=True)
         clock.timed("compute", _forward_backward, net, x, y)
-        if design == "new":
+        if design in ("shared", "split"):
             clock.timed("reduce", shared.reduce)
             clock.timed("step", shared.step, opt)
         else:
@@ -165,7 +181,7 @@ def multi_process(design: str, model: str, size: int, steps: int, port: int) -> 
     return [max((results[r][i] for r in range(world)), key=lambda s: sum(s.values())) for i in range(steps)]
 
 
-SETUPS = ("sequential threads=1", "sequential threads=2", "cpu_mp old", "cpu_mp new")
+SETUPS = ("sequential threads=1", "sequential threads=2", "cpu_mp old", "cpu_mp shared", "cpu_mp split")
 
 
 def measure(setup: str, model: str, size: int, steps: int, port: int) -> list[dict[str, float]]:
@@ -178,16 +194,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--size", type=int, help="image size for every model (default: 224 AlexNet/VGG11, 128 the others)")
-    parser.add_argument("--steps", type=int, default=10, help="steps per setup; the first 3 are warm-up")
+    parser.add_argument("--steps", type=int, default=10, help="steps per setup and round; the first 3 are warm-up")
+    parser.add_argument("--rounds", type=int, default=1, help="every setup this many times, interleaved; the steps pooled")
+    parser.add_argument("--setups", nargs="*", default=list(SETUPS), choices=list(SETUPS))
     args = parser.parse_args()
-    print("| model | setup | ms/step | speedup | compute | reduce | step | waiting |\n|---|---|---|---|---|---|---|---|")
+    allocator = resolve_allocator(AUTO)
+    apply_allocator(allocator)  # train.py's heap, here and, through the environment, in the ranks
+    print(f"cpu_allocator={allocator}, {args.rounds} round(s) of {args.steps} steps per setup\n")
+    print("| model | setup | ms/step | speedup | " + " | ".join(PHASES) + " |\n|---|---|---|---|" + "---|" * len(PHASES))
     port = 29700 + os.getpid() % 1000
     for model in args.models:
         size = args.size or MODELS[model]
+        pooled: dict[str, list[dict[str, float]]] = {setup: [] for setup in args.setups}
+        for _ in range(args.rounds):
+            for setup in args.setups:
+                port += 1
+                pooled[setup] += measure(setup, model, size, args.steps, port)[3:]
         base = None
-        for setup in SETUPS:
-            port += 1
-            steps = measure(setup, model, size, args.steps, port)[3:]
+        for setup, steps in pooled.items():
             med = {k: 1e3 * statistics.median(s[k] for s in steps) for k in PHASES}
             total = 1e3 * statistics.median(sum(s.values()) for s in steps)
             base = base or total

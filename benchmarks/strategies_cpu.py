@@ -30,6 +30,7 @@ SETUPS = {
     "sequential threads=2": ["strategy=sequential", "strategy.threads=2"],
     "threads k=2": ["strategy=threads", "strategy.threads=2"],
     "cpu_mp processes=2": ["strategy=cpu_mp", "strategy.processes=2"],
+    "cpu_mp processes=2 split_linear=never": ["strategy=cpu_mp", "strategy.processes=2", "strategy.split_linear=never"],
     "ddp_gloo processes=2": ["strategy=ddp_gloo", "strategy.processes=2"],
     "pipe chunks=4 [cpu,cpu]": ["strategy=pipe", "strategy.chunks=4"],  # fairscale: one worker thread for both stages
     # PyTorch's pipelining: one process per stage, one core each.
@@ -47,7 +48,7 @@ def run_setup(name: str, overrides: list[str], args: argparse.Namespace, sweep: 
     cmd = [
         sys.executable, str(ROOT / "train.py"), *overrides,
         f"model={args.model}", f"data={args.data}", f"data.num_images={args.num_images}",
-        f"data.batch_size={args.batch_size}", f"data.num_workers={args.num_workers}",
+        f"data.batch_size={args.batch_size}", f"data.num_workers={args.num_workers}", f"data.cache={args.cache}",
         f"trainer.max_epochs={args.epochs}", "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false",
         "checkpoint.save=none", f"logger.experiment_name={EXPERIMENT}",
         f"+logger.tags.bench_round={sweep}", f"+logger.tags.bench_setup={slug}",
@@ -73,6 +74,8 @@ def main() -> None:
     parser.add_argument("--num-images", type=int, default=400)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--num-workers", type=int, default=0, help="loader workers per process (0: load in the training process)")
+    parser.add_argument("--cache", default="auto", choices=("auto", "none"),
+                        help="data.cache: auto keeps the decoded images in memory when they fit; none decodes them every epoch")
     parser.add_argument("--epochs", type=int, default=2, help="the first is warm-up when there are several")
     parser.add_argument("--rounds", type=int, default=1, help="repeat every setup, interleaved, this many times")
     parser.add_argument("--only", nargs="*", help="names from: " + "; ".join(SETUPS))
@@ -92,7 +95,8 @@ def main() -> None:
             print(f"  round {r + 1}: {name}: {statistics.mean(times[name]):.2f} s/epoch", file=sys.stderr)
 
     base = statistics.mean(times.get("sequential threads=1") or [float("nan")])
-    print(f"\n{args.model} {args.data} ({args.num_images} images, batch {args.batch_size}, {args.num_workers} loader workers) on {_cores()} cores")
+    print(f"\n{args.model} {args.data} ({args.num_images} images, batch {args.batch_size}, {args.num_workers} loader workers, "
+          f"data.cache={args.cache}) on {_cores()} cores")
     print(f"{'setup':28s} {'epoch s':>9s} {'min':>7s} {'max':>7s} {'speedup':>8s} {'peak RAM MB':>12s}")
     for name, values in times.items():
         mean = statistics.mean(values)

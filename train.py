@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 
 from ddlx.cli import hydra_job_tags, register_config, resume_requeued_job, run_training_job, task_overrides
 from ddlx.config_check import check_command_line
+from ddlx.parallel.rank_fork import start_fork_server
 
 PROJECT_DIR = Path(__file__).resolve().parent
 register_config(PROJECT_DIR)
@@ -22,6 +23,7 @@ register_config(PROJECT_DIR)
 def main(cfg: DictConfig) -> None:
     from ddlx.run import train  # imported here so --help and config errors answer fast
 
+    start_fork_server()  # extra ranks forked from this process as it is now: before anything computes
     output_dir, tags = hydra_job_tags(cfg.paths.root)
     requeue = resume_requeued_job(cfg, tags)  # under SLURM: a requeued job resumes where it stopped
     run_training_job(lambda: train(cfg, output_dir, tags), in_sweep="sweep_id" in tags, overrides=task_overrides(),

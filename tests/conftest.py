@@ -79,3 +79,15 @@ def subprocess_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(PROJECT_DIR) + os.pathsep + env.get("PYTHONPATH", "")
     return env
+
+
+def rank_workers(pid: int) -> list:
+    """The extra ranks of the job whose rank 0 is ``pid``: forked by train.py's server
+    (ddlx.parallel.rank_fork, named ``ddlx-rank-N``) or started as ``python -m ddlx.rank_worker``."""
+    import psutil
+
+    try:
+        return [c for c in psutil.Process(pid).children(recursive=True)
+                if c.name().startswith("ddlx-rank") or "ddlx.rank_worker" in " ".join(c.cmdline())]
+    except psutil.Error:
+        return []

@@ -15,7 +15,7 @@ import psutil
 import pytest
 import pytorch_lightning as pl
 import torch
-from conftest import PROJECT_DIR, TINY, runs, subprocess_env
+from conftest import PROJECT_DIR, TINY, rank_workers, runs, subprocess_env
 
 from ddlx import run as run_module
 from ddlx.errors import ConfigError, Stopped
@@ -200,10 +200,7 @@ def _wait_for(predicate, timeout: float, what: str):
 
 
 def _rank_workers(pid: int) -> list[psutil.Process]:
-    try:
-        return [c for c in psutil.Process(pid).children(recursive=True) if "ddlx.rank_worker" in " ".join(c.cmdline())]
-    except psutil.Error:
-        return []
+    return rank_workers(pid)
 
 
 def _an_epoch_done(tmp_path: Path) -> bool:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import PROJECT_DIR, compose_config, runs, subprocess_env
+from conftest import PROJECT_DIR, compose_config, rank_workers, runs, subprocess_env
 
 from ddlx.errors import ConfigError
 from ddlx.run import layered_model_meta, train
@@ -385,13 +385,10 @@ def test_killed_rank_does_not_hang_the_others(strategy, tmp_path, shared_data):
 
 
 def _wait_for_worker(parent_pid: int, timeout: float) -> int:
-    import psutil
-
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for child in psutil.Process(parent_pid).children(recursive=True):
-            if "ddlx.rank_worker" in " ".join(child.cmdline()):
-                return child.pid
+        for child in rank_workers(parent_pid):
+            return child.pid
         time.sleep(0.5)
     raise AssertionError("rank 1 never started")
 

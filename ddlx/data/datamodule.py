@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import logging
 import signal
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -134,10 +135,15 @@ class ResumableLoader(DataLoader):
 def _quiet_worker(worker_id: int) -> None:
     """A loader worker leaves stop signals to the training process (which stops after the step
     and shuts its workers down); otherwise a Ctrl-C or SLURM's signal to the whole process group
-    kills the worker, and the step fails instead of stopping. Seeded as Lightning seeds them."""
+    kills the worker, and the step fails instead of stopping. Seeded as Lightning seeds them,
+    named for ps and top."""
     from lightning_fabric.utilities.seed import pl_worker_init_function
 
+    from ..parallel.rank_fork import name_process
+
     pl_worker_init_function(worker_id)
+    if sys.platform.startswith("linux"):
+        name_process("ddlx-loader")  # in ps and top (a forked process keeps its parent's command line)
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
 

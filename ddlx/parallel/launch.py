@@ -4,7 +4,8 @@ Lightning's script launcher re-runs ``sys.argv`` for each rank; under Hydra it c
 command line, so a DDP job inside a ``-m`` sweep would start a sweep per rank, and under pytest
 it would re-run pytest (Lightning PRs 11617, 18145, 18175; Hydra issue 2070). ddlx instead
 starts each extra rank as ``python -m ddlx.rank_worker CONFIG OUTPUT_DIR``: the job's own
-resolved config, whatever started it.
+resolved config, whatever started it; under train.py, forked from a copy of its process made
+after its imports (:mod:`.rank_fork`), which saves each rank the imports' memory and time.
 """
 from __future__ import annotations
 
@@ -209,10 +210,16 @@ class WorkerLauncher(_SubprocessScriptLauncher):
         os.environ["NODE_RANK"] = str(env.node_rank())
         os.environ["LOCAL_RANK"] = str(env.local_rank())
         os.environ["WORLD_SIZE"] = str(self.num_processes * self.num_nodes)
+        from .rank_fork import fork_server
+
+        server = fork_server()  # train.py's: the ranks share its imports (else new interpreters)
         for local_rank in range(1, self.num_processes):
             child_env = {**os.environ, "LOCAL_RANK": str(local_rank), WORKER_ENV: "1", PARENT_ENV: str(os.getpid())}
-            command = [sys.executable, "-m", "ddlx.rank_worker", *self.worker_args]
-            self.procs.append(subprocess.Popen(command, env=child_env))
+            if server is not None:
+                self.procs.append(server.spawn(self.worker_args, child_env))
+            else:
+                command = [sys.executable, "-m", "ddlx.rank_worker", *self.worker_args]
+                self.procs.append(subprocess.Popen(command, env=child_env))
 
 
 def plain_optimizer(optimizer):

@@ -1,0 +1,229 @@
+"""Extra ranks forked from a copy of the launching process made right after its imports.
+
+A rank started as a new interpreter (``python -m ddlx.rank_worker``) imports torch, Lightning
+and MLflow again: about half a GB of memory of its own (relocated library data, Python objects)
+and seconds of start-up per rank, on the same machine as rank 0 that holds the same. train.py
+instead forks a small server from its process once its imports are done and before anything has
+computed (:func:`start_fork_server`); the launcher asks it for each extra rank
+(:meth:`RankForkServer.spawn`), a fork that shares those pages with rank 0 until written, and
+runs the same ``ddlx.rank_worker`` entry on the job's own config and environment, as a new
+interpreter would. Forking later would not do: a process whose OpenMP threads have run cannot
+fork children that use them (they hang), which is why the server is made before any job runs
+and is never used where it was not (a caller of ``ddlx.run.train`` in its own process gets
+ranks as new interpreters, as before).
+
+The server ends with its parent, each rank with the server (``PR_SET_PDEATHSIG``), so a rank 0
+killed with -9 leaves no process behind; the server reports each rank's exit status, which
+:class:`ForkedRank` answers as :class:`subprocess.Popen` would (what Lightning's watchdog reads).
+A forked process keeps the command line it was forked with: ps and top tell them by name
+(``ddlx-forker``, ``ddlx-rank-1``, ...; loader workers ``ddlx-loader``).
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+log = logging.getLogger(__name__)
+
+PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15  # linux/prctl.h
+SERVER_NAME, RANK_NAME = "ddlx-forker", "ddlx-rank-{}"  # what ps and top show
+POLL_S = 0.2
+# Stop signals go to every process of the terminal's group or the job: they are for the ranks
+# (each stops after its step); the server outlives them until its parent ends.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+
+_server: RankForkServer | None = None
+
+
+def start_fork_server() -> None:
+    """Fork the rank server from this process, once, on Linux, unless its ranks are started by
+    someone else (mpirun, srun, torchrun) or it is a rank itself. Call it after the imports and
+    before any computation (see the module's docstring)."""
+    global _server
+    from .launch import STARTED_EXTERNALLY, is_rank_worker
+
+    if _server is not None or not sys.platform.startswith("linux") or is_rank_worker() \
+            or any(name in os.environ for name in STARTED_EXTERNALLY):
+        return
+    _server = RankForkServer()
+
+
+def fork_server() -> RankForkServer | None:
+    return _server if _server is not None and _server.pid is not None else None
+
+
+class RankForkServer:
+    def __init__(self) -> None:
+        ours, theirs = multiprocessing.Pipe()
+        sys.stdout.flush()
+        sys.stderr.flush()  # a forked copy would write what is buffered again
+        pid = os.fork()
+        if pid == 0:  # the server
+            ours.close()
+            code = 1
+            try:
+                _serve(theirs)
+                code = 0
+            finally:
+                os._exit(code)
+        theirs.close()
+        self.pid: int | None = pid
+        self._conn = ours
+        self._lock = threading.Lock()
+        self._codes: dict[int, int] = {}  # exit codes of ended ranks, as Popen's returncode
+
+    def spawn(self, argv: list[str], env: dict[str, str]) -> ForkedRank:
+        """A rank running ``ddlx.rank_worker`` with ``argv`` in ``env`` and this directory."""
+        with self._lock:
+            self._conn.send(("spawn", argv, env, os.getcwd()))
+            while True:
+                message = self._conn.recv()
+                if message[0] == "pid":
+                    return ForkedRank(self, message[1], argv)
+                self._note(message)
+
+    def returncode(self, pid: int, timeout: float | None = 0.0) -> int | None:
+        """``pid``'s exit code once the server has seen it end, waiting up to ``timeout`` (None: for ever)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while pid not in self._codes:
+                left = POLL_S if deadline is None else deadline - time.monotonic()
+                try:
+                    if left <= 0 and not self._conn.poll():
+                        return None
+                    if self._conn.poll(max(0.0, min(left, POLL_S))):
+                        self._note(self._conn.recv())
+                except (EOFError, OSError):  # the server is gone, and its ranks with it
+                    self.pid = None
+                    return self._codes.setdefault(pid, -signal.SIGKILL)
+            return self._codes[pid]
+
+    def _note(self, message) -> None:
+        if message[0] == "exit":
+            self._codes[message[1]] = message[2]
+
+
+class ForkedRank:
+    """A rank forked by the server, seen as the :class:`subprocess.Popen` of a started one."""
+
+    def __init__(self, server: RankForkServer, pid: int, args: list[str]) -> None:
+        self._server, self.pid, self.args = server, pid, args
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._server.returncode(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self.returncode = self._server.returncode(self.pid, timeout)
+        if self.returncode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+
+def _end_with_parent() -> None:
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def name_process(name: str) -> None:
+    """This process's name as ps, top and psutil show it (its command line stays the launching
+    one's: a forked process cannot change that)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, name.encode()[:15])
+
+
+def _serve(conn) -> None:
+    """The server's loop: fork a rank per request, report each rank's end; leave when the
+    launching process does (its end of the pipe closes, or the kernel's signal)."""
+    parent = os.getppid()
+    _end_with_parent()
+    if os.getppid() != parent:
+        return
+    name_process(SERVER_NAME)
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+    ranks: set[int] = set()
+    while True:
+        while ranks:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            ranks.discard(pid)
+            conn.send(("exit", pid, os.waitstatus_to_exitcode(status)))
+        try:
+            if not conn.poll(POLL_S):
+                continue
+            _, argv, env, cwd = conn.recv()
+        except (EOFError, OSError):
+            return
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            conn.close()
+            _run_rank(argv, env, cwd)
+        ranks.add(pid)
+        conn.send(("pid", pid))
+
+
+def _run_rank(argv: list[str], env: dict[str, str], cwd: str) -> None:
+    """In the forked rank: the job's environment and directory, default signal handling and
+    logging, as a new interpreter would have them; then the rank's entry. Never returns."""
+    from .launch import PARENT_ENV
+
+    code = 1
+    try:
+        name_process(RANK_NAME.format(env.get("LOCAL_RANK", "")))
+        _end_with_parent()  # the server: it leaves only when the launching process has ended
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
+        os.environ.clear()
+        os.environ.update(env, **{PARENT_ENV: str(os.getppid())})  # the server: the rank ends with it
+        os.chdir(cwd)
+        sys.stdout = open(1, "w", buffering=1, closefd=False)  # the descriptors, whatever wrapped them
+        sys.stderr = open(2, "w", buffering=1, closefd=False, errors="backslashreplace")
+        root = logging.getLogger()
+        for handler in list(root.handlers):  # the launching process's (Hydra's job log)
+            root.removeHandler(handler)
+        root.setLevel(logging.WARNING)
+        sys.argv = [sys.executable, "-m", "ddlx.rank_worker", *argv]
+        from ..rank_worker import main
+
+        main(argv)
+        code = 0
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        if stop.code is not None and not isinstance(stop.code, int):
+            print(stop.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - reported as an interpreter would, then the exit code says it
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)

@@ -1,0 +1,95 @@
+"""Extra ranks forked from train.py's server (ddlx.parallel.rank_fork): seen as started ranks
+are (exit codes, kill, wait), and sharing the launching process's imports."""
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+from conftest import PROJECT_DIR, TINY, rank_workers, subprocess_env
+
+from ddlx.parallel.rank_fork import RankForkServer
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ranks are forked on Linux only")
+
+
+@contextlib.contextmanager
+def fork_server():
+    # Made in the test, where capfd holds fd 2. Its ranks here never compute (a process whose
+    # OpenMP threads ran, as pytest's, cannot fork ones that do).
+    server = RankForkServer()
+    try:
+        yield server
+    finally:
+        server._conn.close()  # the server leaves when its pipe closes
+        os.waitpid(server.pid, 0)
+
+
+def test_a_forked_rank_reports_its_exit_as_a_started_one(capfd):
+    with fork_server() as server:
+        rank = server.spawn(["only-one-argument"], {**os.environ, "LOCAL_RANK": "1"})
+        assert rank.wait(timeout=30) == 1 and rank.poll() == 1
+        assert psutil.Process(server.pid).name() == "ddlx-forker"
+    assert "usage: python -m ddlx.rank_worker" in capfd.readouterr().err
+
+
+def test_a_forked_rank_is_waited_for_and_killed_as_a_started_one(tmp_path):
+    fifo = tmp_path / "config.yaml"
+    os.mkfifo(fifo)  # the rank blocks reading its config
+    with fork_server() as server:
+        rank = server.spawn([str(fifo), str(tmp_path)], {**os.environ, "LOCAL_RANK": "1"})
+        with pytest.raises(subprocess.TimeoutExpired):
+            rank.wait(timeout=1)
+        assert rank.poll() is None and _named(rank.pid, "ddlx-rank-1")
+        assert psutil.Process(rank.pid).ppid() == server.pid
+        rank.kill()
+        assert rank.wait(timeout=30) == -9
+
+
+def test_train_py_forks_its_ranks_sharing_its_imports(tmp_path):
+    """rank 1 of a cpu_mp run under train.py is forked by its server, a child of rank 0, and the
+    memory torch, Lightning and MLflow took at import is shared with rank 0, not its own."""
+    proc = subprocess.Popen([sys.executable, str(PROJECT_DIR / "train.py"), f"paths.root={tmp_path}", *TINY,
+                             "strategy=cpu_mp", "trainer.max_epochs=30"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env=subprocess_env(), cwd=tmp_path)
+    try:
+        deadline, ranks = time.monotonic() + 120, []
+        while not ranks and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.5)
+            ranks = rank_workers(proc.pid)
+        assert ranks, proc.stderr.read()[-3000:] if proc.poll() is not None else "no rank 1 within 120 s"
+        rank = ranks[0]
+        assert rank.name() == "ddlx-rank-1"
+        server = psutil.Process(rank.ppid())
+        assert server.name() == "ddlx-forker" and server.ppid() == proc.pid
+        shared = _rollup_mb(rank.pid)["Shared_Dirty"]
+        assert shared > 50, f"rank 1 shares {shared} MB of written memory with rank 0 and the server"
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 10
+    while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in [rank, server]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in [rank, server]), \
+        "rank 0 killed: the server and its ranks end with it"
+
+
+def _named(pid: int, name: str, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while psutil.Process(pid).name() != name and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return psutil.Process(pid).name() == name
+
+
+def _rollup_mb(pid: int) -> dict[str, int]:
+    values = {}
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            key, *rest = line.split()
+            if rest and rest[-1] == "kB":
+                values[key.rstrip(":")] = int(rest[0]) // 1024
+    return values

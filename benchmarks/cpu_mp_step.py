@@ -15,7 +15,11 @@ own processes, in one sitting, for every model:
   parallel (``strategy.split_linear=never``): one shared copy of the weights, each rank reduces
   and steps its half;
 - ``cpu_mp split``: as ``strategy=cpu_mp`` runs by default: the same, with the wide fully
-  connected layers split by rows between the ranks (``ddlx.parallel.split_linear``).
+  connected layers split by rows between the ranks (``ddlx.parallel.split_linear``);
+- ``ranks apart``: the ceiling of any design with 2 ranks on this machine: the same 2 pinned
+  ranks, each training its own model on its half of the batch, exchanging nothing. What it
+  lacks of 2x is what the two cores lose to each other (shared caches, memory bandwidth, a
+  host's neighbours), not what cpu_mp does.
 
 Per step (median over the steps after the first few): compute (forward and backward, without
 the split layers' collectives), exchange (those collectives), reduce (gradient into the slot and
@@ -143,7 +147,7 @@ def rank_main(rank: int, world: int, design: str, model: str, size: int, steps: 
         for name in ("_all_gather", "_reduce_scatter", "_all_to_all"):  # the split layers' collectives, timed apart
             collective = getattr(split_linear, name)
             setattr(split_linear, name, lambda *a, _c=collective, **kw: clock.timed("exchange", _c, *a, **kw))
-    else:
+    elif design == "old":
         averager = OldAverager(net.parameters(), rank, world, barrier, name)
     dist.barrier()
     for _ in range(steps):
@@ -152,8 +156,10 @@ def rank_main(rank: int, world: int, design: str, model: str, size: int, steps: 
         if design in ("shared", "split"):
             clock.timed("reduce", shared.reduce)
             clock.timed("step", shared.step, opt)
-        else:
+        elif design == "old":
             averager.average(clock)
+            clock.timed("step", opt.step)
+        else:  # apart: each rank its own model, nothing exchanged
             clock.timed("step", opt.step)
         clock.end_step()
     out.put((rank, clock.steps))
@@ -181,13 +187,13 @@ def multi_process(design: str, model: str, size: int, steps: int, port: int) -> 
     return [max((results[r][i] for r in range(world)), key=lambda s: sum(s.values())) for i in range(steps)]
 
 
-SETUPS = ("sequential threads=1", "sequential threads=2", "cpu_mp old", "cpu_mp shared", "cpu_mp split")
+SETUPS = ("sequential threads=1", "sequential threads=2", "cpu_mp old", "cpu_mp shared", "cpu_mp split", "ranks apart")
 
 
 def measure(setup: str, model: str, size: int, steps: int, port: int) -> list[dict[str, float]]:
     if setup.startswith("sequential"):
         return one_process(model, size, int(setup[-1]), steps)
-    return multi_process(setup.split()[-1], model, size, steps, port)
+    return multi_process(setup.split()[-1], model, size, steps, port)  # old, shared, split, apart
 
 
 def main() -> None:

@@ -22,8 +22,9 @@ register_config(PROJECT_DIR)
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> None:
     from ddlx.run import train  # imported here so --help and config errors answer fast
+    from ddlx.strategies import starts_ranks
 
-    start_fork_server()  # extra ranks forked from this process as it is now: before anything computes
+    start_fork_server(starts_ranks(cfg.strategy))  # extra ranks forked from this process as it is now, before it computes
     output_dir, tags = hydra_job_tags(cfg.paths.root)
     requeue = resume_requeued_job(cfg, tags)  # under SLURM: a requeued job resumes where it stopped
     run_training_job(lambda: train(cfg, output_dir, tags), in_sweep="sweep_id" in tags, overrides=task_overrides(),

@@ -10,9 +10,11 @@ import time
 
 import psutil
 import pytest
-from conftest import PROJECT_DIR, TINY, rank_workers, subprocess_env
+from conftest import PROJECT_DIR, TINY, compose_config, rank_workers, subprocess_env
 
+from ddlx.parallel import rank_fork
 from ddlx.parallel.rank_fork import RankForkServer
+from ddlx.strategies import starts_ranks
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ranks are forked on Linux only")
 
@@ -76,6 +78,33 @@ def test_train_py_forks_its_ranks_sharing_its_imports(tmp_path):
         time.sleep(0.2)
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in [rank, server]), \
         "rank 0 killed: the server and its ranks end with it"
+
+
+@pytest.mark.parametrize("overrides, forks", [
+    (["strategy=sequential", "strategy.threads=2"], False),
+    (["strategy=threads"], False),
+    (["strategy=split"], False),
+    (["strategy=pipe"], False),  # fairscale: one process
+    (["strategy=mpi"], False),  # mpirun starts the ranks
+    (["strategy=ddp_gloo", "strategy.processes=1"], False),
+    (["strategy=cpu_mp", "strategy.processes=2"], True),
+    (["strategy=fsdp", "strategy.processes=2"], True),
+    (["strategy=pipe", "strategy.engine=torch"], True),
+    (["strategy=hybrid", "strategy.processes=1", "strategy.local=pipe", "strategy.engine=torch"], True),
+])
+def test_only_a_job_that_starts_ranks_has_a_server(overrides, forks):
+    """A server holds what its parent has written since the fork (215 MB beside a sequential
+    AlexNet run): made only for a job that starts ranks of its own."""
+    assert starts_ranks(compose_config(overrides).strategy) is forks
+
+
+def test_a_sweep_whose_first_job_starts_no_ranks_forks_no_server_later(monkeypatch):
+    """By its second job the process has computed, and cannot fork one (its ranks would hang)."""
+    monkeypatch.setattr(rank_fork, "_first_job_seen", False)
+    monkeypatch.setattr(rank_fork, "_server", None)
+    rank_fork.start_fork_server(needed=False)
+    rank_fork.start_fork_server(needed=True)
+    assert rank_fork.fork_server() is None
 
 
 def _named(pid: int, name: str, timeout: float = 10.0) -> bool:

@@ -4,7 +4,7 @@ A rank started as a new interpreter (``python -m ddlx.rank_worker``) imports tor
 and MLflow again: about half a GB of memory of its own (relocated library data, Python objects)
 and seconds of start-up per rank, on the same machine as rank 0 that holds the same. train.py
 instead forks a small server from its process once its imports are done and before anything has
-computed (:func:`start_fork_server`); the launcher asks it for each extra rank
+computed, when its job starts ranks itself (:func:`start_fork_server`); the launcher asks it for each extra rank
 (:meth:`RankForkServer.spawn`), a fork that shares those pages with rank 0 until written, and
 runs the same ``ddlx.rank_worker`` entry on the job's own config and environment, as a new
 interpreter would. Forking later would not do: a process whose OpenMP threads have run cannot
@@ -39,16 +39,20 @@ POLL_S = 0.2
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
 _server: RankForkServer | None = None
+_first_job_seen = False
 
 
-def start_fork_server() -> None:
-    """Fork the rank server from this process, once, on Linux, unless its ranks are started by
-    someone else (mpirun, srun, torchrun) or it is a rank itself. Call it after the imports and
-    before any computation (see the module's docstring)."""
-    global _server
+def start_fork_server(needed: bool = True) -> None:
+    """Call it at the start of every job of this process, before anything computes: on Linux it
+    forks the rank server when the process's first job ``needed`` one (it starts extra ranks
+    itself, not mpirun, srun or torchrun; this is no rank). Later jobs of a sweep use that server;
+    when the first job did not need one, they start their ranks as new interpreters (a process
+    that has computed cannot fork a server: see the module's docstring)."""
+    global _server, _first_job_seen
+    first, _first_job_seen = not _first_job_seen, True
     from .launch import STARTED_EXTERNALLY, is_rank_worker
 
-    if _server is not None or not sys.platform.startswith("linux") or is_rank_worker() \
+    if not (needed and first) or not sys.platform.startswith("linux") or is_rank_worker() \
             or any(name in os.environ for name in STARTED_EXTERNALLY):
         return
     _server = RankForkServer()

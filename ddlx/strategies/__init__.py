@@ -33,6 +33,12 @@ def spec_of(name: str) -> StrategySpec:
     return STRATEGIES[name]
 
 
+def starts_ranks(cfg) -> bool:
+    """Whether a run of the strategy config ``cfg`` has ddlx's launcher start ranks beside its
+    own process (an unknown name: no; it is refused where the run builds its strategy)."""
+    return cfg.get("name") in STRATEGIES and STRATEGIES[cfg.get("name")].starts_ranks(cfg)
+
+
 def build_strategy(cfg, accelerator: str, model, data) -> StrategyPlan:
     """The Trainer's arguments for the strategy ``cfg`` names (``model`` on the meta device is
     enough: layer counts and cut points; ``data``: the batch's shape)."""
@@ -42,4 +48,4 @@ def build_strategy(cfg, accelerator: str, model, data) -> StrategyPlan:
     return plan
 
 
-__all__ = ["BASELINE", "STRATEGIES", "Setup", "StrategyPlan", "StrategySpec", "available_strategies", "build_strategy", "spec_of"]
+__all__ = ["BASELINE", "STRATEGIES", "Setup", "StrategyPlan", "StrategySpec", "available_strategies", "build_strategy", "spec_of", "starts_ranks"]

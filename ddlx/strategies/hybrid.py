@@ -78,6 +78,9 @@ class Hybrid(StrategySpec):
             refused_precisions=engine_refused_precisions(cfg), recompute=strategy.recompute,
         )
 
+    def starts_ranks(self, cfg) -> bool:
+        return (cfg.get("processes") or 1) > 1 or (cfg.get("local") == "pipe" and cfg.get("engine") == "torch")
+
     def setup_of_run(self, params, tags) -> Setup:
         return Setup(self.name, (("processes", int(params["strategy.processes"])), ("local", params.get("strategy.local", "split")),
                                  *torch_pipeline_knobs(params)))

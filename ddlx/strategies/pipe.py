@@ -202,6 +202,9 @@ class Pipe(StrategySpec):
             refused_precisions=self.refused_precisions(cfg), recompute=strategy.recompute,
         )
 
+    def starts_ranks(self, cfg) -> bool:
+        return cfg.get("engine") == "torch"  # one process per stage
+
     def refused_precisions(self, knobs) -> dict[str, str]:
         return engine_refused_precisions(knobs)
 

@@ -120,6 +120,11 @@ class StrategySpec:
         starting any other ranks on the machine)."""
         return ""
 
+    def starts_ranks(self, cfg) -> bool:
+        """Whether a run of its config ``cfg`` has ddlx's launcher start ranks beside train.py's
+        process (what the rank fork server is for)."""
+        return (cfg.get("processes") or 1) > 1
+
     def processes(self, setup: Setup) -> int:
         """Training processes (each with its own data loader)."""
         return setup.get("processes") or setup.get("ranks") or 1

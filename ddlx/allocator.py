@@ -181,6 +181,16 @@ def keep_freed_possible() -> bool:
     return _glibc() is not None and _is_libc(malloc_library())
 
 
+def release_free_heap() -> None:
+    """Hand the heap's free pages back to the system now (glibc's ``malloc_trim``; elsewhere
+    nothing), whatever the trim threshold: what a process freed before it forks (its loader
+    workers) is otherwise in each child too, and the child keeps its own copy of every such page
+    the parent reuses after the fork."""
+    libc = _glibc()
+    if libc is not None and _is_libc(malloc_library()):
+        libc.malloc_trim(0)
+
+
 def apply_allocator(choice: str) -> None:
     """Set ``choice`` in this process and, through the environment, in the processes it starts."""
     global _set_here

@@ -2,12 +2,17 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import subprocess_env
 from PIL import Image
 
+from ddlx.allocator import keep_freed_possible
 from ddlx.data import (
     ImageFolderDataModule,
     SyntheticSpec,
@@ -229,3 +234,42 @@ def test_decoded_images_stay_on_disk_where_memory_is_short(tmp_path, monkeypatch
     assert dm.cached is False and dm.train_set.cache is None
     assert "take more than 25% of the available RAM" in caplog.text
     assert dm.train_set[0][0].shape == (3, 32, 32), "decoded from the file every time"
+
+
+# A process on keep_freed frees 256 MB, starts a loader with one worker, then writes the same
+# amount again, into the freed heap: the memory the two processes hold (PSS summed, MB).
+WORKER_KEEPS_FREED_HEAP = textwrap.dedent("""
+    import os, sys
+    import torch
+    from torch.utils.data import DataLoader
+    from ddlx.allocator import apply_allocator
+    from ddlx.data.datamodule import ForkingLoader
+
+    class Pid(torch.utils.data.Dataset):
+        def __len__(self): return 4
+        def __getitem__(self, i): return torch.tensor(os.getpid())
+
+    def pss_mb(pid):
+        for line in open(f"/proc/{pid}/smaps_rollup"):
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) // 1024
+
+    apply_allocator("keep_freed")
+    freed = torch.ones(64 << 20); del freed  # 256 MB back to the heap, kept there
+    loader = (ForkingLoader if sys.argv[1] == "forking" else DataLoader)(Pid(), num_workers=1, persistent_workers=True)
+    worker = int(next(iter(loader))[0])
+    reused = torch.full((64 << 20,), 2.0)
+    print(pss_mb(os.getpid()) + pss_mb(worker))
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not keep_freed_possible(), reason="glibc's heap on Linux")
+def test_loader_workers_do_not_keep_the_training_process_freed_heap():
+    def held_mb(kind: str) -> int:
+        proc = subprocess.run([sys.executable, "-c", WORKER_KEEPS_FREED_HEAP, kind], capture_output=True, text=True,
+                              timeout=120, env=subprocess_env())
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return int(proc.stdout.split()[-1])
+
+    plain, forking = held_mb("plain"), held_mb("forking")
+    assert forking < plain - 200, f"parent and worker hold {forking} MB, with a plain loader {plain} MB (256 MB freed)"

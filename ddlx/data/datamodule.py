@@ -13,6 +13,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from ..allocator import release_free_heap
 from ..errors import ConfigError
 from .folder import scan_imagefolder
 from .synthetic import SyntheticSpec, ensure_synthetic_imagefolder
@@ -115,7 +116,19 @@ class ResumableSampler(DistributedSampler):
         return ((index, epoch) for index in indices)
 
 
-class ResumableLoader(DataLoader):
+class ForkingLoader(DataLoader):
+    """A loader whose workers, forked from the training process, do not inherit its free heap:
+    under cpu_allocator=keep_freed that heap holds what the process freed before (cpu_mp's own
+    copy of the weights, a previous epoch's activations), and a worker would keep its own copy of
+    every such page the process then reuses (AlexNet cpu_mp: 320 MB in its 4 workers)."""
+
+    def _get_iterator(self):
+        if self.num_workers > 0:  # about to fork (once, with persistent workers)
+            release_free_heap()
+        return super()._get_iterator()
+
+
+class ResumableLoader(ForkingLoader):
     """The training loader, stateful in Lightning's sense: its state in a checkpoint is the epoch
     and the number of its batches trained (``position()``); restored before the loader's
     iteration starts, so a resumed epoch trains, in order, the samples the stopped one had not."""
@@ -317,7 +330,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
         )
         if resumable:
             return ResumableLoader(dataset, position=self._training_position, **kwargs)
-        return DataLoader(dataset, **kwargs)
+        return ForkingLoader(dataset, **kwargs)
 
     def _replica(self) -> tuple[int, int]:
         """(data-parallel replicas, this process's) as the strategy shards data: the processes of

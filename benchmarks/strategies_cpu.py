@@ -2,6 +2,7 @@
 
     python benchmarks/strategies_cpu.py                       # AlexNet 224x224, firesmall, batch 32
     python benchmarks/strategies_cpu.py --model vgg11 --epochs 2 --num-images 400
+    python benchmarks/strategies_cpu.py --model resnet18 --image-size 128
     python benchmarks/strategies_cpu.py --model vgg11 --num-images 80 --pipe-balance auto --only \
         "sequential threads=1" "sequential threads=2" "pipe chunks=4 [cpu,cpu]" "pipe torch gpipe chunks=4" ...
 
@@ -48,10 +49,12 @@ def run_setup(name: str, overrides: list[str], args: argparse.Namespace, sweep: 
     cmd = [
         sys.executable, str(ROOT / "train.py"), *overrides,
         f"model={args.model}", f"data={args.data}", f"data.num_images={args.num_images}",
-        f"data.batch_size={args.batch_size}", f"data.num_workers={args.num_workers}", f"data.cache={args.cache}",
+        f"data.batch_size={args.batch_size}", f"data.cache={args.cache}",
+        *([f"data.num_workers={args.num_workers}"] if args.num_workers is not None else []),
+        *([f"data.image_size={args.image_size}"] if args.image_size else []),
         f"trainer.max_epochs={args.epochs}", "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false",
         "checkpoint.save=none", f"logger.experiment_name={EXPERIMENT}",
-        f"+logger.tags.bench_round={sweep}", f"+logger.tags.bench_setup={slug}",
+        f"+logger.tags.bench_round={sweep}", f"+logger.tags.bench_setup={slug}", *args.set,
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:
@@ -73,12 +76,16 @@ def main() -> None:
     parser.add_argument("--data", default="firesmall")
     parser.add_argument("--num-images", type=int, default=400)
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--num-workers", type=int, default=0, help="loader workers per process (0: load in the training process)")
+    parser.add_argument("--image-size", type=int, help="data.image_size (default: the dataset's, 224 for firesmall)")
+    parser.add_argument("--num-workers", type=int, help="loader workers per process (0: load in the training process; "
+                        "default: the dataset's own, as train.py runs it)")
     parser.add_argument("--cache", default="auto", choices=("auto", "none"),
                         help="data.cache: auto keeps the decoded images in memory when they fit; none decodes them every epoch")
     parser.add_argument("--epochs", type=int, default=2, help="the first is warm-up when there are several")
     parser.add_argument("--rounds", type=int, default=1, help="repeat every setup, interleaved, this many times")
     parser.add_argument("--only", nargs="*", help="names from: " + "; ".join(SETUPS))
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="more train.py overrides, for every setup (e.g. optim.lr=0.001)")
     parser.add_argument("--pipe-balance", help="strategy.balance of the pipe setups (auto: by profiled time; "
                         "default: the model's split point)")
     args = parser.parse_args()
@@ -95,12 +102,16 @@ def main() -> None:
             print(f"  round {r + 1}: {name}: {statistics.mean(times[name]):.2f} s/epoch", file=sys.stderr)
 
     base = statistics.mean(times.get("sequential threads=1") or [float("nan")])
-    print(f"\n{args.model} {args.data} ({args.num_images} images, batch {args.batch_size}, {args.num_workers} loader workers, "
+    print(f"\n{args.model} {args.data} {f'{args.image_size} px' if args.image_size else 'at its own size'} ({args.num_images} images, batch {args.batch_size}, {_workers(args)} loader workers, "
           f"data.cache={args.cache}) on {_cores()} cores")
     print(f"{'setup':28s} {'epoch s':>9s} {'min':>7s} {'max':>7s} {'speedup':>8s} {'peak RAM MB':>12s}")
     for name, values in times.items():
         mean = statistics.mean(values)
         print(f"{name:28s} {mean:9.2f} {min(values):7.2f} {max(values):7.2f} {base / mean:8.2f}x {max(peaks[name]):12.0f}")
+
+
+def _workers(args: argparse.Namespace) -> str:
+    return str(args.num_workers) if args.num_workers is not None else f"the {args.data} default"
 
 
 def _cores() -> int:

@@ -52,7 +52,8 @@ def run_setup(name: str, overrides: list[str], args: argparse.Namespace, sweep: 
         f"data.batch_size={args.batch_size}", f"data.cache={args.cache}",
         *([f"data.num_workers={args.num_workers}"] if args.num_workers is not None else []),
         *([f"data.image_size={args.image_size}"] if args.image_size else []),
-        f"trainer.max_epochs={args.epochs}", "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false",
+        f"trainer.max_epochs={args.epochs}", f"measure.warmup_epochs={int(args.epochs > 1)}",  # as the table: runs for the report
+        "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false",
         "checkpoint.save=none", f"logger.experiment_name={EXPERIMENT}",
         f"+logger.tags.bench_round={sweep}", f"+logger.tags.bench_setup={slug}", *args.set,
     ]

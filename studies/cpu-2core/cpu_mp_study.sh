@@ -3,7 +3,8 @@
 # this 2-core machine (the figures in docs/strategies.md, "cpu_mp measured"):
 #   bash studies/cpu-2core/cpu_mp_study.sh [epochs|steps|ram|all]
 # epochs: train.py epochs with the dataset's default loader (2 workers, data.cache=auto), AlexNet
-#         (400 images) and VGG11 (120) at 224 px, ResNet18 and MobileNetV2 at 128 px, 2 interleaved rounds;
+#         (400 images) and VGG11 (120) at 224 px, ResNet18 and MobileNetV2 at 128 px, 2-3 interleaved rounds
+#         (for recommend.py mode=validate "experiments=[benchmark-strategies]");
 # steps:  where a step's time goes (compute, exchange, reduce, step, waiting) for the design before
 #         and after, and 2 ranks that exchange nothing (the machine's ceiling), on in-memory batches;
 # ram:    peak RAM of AlexNet sequential and cpu_mp, each process's share by kind of mapping.
@@ -13,7 +14,7 @@ cd "$(dirname "$0")/../.."
 part=${1:-all}
 setups=("sequential threads=1" "sequential threads=2" "cpu_mp processes=2" "cpu_mp processes=2 split_linear=never")
 if [[ $part == epochs || $part == all ]]; then
-  python benchmarks/strategies_cpu.py --only "${setups[@]}" --epochs 3 --rounds 2
+  python benchmarks/strategies_cpu.py --only "${setups[@]}" --epochs 3 --rounds 3
   python benchmarks/strategies_cpu.py --model vgg11 --num-images 120 --only "${setups[@]}" --epochs 3 --rounds 2 \
     --set optim.lr=0.001  # at 0.01 VGG11 can reach denormal gradients that slow it (cpu_study.sh)
   for model in resnet18 mobilenet_v2; do  # their split layer is the small head: split_linear=never left out

@@ -103,12 +103,16 @@ def main() -> None:
             print(f"  round {r + 1}: {name}: {statistics.mean(times[name]):.2f} s/epoch", file=sys.stderr)
 
     base = statistics.mean(times.get("sequential threads=1") or [float("nan")])
-    print(f"\n{args.model} {args.data} {f'{args.image_size} px' if args.image_size else 'at its own size'} ({args.num_images} images, batch {args.batch_size}, {_workers(args)} loader workers, "
+    print(f"\n{args.model} {args.data} {_size(args)} ({args.num_images} images, batch {args.batch_size}, {_workers(args)} loader workers, "
           f"data.cache={args.cache}) on {_cores()} cores")
     print(f"{'setup':28s} {'epoch s':>9s} {'min':>7s} {'max':>7s} {'speedup':>8s} {'peak RAM MB':>12s}")
     for name, values in times.items():
         mean = statistics.mean(values)
         print(f"{name:28s} {mean:9.2f} {min(values):7.2f} {max(values):7.2f} {base / mean:8.2f}x {max(peaks[name]):12.0f}")
+
+
+def _size(args: argparse.Namespace) -> str:
+    return f"{args.image_size} px" if args.image_size else "at its own size"
 
 
 def _workers(args: argparse.Namespace) -> str:

@@ -186,9 +186,8 @@ def release_free_heap() -> None:
     nothing), whatever the trim threshold: what a process freed before it forks (its loader
     workers) is otherwise in each child too, and the child keeps its own copy of every such page
     the parent reuses after the fork."""
-    libc = _glibc()
-    if libc is not None and _is_libc(malloc_library()):
-        libc.malloc_trim(0)
+    if keep_freed_possible():  # glibc serves malloc
+        _glibc().malloc_trim(0)
 
 
 def apply_allocator(choice: str) -> None:

@@ -93,8 +93,8 @@ def test_train_py_forks_its_ranks_sharing_its_imports(tmp_path):
     (["strategy=hybrid", "strategy.processes=1", "strategy.local=pipe", "strategy.engine=torch"], True),
 ])
 def test_only_a_job_that_starts_ranks_has_a_server(overrides, forks):
-    """A server holds what its parent has written since the fork (215 MB beside a sequential
-    AlexNet run): made only for a job that starts ranks of its own."""
+    """A server holds what its parent has written since the fork: made only for a job that
+    starts ranks of its own."""
     assert starts_ranks(compose_config(overrides).strategy) is forks
 
 

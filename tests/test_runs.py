@@ -199,10 +199,6 @@ def _wait_for(predicate, timeout: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def _rank_workers(pid: int) -> list[psutil.Process]:
-    return rank_workers(pid)
-
-
 def _an_epoch_done(tmp_path: Path) -> bool:
     """The run has timed its first epoch (read under the store's lock, as a training job opens it)."""
     from ddlx.tracking import store_lock
@@ -223,7 +219,7 @@ def _sigterm_to_rank_0_of_a_ddp_run(tmp_path: Path) -> Path:
     the checkpoint, the run is KILLED and the process exits 143, leaving no rank behind."""
     proc = subprocess.Popen([sys.executable, str(PROJECT_DIR / "train.py"), f"paths.root={tmp_path}", *DDP_JOB],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(), cwd=tmp_path)
-    workers = _wait_for(lambda: _rank_workers(proc.pid), 120, "rank 1")
+    workers = _wait_for(lambda: rank_workers(proc.pid), 120, "rank 1")
     _wait_for(lambda: _an_epoch_done(tmp_path), 120, "the first epoch")
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
@@ -255,7 +251,7 @@ def test_kill_9_of_rank_0_leaves_no_rank_and_the_run_is_failed_at_the_next_look(
     job = [f"paths.root={tmp_path}", *TINY, "model=resnet18", "strategy=ddp_gloo", "trainer.max_epochs=50"]
     proc = subprocess.Popen([sys.executable, str(PROJECT_DIR / "train.py"), *job], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, env=subprocess_env(), cwd=tmp_path)
-    workers = _wait_for(lambda: _rank_workers(proc.pid), 120, "rank 1")
+    workers = _wait_for(lambda: rank_workers(proc.pid), 120, "rank 1")
     _wait_for(lambda: _an_epoch_done(tmp_path), 120, "the first epoch")
     proc.kill()
     proc.wait()

@@ -4,7 +4,6 @@ from __future__ import annotations
 import itertools
 import logging
 import signal
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -120,7 +119,7 @@ class ForkingLoader(DataLoader):
     """A loader whose workers, forked from the training process, do not inherit its free heap:
     under cpu_allocator=keep_freed that heap holds what the process freed before (cpu_mp's own
     copy of the weights, a previous epoch's activations), and a worker would keep its own copy of
-    every such page the process then reuses (AlexNet cpu_mp: 320 MB in its 4 workers)."""
+    every such page the process then reuses (figures: docs/strategies.md, cpu_mp measured)."""
 
     def _get_iterator(self):
         if self.num_workers > 0:  # about to fork (once, with persistent workers)
@@ -155,8 +154,7 @@ def _quiet_worker(worker_id: int) -> None:
     from ..parallel.rank_fork import name_process
 
     pl_worker_init_function(worker_id)
-    if sys.platform.startswith("linux"):
-        name_process("ddlx-loader")  # in ps and top (a forked process keeps its parent's command line)
+    name_process("ddlx-loader")  # in ps and top (a forked process keeps its parent's command line)
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
 

@@ -154,10 +154,11 @@ def _end_with_parent() -> None:
 
 def name_process(name: str) -> None:
     """This process's name as ps, top and psutil show it (its command line stays the launching
-    one's: a forked process cannot change that)."""
+    one's: a forked process cannot change that). Linux only; elsewhere nothing."""
     import ctypes
 
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, name.encode()[:15])
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, name.encode()[:15])
 
 
 def _serve(conn) -> None:

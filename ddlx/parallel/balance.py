@@ -11,15 +11,20 @@ import torch
 from torch import nn
 
 from ..models.layered import out_of_place
+from .deferred_weight_grads import DeferredWeightGrads
 
 log = logging.getLogger(__name__)
 
 
-def layer_times(model: nn.Sequential, sample: torch.Tensor, rounds: int = 3) -> list[float]:
-    """Seconds of each layer's forward plus backward on ``sample``, median of ``rounds`` after a warm-up."""
+def layer_times(model: nn.Sequential, sample: torch.Tensor, rounds: int = 3, deferred_of: int = 0) -> list[float]:
+    """Seconds of each layer's forward plus backward on ``sample`` (a micro-batch), median of
+    ``rounds`` after a warm-up. ``deferred_of``: the micro-batches of a batch whose Linear weight
+    gradients are computed once for all of them (:mod:`.deferred_weight_grads`); a Linear's time
+    is then its forward and input gradient plus its share of that one product."""
     profiled = copy.deepcopy(model).to(sample.device)
     for module in profiled.modules():  # the backward needs each layer's input intact
         out_of_place(module)
+    deferred = DeferredWeightGrads(list(profiled)) if deferred_of else None
     samples: list[list[float]] = [[] for _ in profiled]
     for round_ in range(rounds + 1):
         x = sample
@@ -28,10 +33,24 @@ def layer_times(model: nn.Sequential, sample: torch.Tensor, rounds: int = 3) -> 
             start = time.perf_counter()
             y = layer(x)
             y.backward(torch.ones_like(y))
+            share = _deferred_share(deferred, layer, deferred_of) if deferred else 0.0
             if round_:  # the first round warms up
-                samples[i].append(time.perf_counter() - start)
+                samples[i].append(time.perf_counter() - start + share)
             x = y
+    if deferred:
+        deferred.close()
     return [statistics.median(s) for s in samples]
+
+
+def _deferred_share(deferred: DeferredWeightGrads, layer: nn.Module, micro_batches: int) -> float:
+    """A micro-batch's share of ``layer``'s weight gradient over ``micro_batches`` like it."""
+    kept = deferred.kept.get(layer)
+    if not kept:
+        return 0.0
+    kept[:] = kept[-1:] * micro_batches
+    start = time.perf_counter()
+    deferred.flush()
+    return (time.perf_counter() - start) / micro_batches
 
 
 def contiguous_balance(costs: list[float], partitions: int) -> list[int]:
@@ -60,8 +79,8 @@ def contiguous_balance(costs: list[float], partitions: int) -> list[int]:
     return sizes[::-1]
 
 
-def balance_by_time(model: nn.Sequential, partitions: int, sample: torch.Tensor) -> list[int]:
-    """Layer counts per stage that roughly equalise profiled layer time."""
-    balance = contiguous_balance(layer_times(model, sample), partitions)
+def balance_by_time(model: nn.Sequential, partitions: int, sample: torch.Tensor, deferred_of: int = 0) -> list[int]:
+    """Layer counts per stage that roughly equalise profiled layer time (``deferred_of``: as :func:`layer_times`)."""
+    balance = contiguous_balance(layer_times(model, sample, deferred_of=deferred_of), partitions)
     log.info("pipeline: balance by profiled layer time: %s", balance)
     return balance

@@ -14,6 +14,10 @@ forward holds the schedule's gradients back and the strategy's ``backward`` hand
 parameters of its own stages (the others get no gradient); a checkpoint gathers every stage's
 weights and optimizer state on rank 0, under the sequential model's names.
 
+Under the schedules with one backward pass per micro-batch, the stages' ``Linear`` weight
+gradients are computed once for the whole batch after the schedule (:mod:`.deferred_weight_grads`),
+not once per micro-batch.
+
 Several pipelines train data-parallel (``hybrid``, ``mpi``): ranks form a (replica, stage) mesh
 as torchtitan's ``pp`` and ``dp`` dimensions, a pipeline's ranks consecutive (one node: its
 activations never cross the network, only the gradient average does, as in source 003's
@@ -39,6 +43,7 @@ from torch import nn
 from ..models import LayeredModel
 from ..models.layered import blocks_between, out_of_place
 from .balance import balance_by_time
+from .deferred_weight_grads import DeferredWeightGrads
 from .launch import RelaunchingDDPStrategy, plain_optimizer
 from .network import InstalledForward, install, uninstall
 from .pinning import Restore, pin_rank, unpin
@@ -46,6 +51,13 @@ from .recompute import recompute_blocks
 from .schedules import SCHEDULES, micro_batches, stage_owners, stages_of
 
 log = logging.getLogger(__name__)
+
+
+def batches_weight_grads(schedule: str) -> bool:
+    """Whether the stages' Linear weight gradients wait for the whole batch
+    (:mod:`.deferred_weight_grads`): not under zero-bubble schedules, which split weight
+    gradients from input gradients themselves (two backward passes)."""
+    return SCHEDULES[schedule].backward_passes == 1
 
 
 class _NotAView(nn.Module):
@@ -76,6 +88,7 @@ class PipelineForward:
                 cuts = [c - bounds[i] for c in model.cut_points.values()]
                 recompute_blocks(part, blocks_between(cuts, 0, len(part)))
         self.parameters = [p for part in self.parts for p in part.parameters()]  # the ones this rank trains
+        self.deferred = DeferredWeightGrads(self.parts) if batches_weight_grads(schedule) else None
         self.device, self.loss_fn = device, loss_fn
         self.target: torch.Tensor | None = None  # the batch's labels, set before each training step
         self.accumulate = 1  # Lightning's accumulate_grad_batches: each loss's share of an optimizer step
@@ -122,6 +135,10 @@ class PipelineForward:
                 dist.send_object_list([h.cpu()], dst=self.peers[self.owner[i + 1]], group=self.group)
         return h
 
+    def close(self) -> None:
+        if self.deferred is not None:
+            self.deferred.close()
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         first, last = 0 in self.mine, self.num_stages - 1 in self.mine
         inputs = (x.to(self.device),) if first else ()
@@ -131,6 +148,8 @@ class PipelineForward:
             for p in self.parameters:
                 p.grad = None
             out = self._schedule_for(x.shape[0]).step(*inputs, target=target, losses=[] if last else None)
+            if self.deferred is not None:
+                self.deferred.flush(micro_batches(x.shape[0], self.chunks))
             self.held = [(p, p.grad) for p in self.parameters]
             for p, grad in zip(self.parameters, before):
                 p.grad = grad
@@ -190,7 +209,8 @@ class TorchPipelineStrategy(RelaunchingDDPStrategy):
             if balance == "auto":  # profiled once, on rank 0: every rank must cut the model alike
                 stages = self.width * SCHEDULES[self.schedule].stages_per_rank
                 sample = torch.randn(self.sample_shape, device=self.root_device)
-                holder = [balance_by_time(model, stages, sample) if rank == 0 else None]
+                deferred_of = self.chunks if batches_weight_grads(self.schedule) else 0
+                holder = [balance_by_time(model, stages, sample, deferred_of) if rank == 0 else None]
                 dist.broadcast_object_list(holder, src=0)
                 balance = holder[0]
             return PipelineForward(model, balance, self.schedule, self.chunks, self.stage_rank, self.width,

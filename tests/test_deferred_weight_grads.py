@@ -69,3 +69,12 @@ def test_profiling_for_a_balance_with_deferred_weight_grads_times_every_layer_an
     assert len(times) == len(model) and all(t > 0 for t in times)
     assert not any("forward" in m.__dict__ for m in model.modules() if isinstance(m, nn.Linear))
     assert all(p.grad is None for p in model.parameters()), "the profile runs on a copy"
+
+
+def test_a_frozen_bias_gets_no_gradient():
+    layer = nn.Linear(5, 4)
+    layer.bias.requires_grad_(False)
+    deferred = DeferredWeightGrads([layer])
+    layer(torch.randn(3, 5)).sum().backward()
+    deferred.flush()
+    assert layer.weight.grad is not None and layer.bias.grad is None

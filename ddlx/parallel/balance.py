@@ -43,14 +43,24 @@ def layer_times(model: nn.Sequential, sample: torch.Tensor, rounds: int = 3, def
 
 
 def _deferred_share(deferred: DeferredWeightGrads, layer: nn.Module, micro_batches: int) -> float:
-    """A micro-batch's share of ``layer``'s weight gradient over ``micro_batches`` like it."""
-    kept = deferred.kept.get(layer)
+    """A micro-batch's share of the weight gradients of ``layer``'s Linears over ``micro_batches`` like it."""
+    kept = [deferred.kept[m] for m in layer.modules() if deferred.kept.get(m)]
     if not kept:
         return 0.0
-    kept[:] = kept[-1:] * micro_batches
+    for entries in kept:
+        entries[:] = entries[-1:] * micro_batches
+    _synchronize(layer)
     start = time.perf_counter()
     deferred.flush()
+    _synchronize(layer)
     return (time.perf_counter() - start) / micro_batches
+
+
+def _synchronize(layer: nn.Module) -> None:
+    """Wait for the GPU's queued work, so a timer around it times the work, not its launch."""
+    param = next(layer.parameters(), None)
+    if param is not None and param.is_cuda:
+        torch.cuda.synchronize(param.device)
 
 
 def contiguous_balance(costs: list[float], partitions: int) -> list[int]:

@@ -50,7 +50,7 @@ class DeferredWeightGrads:
     def _forward(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         if not (torch.is_grad_enabled() and layer.weight.requires_grad):
             return F.linear(x, layer.weight, layer.bias)
-        return _InputGradOnly.apply(x, layer.weight, layer.bias, self.kept[layer])
+        return _InputGradOnly.apply(x, layer.weight, layer.bias, self.kept.setdefault(layer, []))
 
     def flush(self, micro_batches: int | None = None) -> None:
         """Each layer's weight and bias gradient over the last ``micro_batches`` backward passes
@@ -65,7 +65,7 @@ class DeferredWeightGrads:
             inputs = torch.cat([x.reshape(-1, x.shape[-1]) for x, _ in kept]).to(grads.dtype)
             kept.clear()
             _accumulate(layer.weight, (grads.t() @ inputs).to(layer.weight.dtype))
-            if layer.bias is not None:
+            if layer.bias is not None and layer.bias.requires_grad:  # a frozen bias gets none, as under autograd
                 _accumulate(layer.bias, grads.sum(0).to(layer.bias.dtype))
 
     def close(self) -> None:

@@ -30,37 +30,39 @@ def layer_times(model: nn.Sequential, sample: torch.Tensor, rounds: int = 3, def
         x = sample
         for i, layer in enumerate(profiled):
             x = x.detach().requires_grad_(x.is_floating_point())
+            _synchronize(sample.device)
             start = time.perf_counter()
             y = layer(x)
             y.backward(torch.ones_like(y))
-            share = _deferred_share(deferred, layer, deferred_of) if deferred else 0.0
+            _synchronize(sample.device)
+            elapsed = time.perf_counter() - start
+            if deferred:
+                elapsed += _deferred_share(deferred, layer, deferred_of, sample.device)
             if round_:  # the first round warms up
-                samples[i].append(time.perf_counter() - start + share)
+                samples[i].append(elapsed)
             x = y
     if deferred:
         deferred.close()
     return [statistics.median(s) for s in samples]
 
 
-def _deferred_share(deferred: DeferredWeightGrads, layer: nn.Module, micro_batches: int) -> float:
+def _deferred_share(deferred: DeferredWeightGrads, layer: nn.Module, micro_batches: int, device: torch.device) -> float:
     """A micro-batch's share of the weight gradients of ``layer``'s Linears over ``micro_batches`` like it."""
     kept = [deferred.kept[m] for m in layer.modules() if deferred.kept.get(m)]
     if not kept:
         return 0.0
     for entries in kept:
         entries[:] = entries[-1:] * micro_batches
-    _synchronize(layer)
     start = time.perf_counter()
     deferred.flush()
-    _synchronize(layer)
+    _synchronize(device)
     return (time.perf_counter() - start) / micro_batches
 
 
-def _synchronize(layer: nn.Module) -> None:
+def _synchronize(device: torch.device) -> None:
     """Wait for the GPU's queued work, so a timer around it times the work, not its launch."""
-    param = next(layer.parameters(), None)
-    if param is not None and param.is_cuda:
-        torch.cuda.synchronize(param.device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def contiguous_balance(costs: list[float], partitions: int) -> list[int]:

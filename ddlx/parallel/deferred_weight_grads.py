@@ -60,7 +60,8 @@ class DeferredWeightGrads:
         for layer, kept in self.kept.items():
             if not kept:
                 continue
-            kept[:] = kept[-micro_batches:] if micro_batches else kept
+            if micro_batches:
+                del kept[:-micro_batches]
             grads = torch.cat([g.reshape(-1, g.shape[-1]) for _, g in kept])
             inputs = torch.cat([x.reshape(-1, x.shape[-1]) for x, _ in kept]).to(grads.dtype)
             kept.clear()

@@ -78,3 +78,29 @@ def test_a_frozen_bias_gets_no_gradient():
     layer(torch.randn(3, 5)).sum().backward()
     deferred.flush()
     assert layer.weight.grad is not None and layer.bias.grad is None
+
+
+class _UsedTwice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.relu(self.fc(x)))
+
+
+def test_a_flush_drops_only_the_passes_before_the_micro_batches_a_layer_used_twice_keeps_both_uses():
+    torch.manual_seed(0)
+    model = nn.Sequential(_UsedTwice(), nn.Linear(6, 3))
+    reference = copy.deepcopy(model)
+    deferred = DeferredWeightGrads([model])
+    model(torch.randn(5, 6)).sum().backward()  # made-up inputs before the step, as PyTorch's stage runs them
+    with torch.no_grad():  # a validation forward between: not a pass of the step
+        model(torch.randn(5, 6))
+    x = torch.randn(8, 6)
+    for xs in x.chunk(4):
+        model(xs).sum().backward()
+        reference(xs).sum().backward()
+    deferred.flush(micro_batches=4)
+    for (name, a), b in zip(reference.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, msg=name)

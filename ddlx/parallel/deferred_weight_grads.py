@@ -25,16 +25,29 @@ class _InputGradOnly(torch.autograd.Function):
     to :meth:`DeferredWeightGrads.flush`, keeping what that needs."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, kept):
+    def forward(ctx, x, weight, bias, kept, forward_pass):
         ctx.save_for_backward(x, weight)  # through the saved-tensor hooks, so activation checkpointing still recomputes x
-        ctx.kept = kept
+        ctx.kept, ctx.forward_pass = kept, forward_pass
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        ctx.kept.append((x.detach(), grad.detach()))
-        return grad @ weight.to(grad.dtype), None, None, None
+        ctx.kept.append((ctx.forward_pass, x.detach(), grad.detach()))
+        return grad @ weight.to(grad.dtype), None, None, None, None
+
+
+class _Passes:
+    """The forward passes with gradients of one of the modules (a stage): what its Linears keep
+    is numbered by them, so a flush can tell the passes apart whatever the number of uses of a
+    layer in one."""
+
+    def __init__(self) -> None:
+        self.run = self.flushed = 0
+
+    def __call__(self, module: nn.Module, args) -> None:  # a forward pre-hook
+        if torch.is_grad_enabled():  # not a validation forward
+            self.run += 1
 
 
 class DeferredWeightGrads:
@@ -42,34 +55,52 @@ class DeferredWeightGrads:
     (until :meth:`close` puts their own forward back)."""
 
     def __init__(self, modules: list[nn.Module]) -> None:
-        self.layers = [m for module in modules for m in module.modules() if type(m) is nn.Linear]
-        self.kept: dict[nn.Linear, list[tuple[torch.Tensor, torch.Tensor]]] = {layer: [] for layer in self.layers}
-        for layer in self.layers:
-            layer.forward = MethodType(self._forward, layer)
+        self.layers: list[nn.Linear] = []
+        self.kept: dict[nn.Linear, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}  # (forward pass, input, output grad)
+        self._passes_of: dict[nn.Linear, _Passes] = {}
+        self._hooks = []
+        for module in modules:
+            passes = _Passes()
+            self._hooks.append(module.register_forward_pre_hook(passes))
+            for layer in module.modules():
+                if type(layer) is nn.Linear and layer not in self._passes_of:
+                    self.layers.append(layer)
+                    self.kept[layer], self._passes_of[layer] = [], passes
+                    layer.forward = MethodType(self._forward, layer)
 
     def _forward(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         if not (torch.is_grad_enabled() and layer.weight.requires_grad):
             return F.linear(x, layer.weight, layer.bias)
-        return _InputGradOnly.apply(x, layer.weight, layer.bias, self.kept.setdefault(layer, []))
+        passes = self._passes_of.get(layer)  # none for a copy of the model made after this
+        return _InputGradOnly.apply(x, layer.weight, layer.bias, self.kept.setdefault(layer, []),
+                                    passes.run if passes else 0)
 
     def flush(self, micro_batches: int | None = None) -> None:
-        """Each layer's weight and bias gradient over the last ``micro_batches`` backward passes
-        (None: all) kept since the last flush, added to ``.grad`` as autograd would. Before its
-        first step, PyTorch's pipeline stage runs one forward and backward of made-up inputs to
-        learn the shapes it sends (dynamic metadata inference): what those kept is dropped."""
+        """Each layer's weight and bias gradient over the last ``micro_batches`` forward passes of
+        its module (None: all) since the last flush, added to ``.grad`` as autograd would. Before
+        its first step, PyTorch's pipeline stage runs one forward and backward of made-up inputs
+        to learn the shapes it sends (dynamic metadata inference): what the passes before the
+        last ``micro_batches`` kept is dropped."""
+        first_kept = {}
+        for passes in set(self._passes_of.values()):
+            extra = max(0, passes.run - passes.flushed - micro_batches) if micro_batches else 0
+            first_kept[passes] = passes.flushed + extra + 1 if micro_batches else 0
+            passes.flushed = passes.run
         for layer, kept in self.kept.items():
-            if not kept:
-                continue
-            if micro_batches:
-                del kept[:-micro_batches]
-            grads = torch.cat([g.reshape(-1, g.shape[-1]) for _, g in kept])
-            inputs = torch.cat([x.reshape(-1, x.shape[-1]) for x, _ in kept]).to(grads.dtype)
+            first = first_kept.get(self._passes_of.get(layer), 0)
+            entries = [(x, g) for forward_pass, x, g in kept if forward_pass >= first]
             kept.clear()
+            if not entries:
+                continue
+            grads = torch.cat([g.reshape(-1, g.shape[-1]) for _, g in entries])
+            inputs = torch.cat([x.reshape(-1, x.shape[-1]) for x, _ in entries]).to(grads.dtype)
             _accumulate(layer.weight, (grads.t() @ inputs).to(layer.weight.dtype))
             if layer.bias is not None and layer.bias.requires_grad:  # a frozen bias gets none, as under autograd
                 _accumulate(layer.bias, grads.sum(0).to(layer.bias.dtype))
 
     def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
         for layer in self.layers:
             layer.__dict__.pop("forward", None)
             self.kept[layer].clear()

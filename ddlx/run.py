@@ -39,6 +39,7 @@ from .measure.timing import EpochTimer
 from .models import build_model
 from .module import ClassifierModule
 from .parallel.launch import RelaunchingDDPStrategy, end_distributed_job, launch_rank, settle_cluster_environment
+from .parallel.network import stages_run
 from .parallel.same_job import SameJobOnEveryRank
 from .predict.memory import GIB, estimate_training_memory
 from .predict.numerics import CPU_FP16, PRECISION_NUMERICS
@@ -293,8 +294,10 @@ def fit(cfg: DictConfig, trainer: pl.Trainer, module: ClassifierModule, datamodu
         trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     finally:
         end_distributed_job(trainer.strategy)
+        learnt = {"stage_layers": stages_run(module)}  # strategy.balance=auto's cut: what the run's time is of
         if datamodule.cached is not None:  # part of the workload: a run's loading cost depends on it
-            tag_run(logger, {"data_cache": "memory" if datamodule.cached else "none"})
+            learnt["data_cache"] = "memory" if datamodule.cached else "none"
+        tag_run(logger, learnt)
     if trainer.fast_dev_run or not timer.epoch_times:
         record_unmeasured(logger, "trainer.fast_dev_run" if trainer.fast_dev_run else "no training step")
 

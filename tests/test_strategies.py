@@ -2,6 +2,7 @@
 clear errors before training."""
 from __future__ import annotations
 
+import ast
 import logging
 import os
 import shutil
@@ -186,6 +187,7 @@ def test_strategy_matches_sequential(case, tmp_path, shared_data, sequential_wei
     if overrides[0] == "strategy=cpu_mp":  # the small AlexNet's 1024x4096 and 4096x4096, not its 4096x3
         assert split_layers == ([] if "strategy.split_linear=never" in overrides else [(1024, 4096), (4096, 4096)])
     _assert_one_run(tmp_path, overrides[0].split("=")[1])
+    _assert_stages_recorded(tmp_path, overrides)
     _assert_no_process_left(tmp_path)
     # The timing figures are reduced across ranks by the timer: no advice to sync them again.
     assert not [str(w.message) for w in recwarn if "sync_dist=True" in str(w.message)]
@@ -329,6 +331,18 @@ def _assert_one_run(workdir: Path, strategy: str) -> None:
     assert {"epoch_time_s", "samples_per_s", "train_loss", "val_acc"} <= set(run.data.metrics)
     assert (run.data.params["data.batch_size"], run.data.params["data.batch_per"]) == ("8", "global"), \
         "a run records its global batch however it was stated"
+
+
+def _assert_stages_recorded(workdir: Path, overrides: list[str]) -> None:
+    """A pipeline's run records the layers of each stage it ran, balance=auto's profiled cut too."""
+    (run,) = runs(f"sqlite:///{workdir / 'mlflow.db'}")
+    if "strategy=pipe" not in overrides and "strategy.local=pipe" not in overrides:
+        assert "stage_layers" not in run.data.tags
+        return
+    stages = ast.literal_eval(run.data.tags["stage_layers"])
+    assert sum(stages) == 22 and all(isinstance(n, int) and n > 0 for n in stages), "AlexNet's 22 layers, each stage some"
+    given = next((o.split("=", 1)[1] for o in overrides if o.startswith("strategy.balance=")), "auto")
+    assert given == "auto" or stages == ast.literal_eval(given)
 
 
 def test_sweep_with_ddp_gives_one_run_per_job_and_records_a_refused_job(tmp_path, shared_data):

@@ -22,6 +22,9 @@ from .launch import RelaunchingDDPStrategy
 
 
 class InstalledForward(Protocol):
+    """A network's forward as a strategy runs it. A pipeline's also has ``stage_layers``: the
+    layers of each stage, as cut (``strategy.balance=auto`` resolved)."""
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
@@ -36,12 +39,19 @@ def find_layered_model(module: torch.nn.Module) -> LayeredModel:
 
 
 def install(module: torch.nn.Module, parallelize: Parallelizer, local_rank: int) -> InstalledForward:
-    """Route the network's ``forward`` through ``parallelize``'s; ``sequential_forward`` keeps the original."""
+    """Route the network's ``forward`` through ``parallelize``'s; ``sequential_forward`` keeps the
+    original, and ``stage_layers`` a pipeline's cut, for the run's record (:func:`stages_run`)."""
     model = find_layered_model(module)
     model.sequential_forward = torch.nn.Sequential.forward.__get__(model)
     forward = parallelize(model, local_rank)
     model.forward = forward
+    model.stage_layers = getattr(forward, "stage_layers", None)
     return forward
+
+
+def stages_run(module: torch.nn.Module) -> list[int] | None:
+    """The layers of each pipeline stage the network of ``module`` last ran in (None: no pipeline)."""
+    return getattr(find_layered_model(module), "stage_layers", None)
 
 
 def uninstall(module: torch.nn.Module | None, forward: InstalledForward | None) -> None:

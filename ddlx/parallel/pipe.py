@@ -37,6 +37,7 @@ class PipeForward:
             from fairscale.nn import Pipe
 
             self.pipe = Pipe(model, balance=balance, devices=devices, chunks=chunks, checkpoint=checkpoint)
+        self.stage_layers = list(balance)
         self.first = devices[0]
         self.autocast = CarriedAutocast(list(self.pipe.partitions))  # the partitions run in fairscale's worker threads
 

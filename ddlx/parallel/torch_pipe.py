@@ -78,6 +78,7 @@ class PipelineForward:
         (None: every process of the job)."""
         bounds = [0, *itertools.accumulate(balance)]
         self.num_stages, self.schedule, self.chunks, self.ranks = len(balance), schedule, chunks, ranks
+        self.stage_layers = list(balance)
         self.mine = stages_of(schedule, rank, ranks)
         self.parts = [model[bounds[i] : bounds[i + 1]].to(device) for i in self.mine]
         for part in self.parts:

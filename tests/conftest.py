@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -36,8 +37,21 @@ def data_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("data")
 
 
+@pytest.fixture(scope="session")
+def _made_store(tmp_path_factory) -> Path:
+    """An MLflow SQLite store whose schema MLflow has made (its first contact, about a second)."""
+    from mlflow.tracking import MlflowClient
+
+    path = tmp_path_factory.mktemp("made-store") / "mlflow.db"
+    MlflowClient(f"sqlite:///{path}").search_experiments()
+    return path
+
+
 @pytest.fixture
-def tracking_uri(tmp_path) -> str:
+def tracking_uri(tmp_path, _made_store) -> str:
+    """A private MLflow store, its schema already made: a copy of one made once for the session.
+    The tests of a new store's first contact (tests/test_tracking.py) make theirs elsewhere."""
+    shutil.copyfile(_made_store, tmp_path / "mlflow.db")
     return f"sqlite:///{tmp_path / 'mlflow.db'}"
 
 

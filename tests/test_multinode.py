@@ -41,7 +41,9 @@ def _on_first_node(cluster: Cluster, workdir: Path, ranks: int, per_node: int, *
 
 CASES = {
     # name: (ranks per node, overrides)
-    "sequential": (1, []),
+    # Default suite: mpirun starts ranks across hosts in test_a_rank_or_node_lost_mid_epoch (rank_crashed), and MPI
+    # ranks on two nodes train the sequential maths in test_slurm.py's two_nodes_mpi requeue.
+    "sequential": pytest.param((1, []), marks=pytest.mark.slow),
     "threads": pytest.param((1, ["strategy.local=threads", "strategy.threads=2"]), marks=pytest.mark.slow),
     "split": pytest.param((1, ["strategy.local=split"]), marks=pytest.mark.slow),
     "pipe": pytest.param((1, ["strategy.local=pipe", "strategy.chunks=2"]), marks=pytest.mark.slow),

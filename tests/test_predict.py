@@ -736,17 +736,21 @@ def _compose_hw_spec(name: str) -> HardwareSpec:
     return hardware(load_hw_file(CONF_DIR / "hw" / f"{name}.yaml"))
 
 
-def test_recommend_py_reproduces_the_thesis_out_of_memory_case(tmp_path):
+def test_recommend_py_reproduces_the_thesis_out_of_memory_case(tmp_path, capsys):
     """ResNet-152 on Highres with source 004's settings (32 per GPU; GPipe 48 in 12 micro-batches,
     recomputing as torchgpipe does): DDP keeping every activation and one GPU run out of memory,
     GPipe fits (its Table 8.1), and so do DDP and FSDP recomputing their blocks in backward, which
-    the thesis did not try; the epoch is the whole set."""
-    cmd = [sys.executable, str(PROJECT_DIR / "recommend.py"), "hw=titanrtx_4x", "model=resnet152", "data=highres",
-           "candidates.pipe.batch_size=48", "candidates.pipe.chunks=[12]", "candidates.pipe.checkpoint=[except_last]",
-           "probe=false", "output=json", f"paths.root={tmp_path}", f"hydra.run.dir={tmp_path}/out"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=subprocess_env(), cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    answer = json.loads(proc.stdout)
+    the thesis did not try; the epoch is the whole set. In this process: recommend.py's start-up
+    and its JSON on stdout are the subject of the tests above."""
+    job = ["model=resnet152", "data=highres"]
+    ConfigStore.instance().store(group="hw", name="schema", node=HardwareSpec)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="recommend", overrides=[
+            "hw=titanrtx_4x", *job, "candidates.pipe.batch_size=48", "candidates.pipe.chunks=[12]",
+            "candidates.pipe.checkpoint=[except_last]", "probe=false", "output=json", f"paths.root={tmp_path}"])
+    capsys.readouterr()
+    run_recommend(cfg, tmp_path / "out", CONF_DIR / "hw", job)
+    answer = json.loads(capsys.readouterr().out)
     by_setup = {p["setup"]: p for p in answer["predictions"]}
     assert answer["job"]["train_samples"] == 60000, "an epoch is the whole of Highres, as the thesis timed it"
     ddp = by_setup["ddp_nccl processes=4"]
@@ -878,13 +882,13 @@ def test_a_held_out_workload_is_probed_with_its_own_runs_data(tiny_config):
     assert _probe_data(cfg, job_of_run(runs[0]), runs).num_images == 400
 
 
-def test_recommend_py_validate_reports_errors_and_picks(tmp_path):
+def test_recommend_py_validate_reports_errors_and_picks(tmp_path, tracking_uri):
     """mode=validate end to end on a store of runs taken on this host (no probe: FLOPs fallback), with
     the allocator train.py's default resolves to here, as the default of recommend.py does."""
     from mlflow.tracking import MlflowClient
 
     hw = _hw(host=socket.gethostname())
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = tracking_uri
     client = MlflowClient(uri)
     exp = client.create_experiment("ddlx")
     for run in _consistent_runs(hw):

@@ -30,8 +30,8 @@ def _log(client, exp_id, strategy, mean_epoch, status="FINISHED", tags=None, par
 
 
 @pytest.fixture
-def store(tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+def store(tracking_uri):
+    uri = tracking_uri
     client = MlflowClient(uri)
     exp = client.create_experiment("ddlx")
     _log(client, exp, "sequential", 30.0, tags={"threads": "1"})

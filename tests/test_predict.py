@@ -747,7 +747,8 @@ def test_recommend_py_reproduces_the_thesis_out_of_memory_case(tmp_path, capsys)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="recommend", overrides=[
             "hw=titanrtx_4x", *job, "candidates.pipe.batch_size=48", "candidates.pipe.chunks=[12]",
-            "candidates.pipe.checkpoint=[except_last]", "probe=false", "output=json", f"paths.root={tmp_path}"])
+            "candidates.pipe.checkpoint=[except_last]", "probe=false", "output=json", f"paths.root={tmp_path}",
+            "cpu_allocator=system"])  # the process's allocator: keep_freed would stay for every later test (compose_config)
     capsys.readouterr()
     run_recommend(cfg, tmp_path / "out", CONF_DIR / "hw", job)
     answer = json.loads(capsys.readouterr().out)

@@ -67,7 +67,7 @@ def test_mpi_across_hosts_matches_sequential(case, cluster, tmp_path, shared_dat
     assert not any(cluster.pids(host) for host in cluster.hosts), "every rank and daemon exited"
 
 
-@pytest.mark.slow  # the default suite runs DDP-family ranks across nodes under srun (test_slurm.py, HSDP)
+@pytest.mark.slow  # DDP-family ranks across nodes, as test_slurm.py's HSDP under srun (slow too); the default suite: MPI's
 def test_torchrun_across_hosts_trains_ddp_with_a_rank_on_each(cluster, tmp_path, shared_data, sequential_weights):  # noqa: F811
     """``torchrun --nnodes=2`` on each node, as a user starts it on two machines: Lightning takes
     torchrun's ranks, one per node, and the job is ``ddp_gloo`` with 2 processes over 2 nodes."""

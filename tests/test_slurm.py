@@ -107,6 +107,7 @@ def test_srun_across_two_nodes_starts_one_mpi_rank_on_each(two_nodes, tmp_path, 
     _assert_same_weights(final_weights(tmp_path), sequential_weights, exact=False)
 
 
+@pytest.mark.slow  # 35 s; the default suite runs HSDP's mesh on one machine (test_strategies.py, fsdp_hybrid)
 def test_srun_across_two_nodes_runs_hsdp_with_a_shard_group_per_node(  # noqa: F811
         two_nodes, tmp_path, shared_data, sequential_weights):  # noqa: F811
     """``fsdp sharding=hybrid`` as it is meant to run: 2 nodes x 2 tasks, the weights sharded

@@ -110,9 +110,9 @@ CASES = {
     # FSDP2 on CPU over gloo, each level (default suite: full, through the resume test below).
     **{f"fsdp_{level}": pytest.param((["strategy=fsdp", "strategy.processes=2", f"strategy.sharding={level}"], False),
                                      marks=pytest.mark.slow) for level in ("full", "grad_op", "none")},
-    # HSDP: two groups of two ranks, each sharding the model, the groups replicas (4 processes).
-    "fsdp_hybrid": pytest.param((["strategy=fsdp", "strategy.processes=4", "strategy.sharding=hybrid", "strategy.shard_size=2"],
-                                 False), marks=pytest.mark.slow),
+    # HSDP: two groups of two ranks, each sharding the model, the groups replicas (4 processes; across two nodes
+    # under srun: test_slurm.py, slow).
+    "fsdp_hybrid": (["strategy=fsdp", "strategy.processes=4", "strategy.sharding=hybrid", "strategy.shard_size=2"], False),
     # Activation checkpointing at the cut points: each block recomputed in backward, the same step.
     # Default suite: DDP and 1F1B (the plain 1F1B case is slow-marked: this one runs its schedule too).
     "ddp_gloo_checkpoint": (["strategy=ddp_gloo", "strategy.processes=2", "strategy.checkpoint=always"], False),

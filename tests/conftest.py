@@ -37,22 +37,33 @@ def data_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("data")
 
 
-@pytest.fixture(scope="session")
-def _made_store(tmp_path_factory) -> Path:
-    """An MLflow SQLite store whose schema MLflow has made (its first contact, about a second)."""
+_MADE_STORE: list[Path] = []  # the session's store with its schema made (made_store)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def made_store(tmp_path_factory) -> Path:
+    """An MLflow SQLite store whose schema MLflow has made: its first contact, about a second, paid
+    once per session, not per test (:func:`with_made_store`). The tests of a new store's first
+    contact (tests/test_tracking.py) make theirs elsewhere."""
     from mlflow.tracking import MlflowClient
 
     path = tmp_path_factory.mktemp("made-store") / "mlflow.db"
     MlflowClient(f"sqlite:///{path}").search_experiments()
+    _MADE_STORE[:] = [path]
     return path
 
 
+def with_made_store(folder: Path) -> str:
+    """The tracking URI of ``folder``'s mlflow.db, a copy of the session's made store if it had none."""
+    store = folder / "mlflow.db"
+    if not store.exists():
+        shutil.copyfile(_MADE_STORE[0], store)
+    return f"sqlite:///{store}"
+
+
 @pytest.fixture
-def tracking_uri(tmp_path, _made_store) -> str:
-    """A private MLflow store, its schema already made: a copy of one made once for the session.
-    The tests of a new store's first contact (tests/test_tracking.py) make theirs elsewhere."""
-    shutil.copyfile(_made_store, tmp_path / "mlflow.db")
-    return f"sqlite:///{tmp_path / 'mlflow.db'}"
+def tracking_uri(tmp_path) -> str:
+    return with_made_store(tmp_path)
 
 
 def compose_config(overrides: list[str]) -> DictConfig:

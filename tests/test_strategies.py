@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import PROJECT_DIR, compose_config, rank_workers, runs, subprocess_env
+from conftest import PROJECT_DIR, compose_config, rank_workers, runs, subprocess_env, with_made_store
 
 from ddlx.errors import ConfigError
 from ddlx.run import layered_model_meta, train
@@ -38,6 +38,7 @@ def train_py(workdir: Path, *overrides: str, timeout: float = 240, runner: list[
 
 def train_here(workdir: Path, *overrides: str) -> None:
     """Rank 0 in this process (extra ranks start as ``python -m ddlx.rank_worker``, as under train.py)."""
+    with_made_store(workdir)
     train(compose_config([f"paths.root={workdir}", *overrides]), output_dir=workdir / "run")
 
 
@@ -217,6 +218,7 @@ def test_cpu_mp_accumulates_gradients_as_sequential_does(tmp_path, shared_data):
     job = [f"paths.data_dir={shared_data}", *SAME_MATHS, "trainer.limit_train_batches=4", "trainer.accumulate_grad_batches=2"]
     for folder in ("sequential", "cpu_mp"):
         (tmp_path / folder).mkdir()
+        with_made_store(tmp_path / folder)
         train(compose_config([f"paths.root={tmp_path / folder}", f"strategy={folder}", *job]), output_dir=tmp_path / folder / "run")
     _assert_same_weights(final_weights(tmp_path / "cpu_mp"), final_weights(tmp_path / "sequential"), exact=False)
 
@@ -231,6 +233,7 @@ def test_torch_pipe_resumes_and_trains_a_smaller_last_batch(tmp_path, shared_dat
     job = ["strategy=pipe", "strategy.engine=torch", "strategy.schedule=1f1b", "strategy.chunks=3", *epoch]
     for folder in ("sequential", "cut"):
         (tmp_path / folder).mkdir()
+        with_made_store(tmp_path / folder)
     def run(folder, *overrides):
         train(compose_config([f"paths.root={tmp_path / folder}", *overrides]), output_dir=tmp_path / folder / "run")
     run("sequential", "strategy=sequential", "strategy.threads=1", *epoch, "trainer.max_epochs=2")
@@ -251,6 +254,7 @@ def test_fsdp_checkpoint_resumes_under_sharding_with_the_sequential_maths(tmp_pa
     job = ["strategy=fsdp", "strategy.processes=2", "strategy.sharding=full", "strategy.checkpoint=always", *epoch]
     for folder in ("sequential", "cut"):
         (tmp_path / folder).mkdir()
+        with_made_store(tmp_path / folder)
     def run(folder, *overrides):
         train(compose_config([f"paths.root={tmp_path / folder}", *overrides]), output_dir=tmp_path / folder / "run")
     run("sequential", "strategy=sequential", "strategy.threads=1", *epoch, "trainer.max_epochs=2")

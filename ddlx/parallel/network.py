@@ -50,8 +50,12 @@ def install(module: torch.nn.Module, parallelize: Parallelizer, local_rank: int)
 
 
 def stages_run(module: torch.nn.Module) -> list[int] | None:
-    """The layers of each pipeline stage the network of ``module`` last ran in (None: no pipeline)."""
-    return getattr(find_layered_model(module), "stage_layers", None)
+    """The layers of each pipeline stage the network of ``module`` last ran in (None: no pipeline).
+    Read as a run ends, however it ends: it never raises."""
+    try:
+        return getattr(find_layered_model(module), "stage_layers", None)
+    except TypeError:  # not one LayeredModel: no pipeline of ddlx's either
+        return None
 
 
 def uninstall(module: torch.nn.Module | None, forward: InstalledForward | None) -> None:

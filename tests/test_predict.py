@@ -456,10 +456,15 @@ def test_runs_of_another_machine_are_not_this_machines_measurements():
 
 # ---- hardware configs and the command --------------------------------------------------------
 
-def _compose_hw(*overrides: str):
+def _compose_recommend(*overrides: str):
+    """recommend.py's config, composed as its entry does."""
     ConfigStore.instance().store(group="hw", name="schema", node=HardwareSpec)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name="recommend", overrides=list(overrides)).hw
+        return compose(config_name="recommend", overrides=list(overrides))
+
+
+def _compose_hw(*overrides: str):
+    return _compose_recommend(*overrides).hw
 
 
 @pytest.mark.parametrize("name", ["titanrtx_4x", "h100_1x", "v100_8x", "cpu_2core_cluster"])
@@ -659,9 +664,7 @@ def test_recommend_py_names_bad_values(tmp_path):
     for bad, message in [("data.image_size=8", "image_size=8 is too small for alexnet; use data.image_size >= 16"),
                          ("detected_dir=/proc/ddlx", "detected_dir=/proc/ddlx"),
                          ("close_call=5", "close_call=5; expected a fraction in [0, 1)")]:
-        ConfigStore.instance().store(group="hw", name="schema", node=HardwareSpec)
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = compose(config_name="recommend", overrides=["hw=local", bad, f"paths.root={tmp_path}"])
+        cfg = _compose_recommend("hw=local", bad, f"paths.root={tmp_path}")
         with pytest.raises(ConfigError, match=re.escape(message)):
             run_recommend(cfg, tmp_path / "out", CONF_DIR / "hw")
 
@@ -743,12 +746,10 @@ def test_recommend_py_reproduces_the_thesis_out_of_memory_case(tmp_path, capsys)
     the thesis did not try; the epoch is the whole set. In this process: recommend.py's start-up
     and its JSON on stdout are the subject of the tests above."""
     job = ["model=resnet152", "data=highres"]
-    ConfigStore.instance().store(group="hw", name="schema", node=HardwareSpec)
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="recommend", overrides=[
-            "hw=titanrtx_4x", *job, "candidates.pipe.batch_size=48", "candidates.pipe.chunks=[12]",
-            "candidates.pipe.checkpoint=[except_last]", "probe=false", "output=json", f"paths.root={tmp_path}",
-            "cpu_allocator=system"])  # the process's allocator: keep_freed would stay for every later test (compose_config)
+    cfg = _compose_recommend(
+        "hw=titanrtx_4x", *job, "candidates.pipe.batch_size=48", "candidates.pipe.chunks=[12]",
+        "candidates.pipe.checkpoint=[except_last]", "probe=false", "output=json", f"paths.root={tmp_path}",
+        "cpu_allocator=system")  # the process's allocator: keep_freed would stay for every later test (compose_config)
     capsys.readouterr()
     run_recommend(cfg, tmp_path / "out", CONF_DIR / "hw", job)
     answer = json.loads(capsys.readouterr().out)

@@ -81,10 +81,10 @@ class DeferredWeightGrads:
         its first step, PyTorch's pipeline stage runs one forward and backward of made-up inputs
         to learn the shapes it sends (dynamic metadata inference): what the passes before the
         last ``micro_batches`` kept is dropped."""
-        first_kept = {}
+        first_kept = {}  # per module: its first pass to keep (none: all)
         for passes in set(self._passes_of.values()):
-            extra = max(0, passes.run - passes.flushed - micro_batches) if micro_batches else 0
-            first_kept[passes] = passes.flushed + extra + 1 if micro_batches else 0
+            if micro_batches:  # the passes before the last micro_batches: metadata inference's
+                first_kept[passes] = passes.flushed + 1 + max(0, passes.run - passes.flushed - micro_batches)
             passes.flushed = passes.run
         for layer, kept in self.kept.items():
             first = first_kept.get(self._passes_of.get(layer), 0)

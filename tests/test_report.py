@@ -180,6 +180,14 @@ def overlapping_labels(fig, texts) -> list[tuple[str, str]]:
     return [(a, b) for i, (a, box) in enumerate(boxes) for b, other in boxes[i + 1:] if box.overlaps(other)]
 
 
+def outside_figure(fig, texts) -> list[str]:
+    """The given texts not wholly inside the figure: cut off when it is saved."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in texts if t.get_text()]
+    return [text for text, box in boxes if not (fig.bbox.contains(*box.p0) and fig.bbox.contains(*box.p1))]
+
+
 def test_the_speedup_chart_stays_readable_with_30_setups():
     from ddlx.records import Workload
 
@@ -197,7 +205,22 @@ def test_the_speedup_chart_stays_readable_with_30_setups():
     labels = ax.get_yticklabels() + ax.get_xticklabels()
     assert {t.get_text() for t in labels} >= set(setups) | {"alexnet/firesmall 224px b32 (cpu)"}
     assert overlapping_labels(fig, labels) == []
+    assert outside_figure(fig, [ax.xaxis.label, ax.title, *ax.get_yticklabels()]) == [], "long labels took the axis label's room"
     assert any(line.get_xdata()[0] == 1.0 for line in ax.get_lines()), "the one-device baseline is marked"
+
+
+def test_the_chart_says_what_the_table_says(store):
+    """The bars are the table's speedups, and the axis names the table's epoch-time column (it said
+    median epoch time where the table says mean)."""
+    built = report.build_report(load_runs(store, ["ddlx"], "multirun/a"))
+    header = report.to_text(built).splitlines()[0]
+    fig = report.speedup_figure(built)
+    (ax,) = fig.axes
+    assert sorted(bar.get_width() for bar in ax.patches) == pytest.approx(
+        sorted(r.speedup for r in built.rows if r.speedup is not None))
+    epoch_column = next(name for name in report.COLUMNS if "epoch" in name)
+    assert epoch_column in header and epoch_column in ax.get_xlabel()
+    assert "median epoch" not in ax.get_xlabel(), "the table's column is a mean epoch time"
 
 
 def test_the_recommender_names_the_runs_it_leaves_out_and_why(store):

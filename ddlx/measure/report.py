@@ -75,7 +75,10 @@ def build_report(runs: list[MeasuredRun]) -> Report:
 
 # ---- rendering ---------------------------------------------------------------------------
 
-COLUMNS = ("use case", "device", "setup", "runs", "mean epoch s", "speedup")
+# A setup's epoch time: the mean over its measured epochs of one run, the median of these over
+# repeated runs (the "runs" column); the table's header and the chart's axis both name it so.
+EPOCH_TIME = "mean epoch s"
+COLUMNS = ("use case", "device", "setup", "runs", EPOCH_TIME, "speedup")
 
 
 def _cells(report: Report, row: Row) -> list[str]:
@@ -132,6 +135,20 @@ def _notes(report: Report) -> list[str]:
     return notes
 
 
+# The chart's type sizes (points) and a row's height (inches): at the 100 dpi it is saved at, a
+# 10-point label is about as tall as the table's text on a screen, and a row fits its label.
+FONT = {"setup": 10, "group": 10.5, "value": 9, "axis": 11, "title": 12}
+ROW_IN = 0.3
+BARS_IN = 5.0  # the bars' width; the figure adds its labels' width to it
+SAVE_DPI = 100
+
+
+def speedup_axis_label() -> str:
+    """What the bars are, in the table's words: the baseline's epoch time over the setup's."""
+    return (f"speedup = one device's {EPOCH_TIME} / the setup's {EPOCH_TIME}\n"
+            f"(a setup's runs: their median, as in the table; the line: 1.0x)")
+
+
 def speedup_figure(report: Report):
     """Horizontal bars, one per setup, grouped under their workload (a bold row), fastest first;
     the one-device baseline marked at 1.0x. Readable at any number of setups: each row is as tall
@@ -146,7 +163,8 @@ def speedup_figure(report: Report):
     strategies = sorted({r.setup.split()[0] for r in rows})
     colours = {s: plt.get_cmap("tab10")(i % 10) for i, s in enumerate(strategies)}
     ticks, labels, bold = [], [], []
-    fig, ax = plt.subplots(figsize=(9, 1.3 + 0.27 * (len(rows) + len(groups))))
+    height = 1.2 + ROW_IN * (len(rows) + len(groups))
+    fig, ax = plt.subplots(figsize=(BARS_IN + 4, height))
     y = 0
     for label, device in groups:
         ticks.append(y), labels.append(f"{label} ({device})"), bold.append(True)
@@ -155,26 +173,37 @@ def speedup_figure(report: Report):
                           key=lambda r: -r.speedup):
             ax.barh(y, row.speedup, height=0.7, color=colours[row.setup.split()[0]])
             ax.annotate(f"{row.speedup:.2f}x", (row.speedup, y), xytext=(3, 0), textcoords="offset points",
-                        va="center", fontsize=7)
+                        va="center", fontsize=FONT["value"])
             ticks.append(y), labels.append(row.setup), bold.append(False)
             y += 1
-    ax.set_yticks(ticks, labels, fontsize=8)
+    ax.set_yticks(ticks, labels, fontsize=FONT["setup"])
     for text, is_group in zip(ax.get_yticklabels(), bold):
         text.set_fontweight("bold" if is_group else "normal")
+        text.set_fontsize(FONT["group"] if is_group else FONT["setup"])
+    ax.tick_params(axis="x", labelsize=FONT["setup"])
     ax.set_ylim(y - 0.5, -0.5)  # first group on top
     ax.axvline(1.0, color="black", linewidth=0.8)
-    ax.set_xlim(0, 1.15 * max((r.speedup for r in rows), default=1.0))
-    ax.set_xlabel("speedup over one device: its median epoch time / the setup's (the line: 1.0x, the device itself)")
-    ax.set_title(f"Speedup per setup: {len(groups)} workload(s), {len(rows)} setup(s)", fontsize=10)
-    fig.tight_layout()
+    ax.set_xlim(0, 1.15 * max((r.speedup for r in rows), default=1.0))  # room for the value beside the longest bar
+    ax.set_xlabel(speedup_axis_label(), fontsize=FONT["axis"])
+    ax.set_title(f"Speedup per setup: {len(groups)} workload(s), {len(rows)} setup(s)", fontsize=FONT["title"])
+    _fit_width(fig, ax, height)
     return fig
+
+
+def _fit_width(fig, ax, height: float) -> None:
+    """The figure as wide as its longest label plus :data:`BARS_IN`: a fixed width would give
+    long labels the bars' room, or short ones a blank margin."""
+    fig.canvas.draw()
+    label_in = max((t.get_window_extent().width for t in ax.get_yticklabels()), default=0.0) / fig.dpi
+    fig.set_size_inches(label_in + BARS_IN + 0.5, height)
+    fig.tight_layout()
 
 
 def plot(report: Report, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig = speedup_figure(report)
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=SAVE_DPI, bbox_inches="tight", pad_inches=0.15)  # labels whole, no blank border
     plt.close(fig)
     return path
 

@@ -12,12 +12,16 @@ from pathlib import Path
 
 import pytorch_lightning as pl
 
+from .ui import open_command, run_page
+
 log = logging.getLogger(__name__)
 
 # (logger, start of a message) that tell a ddlx user nothing: Lightning advertising its cloud logger.
 NOISE_LOGS = (("pytorch_lightning.utilities.rank_zero", "💡 Tip:"),)
-# (message, category): Lightning 2.6's own use of a torch pytree class that torch deprecated.
-NOISE_WARNINGS = ((r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning),)
+# (message, category): Lightning 2.6's own use of a torch pytree class that torch deprecated; its
+# hint to start with srun wherever srun is installed (ddlx decides who starts the ranks: docs/multi-node.md).
+NOISE_WARNINGS = ((r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning),
+                  (r"The `srun` command is available on your system but is not used", Warning))
 # Within a long epoch, a progress line at most this often (seconds).
 PROGRESS_EVERY_S = 60.0
 
@@ -108,13 +112,5 @@ class RunSummary:
         if self.checkpoint is not None and self.checkpoint.exists():
             out.append(f"  checkpoint: {self.checkpoint}")
         if self.run_id:
-            out.append(f"  MLflow run {self.run_id}: {open_command(self.tracking_uri, self.experiment_id, self.run_id)}")
+            out.append(f"  MLflow run {self.run_id}: {open_command(self.tracking_uri, run_page(self.experiment_id, self.run_id))}")
         return out
-
-
-def open_command(tracking_uri: str, experiment_id: str | None, run_id: str) -> str:
-    """How a person opens the run: the page on the server, or the command that serves a local store."""
-    page = f"#/experiments/{experiment_id}/runs/{run_id}?workflowType=machine_learning"  # not MLflow 3's GenAI pages
-    if tracking_uri.startswith(("http://", "https://")):
-        return f"{tracking_uri.rstrip('/')}/{page}"
-    return f"mlflow ui --backend-store-uri {tracking_uri}, then http://127.0.0.1:5000/{page}"

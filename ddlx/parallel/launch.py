@@ -143,6 +143,16 @@ def settle_cluster_environment(trainer_kwargs: dict, strategy_name: str) -> None
     _set_num_threads_if_needed(num_processes=per_node)  # as Lightning's own launcher does: the node's cores shared
 
 
+def cluster_environment_plugins(strategy) -> list:
+    """The cluster environment to hand Lightning when the strategy carries none (one process, or
+    ranks ddlx starts itself, :func:`settle_cluster_environment`): Lightning's own detection
+    would import mpi4py (starting MPI, and an OpenMPI ``orted`` beside every run) and print
+    SLURM hints, though ddlx has already decided who starts the ranks."""
+    from lightning_fabric.plugins.environments import LightningEnvironment
+
+    return [] if getattr(strategy, "cluster_environment", None) is not None else [LightningEnvironment()]
+
+
 def end_distributed_job(strategy=None, timeout_s: float = 120.0) -> None:
     """After a job in the launching process: leave nothing for the next job of a sweep.
 

@@ -55,9 +55,11 @@ def abort_job(status: int, show_traceback: bool = True) -> None:
     FAILED) or that refused its job alone: mpi4py finalizes MPI at exit, which waits for every
     rank, and a lost rank never comes; the others would wait in their next collective, which has
     no timeout before the process group is up. MPI_Abort has mpirun or srun end them instead.
-    Nothing outside an MPI job."""
+    Nothing outside an MPI job (of several ranks), where MPI_Abort would only add its banner."""
+    if not _started_as_mpi_rank():
+        return
     mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is None and _started_as_mpi_rank():
+    if mpi is None:
         # Refused before this rank joined MPI: join, to end the others (srun, unlike mpirun,
         # leaves them running when one task exits).
         try:

@@ -11,7 +11,14 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from ddlx.cli import hydra_job_tags, register_config, resume_requeued_job, run_training_job, task_overrides
+from ddlx.cli import (
+    exit_if_jobs_refused,
+    hydra_job_tags,
+    register_config,
+    resume_requeued_job,
+    run_training_job,
+    task_overrides,
+)
 from ddlx.config_check import check_command_line
 from ddlx.parallel.rank_fork import start_fork_server
 
@@ -34,3 +41,4 @@ def main(cfg: DictConfig) -> None:
 if __name__ == "__main__":
     check_command_line(sys.argv[1:], PROJECT_DIR / "conf", "train")  # every job, before Hydra starts one
     main()
+    exit_if_jobs_refused()  # a sweep whose jobs were refused one by one ends saying so, with status 1

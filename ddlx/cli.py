@@ -11,7 +11,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from .errors import ConfigError, RanksDisagree, Stopped, StoreError
+from .errors import CheckpointNotWritten, ConfigError, RanksDisagree, Stopped, StoreError
 
 
 class SweepJobRefused(Exception):
@@ -105,7 +105,12 @@ def run_training_job(fn: Callable[[], Any], in_sweep: bool, overrides: list[str]
     try:
         result = report_config_errors(fn, in_sweep)
     except SweepJobRefused:
-        raise  # refused before training, on every rank alike
+        if not jobs_run_in_this_process():
+            raise  # the launcher counts the job failed by its exception (refused on every rank alike)
+        REFUSED_JOBS.append(" ".join(overrides))  # said once, and the sweep's exit status: exit_if_jobs_refused
+        return None
+    except CheckpointNotWritten as err:
+        _end_job_with_error(err)
     except Exception:
         from .parallel.mpi import abort_job
 
@@ -116,12 +121,45 @@ def run_training_job(fn: Callable[[], Any], in_sweep: bool, overrides: list[str]
         if stop.resumable:
             kept = [o for o in overrides if not o.lstrip("+").startswith("ckpt_path=")]
             print(f"ddlx: resume with: python train.py {' '.join([*kept, f'ckpt_path={stop.checkpoint}'])}", file=sys.stderr)
-        if requeue is not None:
+        if requeue is not None and stop.after_training:
+            if launch_rank() == 0:
+                requeue.forget()
+        elif requeue is not None:
             requeue.after_stop(stop, rank0=launch_rank() == 0)
         raise SystemExit(stop.exit_status) from None
     if requeue is not None and launch_rank() == 0:
         requeue.forget()
     return result
+
+
+def _end_job_with_error(err: BaseException) -> None:
+    """An error the run has recorded (FAILED, tag ``error``) and one line says in full: no traceback."""
+    from .parallel.mpi import abort_job
+
+    print(f"ddlx: error: {err}", file=sys.stderr, flush=True)
+    abort_job(1, show_traceback=False)
+    raise SystemExit(1) from None
+
+
+# The overrides of the sweep jobs this process refused before training (each a FAILED run).
+REFUSED_JOBS: list[str] = []
+
+
+def jobs_run_in_this_process() -> bool:
+    """Whether Hydra runs the sweep's jobs one after another in this process (its basic launcher),
+    so a refused job can end without an exception and the sweep's exit status still say it."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return HydraConfig.get().launcher.get("_target_", "").endswith("BasicLauncher")
+
+
+def exit_if_jobs_refused() -> None:
+    """After a sweep: exit 1 when any of its jobs was refused before training (each said why as it
+    came, and has a FAILED run with the reason)."""
+    if REFUSED_JOBS:
+        print(f"ddlx: {len(REFUSED_JOBS)} job(s) of the sweep refused before training (FAILED runs, with the reason): "
+              + "; ".join(REFUSED_JOBS), file=sys.stderr)
+        raise SystemExit(1)
 
 
 def resume_requeued_job(cfg, tags: dict[str, str]):

@@ -19,14 +19,20 @@ class RanksDisagree(ConfigError):
     """The ranks of one job composed different jobs: every rank finds it at once, and refuses."""
 
 
+class CheckpointNotWritten(OSError):
+    """The file system refused a checkpoint (full, over a quota or a size limit); the previous
+    checkpoint file is as it was. The message says which file and why."""
+
+
 class Stopped(BaseException):
     """Training was stopped by a signal (:mod:`ddlx.stopping`). A BaseException, as
     KeyboardInterrupt, so no ``except Exception`` on the way swallows it. ``checkpoint``: the
     state the run can resume from, when one was written."""
 
     def __init__(self, signum: int, checkpoint: Path | None = None, step: int | None = None,
-                 resumable: bool = False) -> None:
+                 resumable: bool = False, after_training: bool = False) -> None:
         self.signum, self.checkpoint, self.step, self.resumable = signum, checkpoint, step, resumable
+        self.after_training = after_training  # the run had trained to its end: it is FINISHED
         super().__init__(self.describe())
 
     @property
@@ -38,6 +44,8 @@ class Stopped(BaseException):
         return 128 + self.signum  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
 
     def describe(self) -> str:
+        if self.after_training:
+            return f"{self.signal_name} came after training had finished: the run is FINISHED"
         where = f" after step {self.step}" if self.step is not None else " before training"
         kind = "checkpoint" if self.resumable else "checkpoint of the weights only"
         kept = f"; {kind} {self.checkpoint}" if self.checkpoint else "; no checkpoint written"

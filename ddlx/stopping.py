@@ -1,11 +1,12 @@
 """Stop signals: SIGINT (Ctrl-C), SIGTERM (SLURM, Kubernetes, ``timeout``), and SIGUSR1 and
 SIGUSR2 (SLURM's warning before a job's end: ``sbatch --signal=USR1@90``; submitit's is USR2).
 
-From the moment a run's MLflow run is open until it is closed, these raise :class:`Stopped` at
-once, so the run is recorded as KILLED and the process exits 128 + the signal's number. While
+From the moment a run's MLflow run is open until training starts, these raise :class:`Stopped`
+at once, so the run is recorded as KILLED and the process exits 128 + the signal's number. While
 training, they are deferred to the end of the current step instead: the ranks agree that one of
 them was signalled, write a checkpoint of the state after that step, and all stop, so a
-pre-empted job resumes where it stopped (``ckpt_path=``). A second Ctrl-C stops at once.
+pre-empted job resumes where it stopped (``ckpt_path=``). A second Ctrl-C stops at once. Once
+training is done, one is noted only: the run ends FINISHED and the process exits 128 + its number.
 
 Lightning's own SIGTERM handling is switched off (:func:`disable_lightning_signal_handlers`):
 it signals the other ranks from inside the handler, broadcasts from there, and ends the process
@@ -94,8 +95,8 @@ class StopAtSignal(pl.Callback):
             self._stop_if_signalled(trainer)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # Training is done: a signal now ends the run as it is (the epoch-end checkpoint is written).
-        self.signals.deferred = False
+        # Training is done: a signal from now on is only noted, the run is closed FINISHED, and the
+        # process then exits as stopped (ddlx.run.train raises Stopped(after_training=True)).
         if self.signals.received is not None:
             log.warning("training had finished when the stop signal came: the run ends as finished")
 

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import signal
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -20,7 +22,8 @@ from .cache import CACHE_CHOICES, keep_decoded
 from .transforms import ImageTransform, build_transform, flips
 
 log = logging.getLogger(__name__)
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+# Left to the training process; SIGTERM, also one of them, is ended by it (_obey_sigterm_from).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 
 
 class ImageFileDataset(Dataset):
@@ -146,17 +149,35 @@ class ResumableLoader(ForkingLoader):
 
 def _quiet_worker(worker_id: int) -> None:
     """A loader worker leaves stop signals to the training process (which stops after the step
-    and shuts its workers down); otherwise a Ctrl-C or SLURM's signal to the whole process group
-    kills the worker, and the step fails instead of stopping. Seeded as Lightning seeds them,
-    named for ps and top."""
+    and shuts its workers down); otherwise a Ctrl-C, ``timeout`` or SLURM's signal to the whole
+    process group kills the worker, and the step fails instead of stopping. A SIGTERM from the
+    training process itself (multiprocessing ends leftover workers so at exit, then waits for
+    them) still ends it, and so does the training process's death (kill -9, the OOM killer).
+    Seeded as Lightning seeds them, named for ps and top."""
     from lightning_fabric.utilities.seed import pl_worker_init_function
 
-    from ..parallel.rank_fork import name_process
+    from ..parallel.rank_fork import end_with_parent, name_process
 
     pl_worker_init_function(worker_id)
     name_process("ddlx-loader")  # in ps and top (a forked process keeps its parent's command line)
+    if not end_with_parent():
+        os._exit(1)
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
+    _obey_sigterm_from(os.getppid())
+
+
+def _obey_sigterm_from(parent: int) -> None:
+    """SIGTERM ends this process when ``parent`` sent it, and is ignored from anyone else: the
+    signal is blocked and taken by a thread that reads its sender (a handler cannot see it)."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # before any other thread: they inherit it
+
+    def wait() -> None:
+        while signal.sigwaitinfo({signal.SIGTERM}).si_pid != parent:
+            pass
+        os._exit(128 + signal.SIGTERM)
+
+    threading.Thread(target=wait, name="ddlx-sigterm", daemon=True).start()
 
 
 class ImageFolderDataModule(pl.LightningDataModule):
@@ -231,6 +252,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
         self.cached: bool | None = None  # whether the images are decoded in memory (None: not decided yet)
         self.train_set: ImageFileDataset | None = None
         self.val_set: ImageFileDataset | None = None
+        self._loaders: list[DataLoader] = []  # made for the trainer: their workers end with the run (end_workers)
 
     @property
     def data_folder(self) -> Path:
@@ -326,9 +348,20 @@ class ImageFolderDataModule(pl.LightningDataModule):
             # process's random state (dropout's), which a checkpoint keeps and a resume restores.
             generator=torch.Generator().manual_seed(self.seed),
         )
-        if resumable:
-            return ResumableLoader(dataset, position=self._training_position, **kwargs)
-        return ForkingLoader(dataset, **kwargs)
+        loader = ResumableLoader(dataset, position=self._training_position, **kwargs) if resumable \
+            else ForkingLoader(dataset, **kwargs)
+        self._loaders.append(loader)
+        return loader
+
+    def end_workers(self) -> None:
+        """End the workers of every loader made, and wait for them: Lightning does at the end of
+        training, but not when training is stopped during validation (its teardown then takes
+        another loop for the active one), and at exit multiprocessing would wait for them."""
+        from pytorch_lightning.utilities.combined_loader import _shutdown_workers_and_reset_iterator
+
+        for loader in self._loaders:
+            _shutdown_workers_and_reset_iterator(loader)
+        self._loaders.clear()
 
     def _replica(self) -> tuple[int, int]:
         """(data-parallel replicas, this process's) as the strategy shards data: the processes of

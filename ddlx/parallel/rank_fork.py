@@ -146,10 +146,15 @@ class ForkedRank:
         self.send_signal(signal.SIGTERM)
 
 
-def _end_with_parent() -> None:
+def end_with_parent() -> bool:
+    """Have the kernel kill this process when its parent ends (Linux; elsewhere nothing). False
+    when the parent has already gone (the process was reparented before the call)."""
     import ctypes
 
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    return parent != 1 and os.getppid() == parent
 
 
 def name_process(name: str) -> None:
@@ -164,9 +169,7 @@ def name_process(name: str) -> None:
 def _serve(conn) -> None:
     """The server's loop: fork a rank per request, report each rank's end; leave when the
     launching process does (its end of the pipe closes, or the kernel's signal)."""
-    parent = os.getppid()
-    _end_with_parent()
-    if os.getppid() != parent:
+    if not end_with_parent():
         return
     name_process(SERVER_NAME)
     for signum in STOP_SIGNALS:
@@ -203,7 +206,7 @@ def _run_rank(argv: list[str], env: dict[str, str], cwd: str) -> None:
     code = 1
     try:
         name_process(RANK_NAME.format(env.get("LOCAL_RANK", "")))
-        _end_with_parent()  # the server: it leaves only when the launching process has ended
+        end_with_parent()  # the server: it leaves only when the launching process has ended
         for signum in STOP_SIGNALS:
             signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
         os.environ.clear()

@@ -11,15 +11,20 @@ import os
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
 import torch
+from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning_utilities.core.apply_func import apply_to_collection
 from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.plugins.io import AsyncCheckpointIO
 
-from .errors import ConfigError
+from .errors import CheckpointNotWritten, ConfigError
+from .preflight import checkpoint_path_problem
 
 LAST = "last.ckpt"
 # Config keys a resumed run may change: where things are, and how long to train. Any other
@@ -52,7 +57,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         except BaseException as err:
             partial.unlink(missing_ok=True)
             if isinstance(err, Exception):  # torch reports a refused write as a RuntimeError of its zip writer
-                raise OSError(f"checkpoint {path} not written ({type(err).__name__}: {err}); the file system refused "
+                raise CheckpointNotWritten(f"checkpoint {path} not written ({type(err).__name__}: {err}); the file system refused "
                               f"it (full, or over a size limit?); {path.name} is as it was before") from err
             raise
         _sync_folder(path.parent)
@@ -81,20 +86,55 @@ def _sync_folder(folder: Path) -> None:
         os.close(fd)
 
 
-def checkpoint_callbacks(save: str, keep_best: bool, folder: Path) -> list[ModelCheckpoint]:
-    """``last.ckpt``, rewritten at each epoch end, and with ``keep_best`` the best by ``val_acc``."""
+def checkpoint_callbacks(save: str, keep_best: bool, folder: Path, every_minutes: float | None = None) -> list[ModelCheckpoint]:
+    """``last.ckpt``, rewritten at each epoch end (after its validation) and, with ``every_minutes``,
+    within an epoch once that many minutes of training have passed since the last one; with
+    ``keep_best``, the best by ``val_acc`` beside it."""
     if save == "none":
         return []
     weights_only = save == "weights"
-    # No version counter: a stop's checkpoint (stopping.StopAtSignal) replaces last.ckpt too, and a
-    # resumed run goes on replacing it, where Lightning would start a last-v1.ckpt beside it.
-    callbacks = [ModelCheckpoint(dirpath=folder, save_last=True, save_top_k=0, save_weights_only=weights_only,
-                                 enable_version_counter=False)]
+    # monitor=None with save_top_k=1 rewrites its one file at every epoch end. (Lightning 2.6's
+    # save_last=True writes last.ckpt only when a top-k checkpoint is saved at the same step: with
+    # save_top_k=0, never before training ends.) No version counter: a stop's checkpoint
+    # (stopping.StopAtSignal) replaces last.ckpt too, and a resumed run goes on replacing it.
+    last = {"dirpath": folder, "filename": Path(LAST).stem, "monitor": None, "save_top_k": 1,
+            "save_weights_only": weights_only, "enable_version_counter": False}
+    callbacks = [ModelCheckpoint(**last)]
+    if every_minutes is not None:  # Lightning takes one trigger per callback: the time's is a second one
+        callbacks.append(ModelCheckpoint(**last, train_time_interval=timedelta(minutes=every_minutes)))
     if keep_best:
         callbacks.append(ModelCheckpoint(dirpath=folder, filename="best-epoch={epoch}-val_acc={val_acc:.4f}",
                                          auto_insert_metric_name=False, monitor="val_acc", mode="max", save_top_k=1,
                                          save_weights_only=weights_only, enable_version_counter=False))
     return callbacks
+
+
+def checkpoint_writer(background: bool) -> CheckpointIO:
+    """How checkpoints reach the disk: :class:`AtomicCheckpointIO`, by the training thread or,
+    with ``background``, by :class:`BackgroundCheckpointIO` from a snapshot."""
+    return BackgroundCheckpointIO(AtomicCheckpointIO()) if background else AtomicCheckpointIO()
+
+
+class BackgroundCheckpointIO(AsyncCheckpointIO):
+    """Lightning's asynchronous writer (one thread; a write's error is raised at the next save or
+    when training ends, where Lightning waits for the writes in flight), writing a snapshot taken
+    in host memory: Lightning's own clones each tensor on its device, which on a GPU would hold a
+    second copy of the weights and optimizer state in device memory for as long as the disk
+    takes. The training step waits for that copy only, not for the disk."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
+        snapshot = apply_to_collection(checkpoint, torch.Tensor, lambda t: t.detach().to("cpu", copy=True))
+        self._ensure_setup()
+
+        def write() -> None:
+            try:
+                self.checkpoint_io.save_checkpoint(snapshot, path, storage_options)
+            except BaseException as err:  # noqa: BLE001 - raised on the training thread (AsyncCheckpointIO's way)
+                self._error = err
+
+        self._executor.submit(write)
+        if self._error:
+            raise self._error
 
 
 class RunInCheckpoint(pl.Callback):
@@ -149,10 +189,11 @@ class SavedRun:
 def read_saved_run(path: str | os.PathLike) -> SavedRun:
     """The run a checkpoint belongs to, read without loading its tensors; a :class:`ConfigError`
     when it cannot resume one (missing, unreadable or cut short, weights only)."""
+    problem = checkpoint_path_problem(path)
+    if problem:
+        raise ConfigError(problem)
     path = Path(path).expanduser().resolve()
     fix = "give the path of a run's checkpoints/last.ckpt"
-    if not path.is_file():
-        raise ConfigError(f"ckpt_path={path} does not exist; {fix}")
     try:
         checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except Exception as err:  # noqa: BLE001 - torch raises many kinds for a damaged file

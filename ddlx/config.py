@@ -154,10 +154,13 @@ class MeasureConfig:
 @dataclass
 class CheckpointConfig:
     """What a run keeps in its output folder's ``checkpoints/``: one file, ``last.ckpt``, rewritten
-    at every epoch end and when a stop signal arrives (each write lands whole or not at all)."""
+    at every epoch end (after its validation), every ``every_minutes`` within an epoch when set,
+    and when a stop signal arrives (each write lands whole or not at all)."""
 
     save: str = knob("full", choices=("full", "weights", "none"))  # full: resumable (weights, optimizer, loops); weights: the model only
     keep_best: bool = False  # also keep the checkpoint with the best val_acc
+    every_minutes: Optional[float] = knob(None, low=0, low_open=True)  # null: at epoch ends only
+    background: bool = True  # written by a thread from a copy in host memory: training goes on meanwhile
 
 
 @dataclass

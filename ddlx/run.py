@@ -20,10 +20,10 @@ from .allocator import apply_allocator, check_allocator, resolve_allocator
 from .allocator import explain as explain_allocator
 from .checkpoints import (
     LAST,
-    AtomicCheckpointIO,
     RunInCheckpoint,
     check_resumable,
     checkpoint_callbacks,
+    checkpoint_writer,
     read_saved_run,
 )
 from .config import TrainerConfig
@@ -38,11 +38,19 @@ from .measure.resources import ResourceMonitor
 from .measure.timing import EpochTimer
 from .models import build_model
 from .module import ClassifierModule
-from .parallel.launch import RelaunchingDDPStrategy, end_distributed_job, launch_rank, settle_cluster_environment
+from .parallel.launch import (
+    RelaunchingDDPStrategy,
+    cluster_environment_plugins,
+    end_distributed_job,
+    launch_rank,
+    settle_cluster_environment,
+)
 from .parallel.network import stages_run
 from .parallel.same_job import SameJobOnEveryRank
 from .predict.memory import GIB, estimate_training_memory
 from .predict.numerics import CPU_FP16, PRECISION_NUMERICS
+from .preflight import batch_split_problems
+from .preflight import check_job as check_job_before_torch
 from .records import run_name
 from .slurm import run_tags as slurm_run_tags
 from .stopping import StopAtSignal, StopSignals, disable_lightning_signal_handlers
@@ -74,11 +82,9 @@ def build_datamodule(data_cfg: DictConfig, data_parallel: int = 1) -> ImageFolde
     """The datamodule for one process: ``data.batch_size`` is the global batch, split evenly."""
     kwargs = OmegaConf.to_container(data_cfg, resolve=True)
     kwargs.pop("batch_per", None)  # made global before (batch_of_workers)
-    if kwargs["batch_size"] % data_parallel:
-        raise ConfigError(
-            f"data.batch_size={kwargs['batch_size']} is the global batch and must split evenly over the "
-            f"{data_parallel} processes of this strategy; use a multiple of {data_parallel}"
-        )
+    problems = batch_split_problems(kwargs["batch_size"], data_parallel)  # mpi's ranks: known only now
+    if problems:
+        raise ConfigError(problems[0])
     kwargs["batch_size"] //= data_parallel
     return ImageFolderDataModule(**kwargs)
 
@@ -114,22 +120,6 @@ def check_memory(cfg: DictConfig, data_parallel: int = 1, replicas: int = 1, rec
             f"but only {have / GIB:.1f} GiB of {what} is there: {fix} "
             f"(or set memory_check=false to try anyway)"
         )
-
-
-def check_measure(cfg: DictConfig) -> None:
-    m, epochs = cfg.measure, cfg.trainer.max_epochs
-    if m.warmup_epochs < 0 or (epochs not in (None, -1) and m.warmup_epochs >= epochs):
-        raise ConfigError(
-            f"measure.warmup_epochs={m.warmup_epochs} with trainer.max_epochs={epochs} leaves no epoch to measure; "
-            f"use 0 <= warmup_epochs < max_epochs (e.g. trainer.max_epochs={max(1, m.warmup_epochs) + 3} "
-            f"measure.warmup_epochs={max(0, m.warmup_epochs)} for the thesis' mean of 3)"
-        )
-
-
-def check_validation(cfg: DictConfig) -> None:
-    if cfg.checkpoint.keep_best and cfg.data.val_fraction == 0:
-        raise ConfigError("checkpoint.keep_best=true keeps the checkpoint with the best val_acc, but data.val_fraction=0 "
-                          "holds no images out to validate on; set data.val_fraction=0.2 (or keep_best=false)")
 
 
 def run_tags(cfg: DictConfig, extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -179,7 +169,7 @@ def build_trainer(cfg: DictConfig, plan, logger, output_dir: Path, callbacks: li
     the checkpoint policy (into ``checkpoint_dir``, default the run's ``checkpoints/``) and
     writer; stop signals are ddlx's (:mod:`ddlx.stopping`)."""
     checkpoint_dir = checkpoint_dir or output_dir / "checkpoints"
-    saving = checkpoint_callbacks(cfg.checkpoint.save, cfg.checkpoint.keep_best, checkpoint_dir)
+    saving = checkpoint_callbacks(cfg.checkpoint.save, cfg.checkpoint.keep_best, checkpoint_dir, cfg.checkpoint.every_minutes)
     arguments = {**trainer_arguments(cfg.trainer), **plan.trainer_kwargs}
     if not is_terminal():  # a progress bar cannot redraw in a file or a pipe: a line per epoch instead
         arguments["enable_progress_bar"] = False
@@ -190,7 +180,7 @@ def build_trainer(cfg: DictConfig, plan, logger, output_dir: Path, callbacks: li
             logger=logger if logger is not None else False,
             callbacks=[*callbacks, *saving],
             enable_checkpointing=bool(saving),
-            plugins=[AtomicCheckpointIO()],
+            plugins=[checkpoint_writer(cfg.checkpoint.background), *cluster_environment_plugins(arguments.get("strategy"))],
             default_root_dir=str(output_dir),
             use_distributed_sampler=False,  # the datamodule shards (see ImageFolderDataModule._loader)
         )
@@ -209,11 +199,9 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, extra_tags: Mapping[st
     """
     silence_known_noise()
     cfg = check_config(cfg)  # train.py checked its command line; a caller's config may not have been
-    complete_data_config(cfg.data)  # data=imagefolder: classes, counts, channels and name from the folder
+    check_job_before_torch(cfg)
     output_dir = Path(output_dir)
     pl.seed_everything(cfg.seed, workers=True)
-    tags = run_tags(cfg, extra_tags)
-    resolved = OmegaConf.to_container(cfg, resolve=True)
     rank0 = launch_rank() == 0  # only global rank 0 talks to MLflow: its client may create the store
     signals = StopSignals()
 
@@ -221,7 +209,11 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, extra_tags: Mapping[st
     check_tracking_uri(cfg.logger.tracking_uri)
     if rank0:
         check_experiment(cfg.logger.tracking_uri, cfg.logger.experiment_name)
+    tags = None
     try:
+        complete_data_config(cfg.data)  # data=imagefolder: classes, counts, channels and name from the folder
+        tags = run_tags(cfg, extra_tags)
+        resolved = OmegaConf.to_container(cfg, resolve=True)
         saved, plan, datamodule = check_job(cfg, resolved, tags, rank0)
         apply_allocator(cfg.cpu_allocator)  # before the model and the ranks (they inherit it)
         # The resolved config: an MLflow artifact, and the job description the other ranks start from.
@@ -252,8 +244,9 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, extra_tags: Mapping[st
                      StopAtSignal(signals, checkpoint_file, weights_only=cfg.checkpoint.save == "weights")]
         trainer = build_trainer(cfg, plan, logger, output_dir, callbacks, checkpoint_dir)
     except ConfigError as err:
-        if "sweep_id" in tags and rank0:
-            params = flatten_config(resolved)
+        if "sweep_id" in (extra_tags or {}) and rank0:
+            tags = tags or run_tags(cfg, extra_tags)  # refused for its data: the folder's name may be unknown
+            params = flatten_config(OmegaConf.to_container(cfg, resolve=True))
             record_rejected_run(cfg.logger, cfg.logger.run_name or run_name(params, tags), tags, params, err)
         raise
     model = build_model(cfg.model.name, cfg.data.num_classes, cfg.data.channels, cfg.data.image_size, cfg.model.dropout)
@@ -280,6 +273,8 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, extra_tags: Mapping[st
                 summary = RunSummary(status, run_id, logger.experiment_id, cfg.logger.tracking_uri, len(timer.epoch_times),
                                      timer.summary(), metrics, checkpoint_file, output_dir)
                 print("\n".join(summary.lines()), flush=True)
+    if signals.received is not None:  # after training's end: the process says it was stopped all the same
+        raise Stopped(signals.received, checkpoint_file, trainer.global_step, after_training=True)
     return metrics
 
 
@@ -293,6 +288,7 @@ def fit(cfg: DictConfig, trainer: pl.Trainer, module: ClassifierModule, datamodu
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     finally:
+        datamodule.end_workers()
         end_distributed_job(trainer.strategy)
         learnt = {"stage_layers": stages_run(module)}  # strategy.balance=auto's cut: what the run's time is of
         if datamodule.cached is not None:  # part of the workload: a run's loading cost depends on it
@@ -320,8 +316,6 @@ def check_job(cfg: DictConfig, resolved: dict, tags: dict, rank0: bool):
     cfg.cpu_allocator = resolved["cpu_allocator"] = resolve_allocator(cfg.cpu_allocator)
     if rank0:
         log.info(explain_allocator(requested, cfg.cpu_allocator))
-    check_measure(cfg)
-    check_validation(cfg)
     check_accelerator(cfg)
     check_allocator(cfg.cpu_allocator)
     meta = layered_model_meta(cfg)

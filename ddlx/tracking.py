@@ -43,8 +43,9 @@ def store_exists(tracking_uri: str) -> bool:
     return path is None or path.is_file()
 
 
-def check_tracking_uri(uri: str, timeout_s: float = 5.0) -> None:
-    """Fail at start, not after training, when runs could not be recorded."""
+def check_tracking_uri(uri: str, timeout_s: float = 5.0, setting: str = "logger.tracking_uri") -> None:
+    """Fail at start, not after training, when runs could not be recorded; ``setting``: the option
+    that chose ``uri``, as the error names it."""
     if uri.startswith(("http://", "https://")):
         health = uri.rstrip("/") + "/health"
         try:
@@ -53,14 +54,14 @@ def check_tracking_uri(uri: str, timeout_s: float = 5.0) -> None:
                     raise OSError(f"HTTP {response.status}")
         except (OSError, urllib.error.URLError) as err:
             raise StoreError(
-                f"MLflow tracking server logger.tracking_uri={uri} is unreachable ({err}); start it "
-                f"(mlflow server --host ... --port ...) or log locally with logger.tracking_uri=sqlite:///mlflow.db"
+                f"MLflow tracking server {setting}={uri} is unreachable ({err}); start it "
+                f"(mlflow server --host ... --port ...) or log locally with {setting}=sqlite:///mlflow.db"
             ) from err
     elif (path := sqlite_path(uri)) is not None:
         folder = path.parent if path.parent != Path("") else Path(".")
         if not folder.is_dir() or not os.access(folder, os.W_OK):
             raise StoreError(
-                f"logger.tracking_uri={uri}: folder {folder} does not exist or is not writable; "
+                f"{setting}={uri}: folder {folder} does not exist or is not writable; "
                 f"create it or choose another path"
             )
         if path.exists():
@@ -68,7 +69,7 @@ def check_tracking_uri(uri: str, timeout_s: float = 5.0) -> None:
                 with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
                     db.execute("pragma schema_version")  # reads the header: fails on a non-database
             except sqlite3.DatabaseError as err:
-                raise StoreError(f"logger.tracking_uri={uri}: {path} is not an SQLite database ({err})") from err
+                raise StoreError(f"{setting}={uri}: {path} is not an SQLite database ({err})") from err
 
 
 def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -214,8 +215,11 @@ def process_key(pid: int) -> str | None:
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
         namespace = os.stat(f"/proc/{pid}/ns/pid").st_ino
-        started = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+        state, *fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        started = fields[18]
     except (OSError, IndexError):
+        return None
+    if state in ("Z", "X"):  # ended, not yet reaped by its parent: gone all the same
         return None
     return f"{boot}:{namespace}:{pid}:{started}"
 
@@ -296,10 +300,11 @@ def recorded(logger: MLFlowLogger | None, open_run: Callable[[], str]) -> Iterat
     if logger is None:
         yield None
         return
-    heartbeat = None
+    heartbeat = watch = None
     try:
         run_id = open_run()
         heartbeat = Heartbeat(logger._tracking_uri, run_id)
+        watch = ProcessWatch(logger._tracking_uri, run_id)
         yield run_id
         end_run(logger.experiment, run_id, "FINISHED")
     except Stopped as stop:
@@ -311,6 +316,8 @@ def recorded(logger: MLFlowLogger | None, open_run: Callable[[], str]) -> Iterat
     finally:
         if heartbeat is not None:
             heartbeat.stop()
+        if watch is not None:
+            watch.stop()
 
 
 def _end_logged_run(logger: MLFlowLogger, status: str, error: str) -> None:
@@ -340,6 +347,44 @@ class Heartbeat:
 
     def stop(self) -> None:
         self._stop.set()
+
+
+class ProcessWatch:
+    """A small process (``python -m ddlx.run_watch``) that outlives this one: if this process ends
+    without closing the run (kill -9, the out-of-memory killer, a crash in C), it marks the run
+    FAILED at once, where otherwise the next command against the store would. It sits in a
+    session of its own, so a signal to the run's process group does not end it, and imports
+    MLflow only if it has a run to close; :meth:`stop` (the run closed) ends it."""
+
+    def __init__(self, tracking_uri: str, run_id: str) -> None:
+        import subprocess
+        import sys
+
+        try:
+            self._process = subprocess.Popen([sys.executable, "-m", "ddlx.run_watch", tracking_uri, run_id, str(os.getpid())],
+                                             stdin=subprocess.PIPE, start_new_session=True)
+        except OSError as err:
+            log.warning("no watch on MLflow run %s (%s): if this process is killed, the next command against the "
+                        "store marks it FAILED", run_id, err)
+            self._process = None
+
+    def stop(self) -> None:
+        if self._process is None:
+            return
+        try:
+            self._process.communicate(b"closed\n", timeout=5)
+        except Exception as err:  # noqa: BLE001 - the run is closed already; the watch only looks
+            log.warning("the watch process of this run did not end: %s", err)
+
+
+def close_if_vanished(tracking_uri: str, run_id: str) -> str | None:
+    """Mark ``run_id`` FAILED if it is RUNNING and its process is gone (:func:`vanished_reason`);
+    the reason, or None when it was not."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    run = client.get_run(run_id)
+    return _close_vanished(client, run) if run.info.status == "RUNNING" else None
 
 
 def run_title(logger: MLFlowLogger) -> str:
@@ -400,19 +445,24 @@ def vanished_reason(run, now: float | None = None) -> str | None:
 def close_vanished_runs(client, experiment_ids: list[str]) -> list[str]:
     """Mark FAILED, with the reason, every RUNNING run of these experiments whose process is
     gone (:func:`vanished_reason`); their ids. Called before a run starts and by the report."""
-    closed = []
-    for run in client.search_runs(experiment_ids, filter_string="attributes.status = 'RUNNING'", max_results=1000):
-        reason = vanished_reason(run)
-        if reason is not None:
-            last = float(run.data.tags.get("heartbeat") or run.info.start_time / 1000)
-            try:
-                client.set_tag(run.info.run_id, "error", reason)
-                client.set_terminated(run.info.run_id, "FAILED", end_time=int(last * 1000))
-                closed.append(run.info.run_id)
-                log.warning("MLflow run %s was left RUNNING: marked FAILED (%s)", run.info.run_id, reason)
-            except Exception as err:  # noqa: BLE001
-                log.warning("could not close vanished MLflow run %s: %s", run.info.run_id, err)
-    return closed
+    runs = client.search_runs(experiment_ids, filter_string="attributes.status = 'RUNNING'", max_results=1000)
+    return [run.info.run_id for run in runs if _close_vanished(client, run) is not None]
+
+
+def _close_vanished(client, run) -> str | None:
+    """Mark the RUNNING ``run`` FAILED, ended at its last heartbeat, when its process is gone; why."""
+    reason = vanished_reason(run)
+    if reason is None:
+        return None
+    last = float(run.data.tags.get("heartbeat") or run.info.start_time / 1000)
+    try:
+        client.set_tag(run.info.run_id, "error", reason)
+        client.set_terminated(run.info.run_id, "FAILED", end_time=int(last * 1000))
+    except Exception as err:  # noqa: BLE001
+        log.warning("could not close vanished MLflow run %s: %s", run.info.run_id, err)
+        return None
+    log.warning("MLflow run %s was left RUNNING: marked FAILED (%s)", run.info.run_id, reason)
+    return reason
 
 
 def tag_run(logger: MLFlowLogger | None, tags: Mapping[str, str]) -> None:

@@ -247,22 +247,40 @@ def test_a_ddp_run_stopped_by_sigterm_resumes_on_every_rank(tmp_path):
     assert run.info.status == "FINISHED" and run.data.metrics["measured_epochs"] == 4
 
 
-def test_kill_9_of_rank_0_leaves_no_rank_and_the_run_is_failed_at_the_next_look(tmp_path):
-    job = [f"paths.root={tmp_path}", *TINY, "model=resnet18", "strategy=ddp_gloo", "trainer.max_epochs=50"]
+def _alive(processes) -> list:
+    return [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_kill_9_of_rank_0_ends_every_process_closes_the_run_and_it_resumes_from_the_last_epoch_end(tmp_path):
+    """kill -9 (the OOM killer, a lost shell) of rank 0 of a DDP run with loader workers: its
+    other processes (the rank fork server, rank 1, every loader worker) end within 5 s; the run is
+    FAILED with the reason without another command (its watch process records it, then ends);
+    the checkpoint of the last epoch's end resumes it, into the same run, to FINISHED."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    job = [f"paths.root={tmp_path}", *TINY, *FULL, "strategy=ddp_gloo", "data.num_workers=1", "trainer.max_epochs=50"]
     proc = subprocess.Popen([sys.executable, str(PROJECT_DIR / "train.py"), *job], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, env=subprocess_env(), cwd=tmp_path)
-    workers = _wait_for(lambda: rank_workers(proc.pid), 120, "rank 1")
+    _wait_for(lambda: rank_workers(proc.pid), 120, "rank 1")
     _wait_for(lambda: _an_epoch_done(tmp_path), 120, "the first epoch")
+    checkpoint = _wait_for(lambda: next(tmp_path.glob("outputs/*/*/checkpoints/last.ckpt"), None), 60, "last.ckpt")
+    tree = psutil.Process(proc.pid).children(recursive=True)
+    watch = [p for p in tree if "ddlx.run_watch" in " ".join(p.cmdline())]
+    run_processes = [p for p in tree if p not in watch]
+    assert len(watch) == 1 and len(run_processes) >= 4, [p.name() for p in tree]  # server, rank 1, 2 loaders at least
     proc.kill()
     proc.wait()
-    _wait_for(lambda: not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers), 10,
-              "rank 1 to end with rank 0")
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    assert [r.info.status for r in runs(uri)] == ["RUNNING"]
-    from ddlx.tracking import load_runs
+    _wait_for(lambda: not _alive(run_processes), 5, "every process of the run to end within 5 s of rank 0")
+    (run,) = _wait_for(lambda: [r for r in runs(uri) if r.info.status == "FAILED"], 60, "the watch to close the run")
+    assert f"pid {proc.pid}" in run.data.tags["error"] and "ended without closing the run" in run.data.tags["error"]
+    _wait_for(lambda: not _alive(watch), 10, "the watch to end")
 
-    (seen,) = load_runs(uri, ["ddlx"])  # the report looks: the run's process is gone
-    assert seen.status == "FAILED" and f"pid {proc.pid}" in seen.error and "ended without closing the run" in seen.error
+    saved_epoch = torch.load(checkpoint, map_location="cpu", weights_only=True)["epoch"]
+    resume = [*job[:-1], f"trainer.max_epochs={saved_epoch + 2}", f"ckpt_path={checkpoint}"]
+    resumed = subprocess.run([sys.executable, str(PROJECT_DIR / "train.py"), *resume], capture_output=True, text=True,
+                             timeout=300, env=subprocess_env(), cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    (run,) = runs(uri)
+    assert run.info.status == "FINISHED" and run.data.tags["resumes"] == "1" and "ended without" in run.data.tags["previous_error"]
 
 
 def test_ddp_sweeps_started_at_once_each_get_their_own_folders_config_and_record(tmp_path):
@@ -329,3 +347,144 @@ def test_a_slurm_job_stopped_with_a_checkpoint_is_resumed_only_once_slurm_requeu
     weights_only = RequeueMarker.of_this_job(tmp_path / "w", None)
     weights_only.after_stop(Stopped(signal.SIGUSR1, checkpoint, 9, resumable=False), rank0=True)
     assert not weights_only.path.exists(), "nothing to resume from"
+
+
+def test_last_ckpt_is_rewritten_at_every_epoch_end_and_every_n_minutes_within_one(tiny_config, tmp_path, monkeypatch):
+    """What a kill -9 can lose: at most the work since the last epoch's end, or since the last
+    checkpoint.every_minutes within an epoch (a run started before one is killed resumes from it)."""
+    seen: list[tuple[str, int, int]] = []
+
+    class Look(pl.Callback):
+        def _look(self, when: str, trainer) -> None:
+            checkpoint = Path(trainer.default_root_dir) / "checkpoints" / "last.ckpt"
+            saved = torch.load(checkpoint, weights_only=True)["global_step"] if checkpoint.exists() else None
+            seen.append((when, trainer.global_step, saved))
+
+        def on_train_epoch_start(self, trainer, pl_module) -> None:
+            self._look("epoch start", trainer)
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            self._look("step", trainer)
+
+    measured = run_module.measurement_callbacks
+    monkeypatch.setattr(run_module, "measurement_callbacks", lambda cfg: [*measured(cfg), Look()])
+    train(tiny_config(*FULL, "checkpoint.background=false", "trainer.max_epochs=3"), tmp_path / "run")
+    assert [(g, s) for when, g, s in seen if when == "epoch start"] == [(0, None), (2, 2), (4, 4)], seen
+    seen.clear()
+    train(tiny_config(*FULL, "checkpoint.background=false", "checkpoint.every_minutes=1e-9"), tmp_path / "minutes")
+    assert [(g, s) for when, g, s in seen if when == "step"] == [(0, None), (1, 1)], "saved within the epoch"
+
+
+def test_a_checkpoint_written_in_the_background_holds_the_state_it_was_taken_at(tmp_path):
+    """The training step goes on while the disk writes: the file holds the tensors as they were
+    when the checkpoint was taken, not as later steps changed them; a refused write is raised."""
+    from ddlx.checkpoints import checkpoint_writer
+    from ddlx.errors import CheckpointNotWritten
+
+    writer = checkpoint_writer(background=True)
+    weights = torch.zeros(1000, 1000)
+    writer.save_checkpoint({"state_dict": {"w": weights}}, tmp_path / "last.ckpt")
+    weights += 1  # the next step, while the file is written
+    writer.teardown()  # what Lightning calls when training ends: waits for the writes
+    assert torch.load(tmp_path / "last.ckpt", weights_only=True)["state_dict"]["w"].sum() == 0
+    (tmp_path / "file").write_text("")
+    writer.save_checkpoint({"w": weights}, tmp_path / "file" / "last.ckpt")  # under a file: cannot be written
+    with pytest.raises(OSError):
+        writer.teardown()
+    assert issubclass(CheckpointNotWritten, OSError)
+
+
+class SignalAt(pl.Callback):
+    """Raises ``SIGTERM`` in this process at ``point`` of the run (the checkpoint write: see the test)."""
+
+    def __init__(self, point: str) -> None:
+        self.point = point
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        if self.point == "setup":
+            signal.raise_signal(signal.SIGTERM)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.point == "training step" and trainer.global_step == 1:
+            signal.raise_signal(signal.SIGTERM)
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        if self.point == "validation" and not trainer.sanity_checking and trainer.current_epoch == 0:
+            signal.raise_signal(signal.SIGTERM)
+
+    def teardown(self, trainer, pl_module, stage) -> None:
+        if self.point == "teardown":
+            signal.raise_signal(signal.SIGTERM)
+
+
+@pytest.mark.parametrize("point,status,step", [
+    ("setup", "KILLED", None),            # before training: at once, nothing to keep
+    ("training step", "KILLED", 1),       # after the step it came in, with its checkpoint
+    ("validation", "KILLED", 2),          # after that validation, with the epoch's checkpoint
+    ("checkpoint write", "KILLED", 3),    # the write completes; the next step is the stop's
+    ("teardown", "FINISHED", 4),          # training was done: the run is, and the process says it was stopped
+])
+def test_a_stop_signal_at_any_point_ends_the_run_with_its_status_and_no_loader_worker_left(
+        point, status, step, tiny_config, tracking_uri, tmp_path, monkeypatch):
+    from ddlx.checkpoints import AtomicCheckpointIO
+
+    measured = run_module.measurement_callbacks
+    monkeypatch.setattr(run_module, "measurement_callbacks", lambda cfg: [*measured(cfg), SignalAt(point)])
+    if point == "checkpoint write":
+        write = AtomicCheckpointIO.save_checkpoint
+
+        def signalled_write(self, *args, **kwargs):
+            signal.raise_signal(signal.SIGTERM)
+            write(self, *args, **kwargs)
+            monkeypatch.setattr(AtomicCheckpointIO, "save_checkpoint", write)
+
+        monkeypatch.setattr(AtomicCheckpointIO, "save_checkpoint", signalled_write)
+    with pytest.raises(Stopped) as stop:
+        train(tiny_config(*FULL, "data.num_workers=1", "trainer.max_epochs=2"), tmp_path / "run")
+    assert stop.value.exit_status == 143 and stop.value.step == step
+    assert stop.value.after_training == (point == "teardown")
+    (run,) = runs(tracking_uri)
+    assert run.info.status == status
+    assert (tmp_path / "run" / "checkpoints" / "last.ckpt").exists() == (point != "setup")
+    loaders = [c for c in psutil.Process().children() if c.name() == "ddlx-loader" and c.status() != psutil.STATUS_ZOMBIE]
+    assert not loaders, "the loader workers ended with the run (multiprocessing would wait for them at exit)"
+
+
+def test_a_stop_signal_to_the_process_group_during_validation_exits_at_once(tmp_path):
+    """Ctrl-C, timeout or a scheduler signal every process of the group: the loader workers leave
+    it to the training process, which stops after that validation with a checkpoint and exits
+    143 within 10 s (it used to wait for ever for workers that ignored multiprocessing's SIGTERM)."""
+    sent = tmp_path / "signal-sent"
+    proc = subprocess.run([sys.executable, str(PROJECT_DIR / "tests" / "train_signalled.py"), "validation", "SIGTERM",
+                           f"paths.root={tmp_path}", *TINY, *FULL, "data.num_workers=2", "trainer.max_epochs=4"],
+                          capture_output=True, text=True, timeout=300, env={**subprocess_env(), "DDLX_SIGNAL_SENT": str(sent)},
+                          cwd=tmp_path, start_new_session=True)
+    ended = time.time()
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    assert ended - float(sent.read_text()) < 10, "ended within 10 s of the signal"
+    (run,) = runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert run.info.status == "KILLED" and "stopped by SIGTERM" in run.data.tags["error"]
+    assert re.search(r"ddlx: resume with: python train.py .*ckpt_path=\S+last.ckpt", proc.stderr)
+
+
+def test_a_refused_checkpoint_write_is_one_line_and_a_failed_run(capsys):
+    from ddlx.cli import run_training_job
+    from ddlx.errors import CheckpointNotWritten
+
+    def refused():
+        raise CheckpointNotWritten("checkpoint /x/last.ckpt not written (No space left on device)")
+
+    with pytest.raises(SystemExit) as end:
+        run_training_job(refused, in_sweep=False, overrides=[])
+    assert end.value.code == 1
+    err = capsys.readouterr().err
+    assert err.strip() == "ddlx: error: checkpoint /x/last.ckpt not written (No space left on device)"
+
+
+def test_a_process_ended_but_not_yet_reaped_is_gone():
+    from ddlx.tracking import process_key
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    _wait_for(lambda: psutil.Process(child.pid).status() == psutil.STATUS_ZOMBIE, 30, "the child to end")
+    assert process_key(child.pid) is None, "a zombie is not the run's process any more"
+    child.wait()

@@ -5,6 +5,8 @@
     python recommend.py mode=validate                                # leave-one-out on the measured runs
     python recommend.py mode=probe                                   # measure this machine's links
 """
+import functools
+import sys
 from pathlib import Path
 
 import hydra
@@ -12,6 +14,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
 from ddlx.cli import register_config, report_config_errors
+from ddlx.config_check import check_command_line, check_recommend_job
 from ddlx.predict.hardware import HardwareSpec
 
 ROOT = Path(__file__).resolve().parent
@@ -32,4 +35,6 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    hw_options = functools.partial(check_recommend_job, hw_dir=ROOT / "conf" / "hw")
+    check_command_line(sys.argv[1:], ROOT / "conf", "recommend", hw_options)  # before Hydra starts the job
     main()

@@ -11,7 +11,7 @@ from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import (
     ConfigAttributeError,
     ConfigKeyError,
@@ -223,16 +223,17 @@ def _first_line(err: BaseException) -> str:
 # ---- the command line, before Hydra runs it ---------------------------------------------------
 
 
-def check_command_line(argv: Sequence[str], config_dir: Path, config_name: str) -> None:
-    """Compose every job the command line asks for (each job of a ``-m`` sweep) and check it,
-    so a bad value is reported in about a second, before Hydra starts any job; print the errors
-    and exit with status 2. Hydra's own flags (--help, --cfg, ...) are left to Hydra."""
+def check_command_line(argv: Sequence[str], config_dir: Path, config_name: str, check=None) -> None:
+    """Compose every job the command line asks for (each job of a ``-m`` sweep) and check it
+    (``check(cfg, multirun)``, default :func:`check_job`: train.py's), so a bad value is reported
+    in about a second, before Hydra starts any job; print the errors and exit with status 2.
+    Hydra's own flags (--help, --cfg, ...) are left to Hydra."""
     from hydra._internal.utils import get_args_parser
 
     args = get_args_parser().parse_args(list(argv))
     if args.help or args.hydra_help or args.info or args.shell_completion or args.cfg or args.config_path or args.config_dir:
         return  # Hydra answers these itself (another config folder: its own schema, if any)
-    errors = list(_job_errors(args.overrides, args.multirun, config_dir, args.config_name or config_name))
+    errors = list(_job_errors(args.overrides, args.multirun, config_dir, args.config_name or config_name, check or check_job))
     for job, swept, err in errors:
         label = f"sweep job {' '.join(swept)}: " if args.multirun and swept else ""
         print(f"ddlx: error: {label}{err}", file=sys.stderr)
@@ -240,7 +241,7 @@ def check_command_line(argv: Sequence[str], config_dir: Path, config_name: str) 
         raise SystemExit(2)
 
 
-def _job_errors(overrides: list[str], multirun: bool, config_dir: Path, config_name: str):
+def _job_errors(overrides: list[str], multirun: bool, config_dir: Path, config_name: str, check):
     """(job's overrides, those that vary across the sweep's jobs, error) for each job refused."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import (
@@ -268,7 +269,7 @@ def _job_errors(overrides: list[str], multirun: bool, config_dir: Path, config_n
         for job in jobs:
             swept = [o for o in job if o not in shared]
             try:
-                check_config(compose(config_name=config_name, overrides=job))
+                check(compose(config_name=config_name, overrides=job, return_hydra_config=True), multirun)
             except ConfigError as err:
                 yield job, swept, err
             except MissingConfigException as err:
@@ -276,6 +277,34 @@ def _job_errors(overrides: list[str], multirun: bool, config_dir: Path, config_n
             except HydraException as err:
                 cause = err.__cause__
                 yield job, swept, explain(cause) if isinstance(cause, OmegaConfBaseException) else ConfigError(_hydra_message(err))
+
+
+def check_job(cfg: DictConfig, multirun: bool) -> None:
+    """One job of the command line (composed with Hydra's own config): its folder can be made,
+    its config is typed and within bounds (:func:`check_config`), and what else can be known
+    before torch loads holds (:mod:`ddlx.preflight`)."""
+    from . import preflight
+
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    try:
+        folder = OmegaConf.select(cfg, key, throw_on_resolution_failure=True)
+    except OmegaConfBaseException as err:
+        raise explain(err) from None
+    with open_dict(cfg):
+        cfg.pop("hydra")
+    problem = preflight.run_folder_problem(folder, key) if folder else None
+    if problem:
+        raise ConfigError(problem)
+    preflight.check_job(check_config(cfg))
+
+
+def check_recommend_job(cfg: DictConfig, multirun: bool, hw_dir: Path) -> None:
+    """recommend.py's job: its hardware is one of the descriptions in ``hw_dir``, not the schema
+    they extend (an option of the group, but no machine)."""
+    if OmegaConf.select(cfg, "hydra.runtime.choices.hw") == "schema":
+        options = sorted(p.stem for p in hw_dir.glob("*.yaml"))
+        raise ConfigError(f"hw=schema is the fields every machine description has, not a machine; "
+                          f"expected one of {', '.join(options)}")
 
 
 def _sweep_jobs(overrides: list[str]) -> list[list[str]]:

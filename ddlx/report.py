@@ -1,7 +1,8 @@
 """Speedup report from the MLflow runs: ``python -m ddlx.report [--sweep-id latest] [...]``.
 
 Prints the table, writes ``speedup.md``, ``speedup.csv`` and ``speedup.png`` under ``--out``
-and logs them as one run of the MLflow experiment ``reports``.
+and logs them as one run of the MLflow experiment ``reports``; for a sweep, also the link that
+shows its runs side by side in the MLflow UI.
 """
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import time
 from pathlib import Path
 
 from .measure import report
-from .tracking import load_runs, log_result_run
+from .tracking import check_tracking_uri, load_runs, log_result_run
+from .ui import compare_page, open_command, run_page
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -31,8 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     experiments = args.experiment or ["ddlx"]
     try:
+        check_tracking_uri(args.tracking_uri, setting="--tracking-uri")
         runs = load_runs(args.tracking_uri, experiments, args.sweep_id)
-    except ValueError as err:
+    except ValueError as err:  # StoreError (a ConfigError) among them: no store, a damaged one
         print(f"ddlx.report: error: {err}", file=sys.stderr)
         return 2
     built = report.build_report(runs)
@@ -40,12 +43,24 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or Path("reports") / time.strftime("%Y-%m-%d_%H-%M-%S")
     files = report.write(built, out)
     print(f"\nwrote {', '.join(str(f) for f in files)}")
+    if args.sweep_id is not None:
+        compare = compare_page(experiment_ids(args.tracking_uri, experiments), [r.run_id for r in runs])
+        print(f"the sweep's {len(runs)} runs side by side: {open_command(args.tracking_uri, compare)}")
     if not args.no_log:
         sweep = args.sweep_id if args.sweep_id != "latest" else next((r.sweep_id for r in runs), "")
         run_id = log_result_run(args.tracking_uri, "reports", "speedup-report", files=files,
                                 tags={"experiments": ",".join(experiments), "sweep_id": sweep})
-        print(f"logged as MLflow run {run_id} in experiment 'reports'")
+        (reports,) = experiment_ids(args.tracking_uri, ["reports"])
+        print(f"logged as MLflow run {run_id} in experiment 'reports': {open_command(args.tracking_uri, run_page(reports, run_id))}")
     return 0
+
+
+def experiment_ids(tracking_uri: str, names: list[str]) -> list[str]:
+    """The ids of experiments that exist (:func:`load_runs` and :func:`log_result_run` made sure)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    return [client.get_experiment_by_name(name).experiment_id for name in names]
 
 
 if __name__ == "__main__":

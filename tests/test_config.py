@@ -16,10 +16,11 @@ from ddlx.config_check import check_config
 from ddlx.errors import ConfigError
 
 
-def train_py(*overrides: str, multirun: bool = False) -> tuple[subprocess.CompletedProcess, float]:
-    cmd = [sys.executable, str(PROJECT_DIR / "train.py"), *(["-m"] if multirun else []), *overrides]
+def train_py(*overrides: str, multirun: bool = False, script: str = "train.py") -> tuple[subprocess.CompletedProcess, float]:
+    cmd = [sys.executable, str(PROJECT_DIR / script), *(["-m"] if multirun else []), *overrides]
     start = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=subprocess_env())
+    env = {**subprocess_env(), "CUDA_VISIBLE_DEVICES": ""}  # no GPU, on any machine: trainer=gpu is refused
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     return proc, time.monotonic() - start
 
 
@@ -38,13 +39,46 @@ def train_py(*overrides: str, multirun: bool = False) -> tuple[subprocess.Comple
     ("trainer.devices=4", r"trainer.devices is set by ddlx", r"strategy.processes"),
     ("strategy.processes=2", r"strategy.processes is not a knob of strategy=sequential", r"knob of strategy=cpu_mp"),
     ("model=vgg17", r"model=vgg17 is not an option of model", r"did you mean model=vgg16\?"),
+    # Known before torch loads: across keys, the paths named, the machine.
+    ("trainer.max_epochs=0", r"measure.warmup_epochs=0 with trainer.max_epochs=0", r"use 0 <= warmup_epochs < max_epochs"),
+    ("trainer=gpu", r"trainer.accelerator=gpu, but this machine has no GPU", r"trainer=default"),
+    ("strategy=ddp_nccl", r"strategy=ddp_nccl needs CUDA GPUs", r"strategy=ddp_gloo"),
+    ("strategy=ddp_gloo strategy.processes=99", r"data.batch_size=32 is the global batch", r"a multiple of 99"),
+    (f"ckpt_path={PROJECT_DIR / 'conf'}", r"ckpt_path=\S+/conf is a folder, not a checkpoint file", r"last.ckpt"),
+    ("ckpt_path=/nowhere/last.ckpt", r"ckpt_path=/nowhere/last.ckpt does not exist", r"last.ckpt"),
+    ("data=imagefolder data.root=/nowhere", r"data.root=/nowhere does not exist", r"data.root=null"),
+    ("hydra.run.dir=/proc/ddlx-run", r"hydra.run.dir=/proc/ddlx-run: cannot create a folder in /proc",
+     r"choose another hydra.run.dir"),
 ])
 def test_a_bad_value_is_named_with_the_fix_before_anything_loads(override, key, expected):
-    proc, seconds = train_py(override)
+    proc, seconds = train_py(*override.split())
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     assert re.search(rf"ddlx: error: .*{key}", proc.stderr) and re.search(expected, proc.stderr), proc.stderr
     assert seconds < 20, "reported before torch, Lightning and MLflow load (about a second on a quiet machine)"
+
+
+def test_what_the_config_and_the_machine_tell_is_checked_before_torch_loads():
+    """The checks that need no model, data or device answer without importing torch (train.py
+    then exits; ddlx.run.train checks the same for its callers)."""
+    code = ("import sys\nfrom pathlib import Path\nfrom ddlx.cli import register_config\n"
+            "from ddlx.config_check import check_command_line\nregister_config(Path(sys.argv[1]))\n"
+            "try:\n    check_command_line(sys.argv[2:], Path(sys.argv[1]) / 'conf', 'train')\n"
+            "except SystemExit as stop:\n    print('exit', stop.code, 'torch' in sys.modules, 'mlflow' in sys.modules)\n")
+    for overrides in (["trainer.max_epochs=0"], ["trainer=gpu"], ["strategy=ddp_gloo", "strategy.processes=99"]):
+        proc = subprocess.run([sys.executable, "-c", code, str(PROJECT_DIR), *overrides], capture_output=True, text=True,
+                              timeout=60, env={**subprocess_env(), "CUDA_VISIBLE_DEVICES": ""})
+        assert proc.stdout.split() == ["exit", "2", "False", "False"], (overrides, proc.stdout, proc.stderr[-2000:])
+
+
+def test_recommend_names_an_unknown_machine_or_model_with_the_options(tmp_path):
+    for override, expected in (("hw=nosuch", r"hw=nosuch is not an option of hw.*expected one of .*titanrtx_4x"),
+                               ("model=nosuch", r"model=nosuch is not an option of model.*expected one of .*vgg16"),
+                               ("hw=schema", r"hw=schema is the fields every machine description has, not a machine")):
+        proc, _ = train_py(override, f"paths.root={tmp_path}", script="recommend.py")
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        assert re.search(rf"ddlx: error: {expected}", proc.stderr), proc.stderr
+        assert "schema" not in proc.stderr.split("expected one of")[-1], "the schema is no option"
 
 
 def test_every_job_of_a_sweep_is_checked_before_the_first_runs(tmp_path):

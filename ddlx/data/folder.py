@@ -12,6 +12,7 @@ from PIL import Image, UnidentifiedImageError
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from ..errors import ConfigError
+from ..preflight import missing_data_root
 from .transforms import IMAGENET_MEAN, IMAGENET_STD
 
 log = logging.getLogger(__name__)
@@ -36,11 +37,7 @@ class FolderContents:
 def scan_imagefolder(root: Path) -> tuple[list[str], list[tuple[str, int]]]:
     """Classes (sorted sub-folder names) and (path, class index) samples; clear errors for bad layouts."""
     if not root.is_dir():
-        raise ConfigError(
-            f"data.root={root} does not exist. Point data.root at an ImageFolder (one sub-folder per "
-            f"class with its images), or set data.root=null to train on a synthetic stand-in that "
-            f"ddlx writes under data.synthetic_dir on first use"
-        )
+        raise ConfigError(missing_data_root(root))
     classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
     if len(classes) < 2:
         found = f"one class sub-folder ({classes[0]})" if classes else "no class sub-folders"

@@ -53,7 +53,7 @@ class CpuMp(StrategySpec):
         clipping = ("each rank steps its slice of the averaged gradient, which Lightning's clipping does not see; "
                     "use strategy=ddp_gloo to clip")
         return StrategyPlan(trainer_kwargs={"strategy": strategy, "devices": cfg.processes, "accelerator": "cpu"},
-                            tags={"processes": str(cfg.processes), "split_linear": cfg.split_linear}, data_parallel=cfg.processes,
+                            tags={"processes": str(cfg.processes), "split_linear": cfg.split_linear}, data_parallel=self.data_parallel(cfg),
                             replicas_per_machine=cfg.processes, refused_trainer_args={"gradient_clip_val": clipping},
                             refused_precisions=self.refused_precisions(cfg))
 

@@ -92,6 +92,15 @@ class Ddp(StrategySpec):
     splits_batch = True
     backend: str
 
+    def needs_gpu(self, cfg, accelerator: str) -> bool:
+        return self.backend == "nccl" or super().needs_gpu(cfg, accelerator)
+
+    def no_gpu_problem(self, cfg, accelerator: str) -> str:
+        if self.backend != "nccl":
+            return super().no_gpu_problem(cfg, accelerator)
+        return (f"strategy=ddp_nccl needs CUDA GPUs (NCCL runs only on GPUs), but this machine has none; "
+                f"use strategy=ddp_gloo strategy.processes={cfg.processes}")
+
     def plan(self, cfg, accelerator, model, data) -> StrategyPlan:
         from ..parallel.devices import gpu_count
         from ..parallel.launch import RelaunchingDDPStrategy, ranks_per_node
@@ -119,7 +128,7 @@ class Ddp(StrategySpec):
             trainer_kwargs={"strategy": strategy, "devices": per_node, "num_nodes": nodes, "accelerator": device_accelerator},
             tags={"processes": str(processes), "nodes": str(nodes), "backend": self.backend,
                   "bucket_cap_mb": f"{cfg.bucket_cap_mb:g}", "comm_hook": cfg.comm_hook, "checkpoint": cfg.checkpoint},
-            data_parallel=processes,
+            data_parallel=self.data_parallel(cfg),
             replicas_per_machine=per_node,
             recompute=strategy.recompute,
         )

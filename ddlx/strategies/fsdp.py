@@ -80,7 +80,7 @@ class Fsdp(StrategySpec):
                             "accelerator": "gpu" if devices[0].type == "cuda" else "cpu"},
             tags={"processes": str(p), "nodes": str(nodes), "sharding": cfg.sharding, "checkpoint": cfg.checkpoint,
                   **({"shard_size": str(shard_size)} if cfg.sharding == "hybrid" else {})},
-            data_parallel=p, replicas_per_machine=per_node, recompute=strategy.recompute,
+            data_parallel=self.data_parallel(cfg), replicas_per_machine=per_node, recompute=strategy.recompute,
             refused_precisions=self.refused_precisions(cfg),
         )
 

@@ -62,7 +62,7 @@ class Hybrid(StrategySpec):
         return StrategyPlan(
             trainer_kwargs={"strategy": strategy, "devices": processes, "accelerator": "cpu" if on_cpu else "gpu"},
             tags={"processes": str(processes), "devices": ";".join(",".join(map(str, p)) for p in pairs), **local_tags},
-            data_parallel=processes,
+            data_parallel=self.data_parallel(cfg),
             replicas_per_machine=processes,
         )
 
@@ -74,7 +74,7 @@ class Hybrid(StrategySpec):
             trainer_kwargs={"strategy": strategy, "devices": len(devices), "accelerator": accelerator_of(devices[0])},
             tags={"processes": str(cfg.processes), "local": "pipe", "devices": ";".join(",".join(map(str, p)) for p in pairs),
                   **tags},
-            data_parallel=cfg.processes, replicas_per_machine=cfg.processes,
+            data_parallel=self.data_parallel(cfg), replicas_per_machine=cfg.processes,
             refused_precisions=engine_refused_precisions(cfg), recompute=strategy.recompute,
         )
 

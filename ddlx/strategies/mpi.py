@@ -76,6 +76,9 @@ class Mpi(StrategySpec):
     default_knob_tags = {"engine": "fairscale"}
     splits_batch = True
 
+    def data_parallel(self, cfg) -> int | None:
+        return None  # the ranks mpirun or srun starts
+
     def plan(self, cfg, accelerator, model, data) -> StrategyPlan:
         import torch
         from lightning_fabric.plugins.environments import MPIEnvironment

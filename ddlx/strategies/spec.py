@@ -125,6 +125,25 @@ class StrategySpec:
         process (what the rank fork server is for)."""
         return (cfg.get("processes") or 1) > 1
 
+    def data_parallel(self, cfg) -> int | None:
+        """Processes sharing the global batch in a run of its config ``cfg`` (None: known only
+        once launched); read before torch loads (:mod:`ddlx.preflight`) and by :meth:`plan`."""
+        return cfg.get("processes") or 1
+
+    def needs_gpu(self, cfg, accelerator: str) -> bool:
+        """Whether a run of its config ``cfg`` on ``accelerator`` (trainer.accelerator) needs a GPU."""
+        devices = cfg.get("devices")
+        listed = [] if devices is None or isinstance(devices, str) else [str(d) for d in devices]
+        return accelerator in ("gpu", "cuda") or any(d.startswith("cuda") for d in listed)
+
+    def no_gpu_problem(self, cfg, accelerator: str) -> str:
+        """Why a run of ``cfg`` cannot run on a machine without a GPU, and what runs instead."""
+        if accelerator in ("gpu", "cuda"):
+            return (f"trainer.accelerator={accelerator}, but this machine has no GPU (no NVIDIA or AMD device, or "
+                    f"CUDA_VISIBLE_DEVICES hides them); train on the CPU with trainer=default")
+        return (f"strategy.devices={_render(list(cfg.get('devices')))} names CUDA devices, but this machine has no GPU; "
+                f"use strategy.devices=auto (its stages on the CPU)")
+
     def processes(self, setup: Setup) -> int:
         """Training processes (each with its own data loader)."""
         return setup.get("processes") or setup.get("ranks") or 1

@@ -1,0 +1,113 @@
+"""What a job is refused for before torch, Lightning or MLflow load (about a second, not ten):
+the config's consistency across keys (each key's own type and range is :mod:`.config_check`'s),
+the paths it names, and what the machine's description says (a GPU job on a machine without
+one). train.py checks every job of its command line so before Hydra starts one; ddlx.run.train
+checks again for callers that skip train.py. Nothing here imports torch.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from .errors import ConfigError
+from .strategies import STRATEGIES
+
+
+def check_job(cfg: DictConfig) -> None:
+    """Every problem of the typed train config ``cfg`` found without torch, as one :class:`ConfigError`."""
+    problems = [*consistency_problems(cfg), *path_problems(cfg), *machine_problems(cfg)]
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+def consistency_problems(cfg: DictConfig) -> list[str]:
+    problems = []
+    m, epochs = cfg.measure, cfg.trainer.max_epochs
+    if epochs not in (None, -1) and m.warmup_epochs >= epochs:
+        problems.append(
+            f"measure.warmup_epochs={m.warmup_epochs} with trainer.max_epochs={epochs} leaves no epoch to measure; "
+            f"use 0 <= warmup_epochs < max_epochs (e.g. trainer.max_epochs={max(1, m.warmup_epochs) + 3} "
+            f"measure.warmup_epochs={m.warmup_epochs} for the thesis' mean of 3)")
+    if cfg.checkpoint.keep_best and cfg.data.val_fraction == 0:
+        problems.append("checkpoint.keep_best=true keeps the checkpoint with the best val_acc, but data.val_fraction=0 "
+                        "holds no images out to validate on; set data.val_fraction=0.2 (or keep_best=false)")
+    parallel = STRATEGIES[cfg.strategy.name].data_parallel(cfg.strategy)
+    if cfg.data.batch_per == "global" and parallel:
+        problems += batch_split_problems(cfg.data.batch_size, parallel)
+    return problems
+
+
+def batch_split_problems(batch_size: int, data_parallel: int) -> list[str]:
+    """``data.batch_size`` (the global batch) over ``data_parallel`` processes, each an equal share."""
+    if batch_size % data_parallel == 0:
+        return []
+    return [f"data.batch_size={batch_size} is the global batch and must split evenly over the {data_parallel} "
+            f"processes of this strategy; use a multiple of {data_parallel}"]
+
+
+def path_problems(cfg: DictConfig) -> list[str]:
+    problems = []
+    if cfg.data.root is not None and not Path(cfg.data.root).expanduser().is_dir():
+        problems.append(missing_data_root(cfg.data.root))
+    if cfg.ckpt_path:
+        problem = checkpoint_path_problem(cfg.ckpt_path)
+        if problem:
+            problems.append(problem)
+    return problems
+
+
+def missing_data_root(root) -> str:
+    return (f"data.root={root} does not exist. Point data.root at an ImageFolder (one sub-folder per class with "
+            f"its images), or set data.root=null to train on a synthetic stand-in that ddlx writes under "
+            f"data.synthetic_dir on first use")
+
+
+def checkpoint_path_problem(path) -> str | None:
+    """Why ``ckpt_path=path`` names no checkpoint file (None: it names a file)."""
+    path = Path(path).expanduser().resolve()
+    fix = "give the path of a run's checkpoints/last.ckpt"
+    if path.is_dir():
+        inside = next((c for c in (path / "last.ckpt", path / "checkpoints" / "last.ckpt") if c.is_file()), None)
+        return (f"ckpt_path={path} is a folder, not a checkpoint file; "
+                + (f"resume with ckpt_path={inside}" if inside else fix))
+    if not path.is_file():
+        return f"ckpt_path={path} does not exist; {fix}"
+    return None
+
+
+def run_folder_problem(folder: str, key: str) -> str | None:
+    """Why the run folder ``folder`` (set by ``key``) cannot be made, e.g. on a read-only file
+    system or where a file stands; None when it can. Tried for real: a folder made and removed
+    where the first missing part of ``folder`` would go."""
+    path = Path(folder).expanduser().absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        return f"{key}={folder}: {existing} is a file, not a folder; choose another {key} (or paths.root)"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".ddlx-check-", dir=existing))
+    except OSError as err:
+        return f"{key}={folder}: cannot create a folder in {existing} ({err.strerror}); choose another {key} (or paths.root)"
+    return None
+
+
+def machine_problems(cfg: DictConfig) -> list[str]:
+    spec = STRATEGIES[cfg.strategy.name]
+    if not spec.needs_gpu(cfg.strategy, cfg.trainer.accelerator) or gpu_may_be_present():
+        return []
+    return [spec.no_gpu_problem(cfg.strategy, cfg.trainer.accelerator)]
+
+
+def gpu_may_be_present() -> bool:
+    """False when no GPU can be visible to torch here: no NVIDIA or AMD device node, or
+    CUDA_VISIBLE_DEVICES hiding them all. True where it cannot tell without torch (not Linux)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return False
+    if not sys.platform.startswith("linux"):
+        return True
+    return bool(glob.glob("/dev/nvidia[0-9]*")) or os.path.exists("/dev/kfd") or os.path.exists("/dev/dxg")

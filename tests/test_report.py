@@ -159,6 +159,9 @@ def test_command_line_prints_writes_and_logs_the_report(store, tmp_path, capsys)
     assert cli.main(["--tracking-uri", store, "--sweep-id", "multirun/a", "--out", str(tmp_path / "rep")]) == 0
     out = capsys.readouterr().out
     assert "cpu_mp processes=2" in out and "3.00x" in out and "missing baseline" in out
+    (compare,) = [line for line in out.splitlines() if "/#/compare-runs?" in line]
+    assert "workflowType=machine_learning" in compare, "MLflow 3's model-training view, not its GenAI pages"
+    assert all(run.run_id in compare for run in load_runs(store, ["ddlx"], "multirun/a")), "the sweep's runs"
     client = MlflowClient(store)
     (logged,) = client.search_runs([client.get_experiment_by_name("reports").experiment_id])
     assert logged.data.tags["sweep_id"] == "multirun/a"

@@ -91,7 +91,7 @@ def check_store(tracking_uri: str) -> None:
     if not store_exists(tracking_uri):
         raise StoreError(f"no MLflow store at --tracking-uri {tracking_uri} ({sqlite_path(tracking_uri)} does not exist): "
                          f"pass the store train.py wrote (its paths.root/mlflow.db), or train first")
-    check_tracking_uri(tracking_uri)
+    check_tracking_uri(tracking_uri, setting="--tracking-uri")
     path = sqlite_path(tracking_uri)
     if path is not None and not _has_mlflow_schema(path):
         # MLflow would add its tables to whatever database it is given.
@@ -105,7 +105,8 @@ def _has_mlflow_schema(path) -> bool:
 
 
 def experiment_links(tracking_uri: str) -> list[tuple[str, str]]:
-    """(name, runs-table link) of each experiment with runs; the experiments list if none has any."""
+    """(name, runs-table link) of each experiment with runs, oldest first (ddlx's training runs
+    before the reports made from them); the experiments list if none has any."""
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
@@ -114,7 +115,7 @@ def experiment_links(tracking_uri: str) -> list[tuple[str, str]]:
     try:
         with store_lock(tracking_uri):  # a first contact may create or migrate the schema
             client = MlflowClient(tracking_uri)
-            experiments = client.search_experiments()
+            experiments = client.search_experiments(order_by=["creation_time ASC"])
         links = [(e.name, experiment_page(e.experiment_id)) for e in experiments
                  if client.search_runs([e.experiment_id], max_results=1)]
     except MlflowException as err:

@@ -85,6 +85,18 @@ def test_an_sqlite_database_that_is_no_mlflow_store_is_refused_and_left_alone(tm
         assert [name for (name,) in db.execute("select name from sqlite_master")] == ["notes"], "MLflow added its tables"
 
 
+def test_a_port_in_use_is_refused_in_one_line_before_mlflow_starts(tracking_uri, capsys):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert ui.main(["--tracking-uri", tracking_uri, "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"--port {port}" in err and "taken" in err and len(err.strip().splitlines()) == 1
+
+
 def test_the_links_are_the_runs_tables_of_experiments_with_runs(tracking_uri):
     from mlflow.tracking import MlflowClient
 

@@ -1,24 +1,34 @@
-"""Screenshots of the MLflow UI as a person sees ddlx's runs: the experiment's runs table, one
-run's page and the compare view of all its runs, taken by headless Chromium (Playwright) from
-``mlflow ui`` on localhost.
+"""Screenshots of the MLflow UI as a person opens ddlx's links, each from a fresh browser profile
+(MLflow 3 keeps its GenAI/model-training choice in the browser; a fresh one is on GenAI): the
+experiment's runs table as ``python -m ddlx.ui`` prints it, the newest run's page as train.py
+prints it, and the compare view of the newest runs as ``python -m ddlx.report --sweep-id``
+prints it. Each page must show a run's name (the model-training pages), or the tool fails.
+Headless Chromium through Playwright, against ``python -m ddlx.ui`` on localhost.
 
-    apt-get install -y chromium && pip install playwright
-    python tools/mlflow_ui_screenshots.py --tracking-uri sqlite:///mlflow.db --out screenshots/
+    apt-get install -y chromium && pip install playwright     # no 'playwright install': Debian's chromium
+    python tools/mlflow_ui_screenshots.py --tracking-uri sqlite:///mlflow.db --out docs/images
 """
 from __future__ import annotations
 
 import argparse
+import re
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-# MLflow 3's UI shows its GenAI pages or its model-training pages by this setting of the browser's,
-# which a link can set.
-ML = "workflowType=machine_learning"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ddlx, when run from a checkout
+
+from ddlx.ui import compare_page, run_page  # noqa: E402
+
+CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync"]
+COMPARED = 4  # runs in the compare view
+SHOWN_TIMEOUT_S = 90.0  # the UI fetches its runs after loading; slow on a busy 2-core machine
 
 
 def free_port() -> int:
@@ -27,17 +37,62 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_for(url: str, timeout_s: float = 60.0) -> None:
-    import urllib.request
+def start_ui(tracking_uri: str, port: int) -> tuple[subprocess.Popen, dict[str, str]]:
+    """``python -m ddlx.ui`` and the links it prints, by experiment name."""
+    ui = subprocess.Popen([sys.executable, "-m", "ddlx.ui", "--tracking-uri", tracking_uri, "--port", str(port)],
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                          cwd=Path(__file__).resolve().parents[1])
+    links = {}
+    for line in ui.stdout:
+        if match := re.match(r"  (.+): (http://\S+)$", line):
+            links[match[1]] = match[2]
+        if "Ctrl-C" in line:
+            return ui, links
+    raise SystemExit(f"python -m ddlx.ui ended with status {ui.wait()} before serving {tracking_uri}")
 
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+
+def stop_ui(ui: subprocess.Popen) -> None:
+    ui.send_signal(signal.SIGINT)  # as Ctrl-C: it ends its mlflow ui
+    ui.wait(timeout=60)
+
+
+def pages(tracking_uri: str, experiment: str, base: str, links: dict[str, str]) -> dict[str, tuple[str, str]]:
+    """name -> (address, a run name it must show)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None or experiment not in links:
+        raise SystemExit(f"no experiment {experiment!r} with runs in {tracking_uri} (python -m ddlx.ui listed {sorted(links)})")
+    runs = client.search_runs([exp.experiment_id], order_by=["attributes.start_time DESC"], max_results=COMPARED)
+    newest = runs[0].info
+    return {
+        "experiment_page": (links[experiment], newest.run_name),
+        "run_page": (f"{base}/{run_page(exp.experiment_id, newest.run_id)}", newest.run_name),
+        "compare": (f"{base}/{compare_page([exp.experiment_id], [r.info.run_id for r in runs])}", newest.run_name),
+    }
+
+
+def screenshot(playwright, url: str, shows: str, path: Path, chromium: str) -> None:
+    """``url`` in a browser with a new, empty profile; fails unless the page shows ``shows``."""
+    with tempfile.TemporaryDirectory(prefix="chromium-profile-") as profile:
+        browser = playwright.chromium.launch_persistent_context(profile, executable_path=chromium, args=CHROMIUM_ARGS,
+                                                                headless=True, viewport={"width": 1600, "height": 1000})
         try:
-            urllib.request.urlopen(url, timeout=2)
-            return
-        except OSError:
-            time.sleep(0.5)
-    raise SystemExit(f"mlflow ui did not answer at {url} within {timeout_s:.0f} s")
+            page = browser.new_page()
+            page.goto(url)
+            try:
+                page.get_by_text(shows).first.wait_for(state="visible", timeout=SHOWN_TIMEOUT_S * 1000)
+            except Exception as err:  # Playwright's TimeoutError: keep the page that failed to show the run
+                page.screenshot(path=str(path.with_suffix(".failed.png")))
+                raise SystemExit(f"{url} did not show run {shows!r} within {SHOWN_TIMEOUT_S:.0f} s (the GenAI pages?); "
+                                 f"see {path.with_suffix('.failed.png')}") from err
+            if page.get_by_text("MLflow Assistant").first.is_visible():  # its side panel takes a third of the page
+                page.get_by_role("button", name="Close", exact=True).first.click()
+            time.sleep(2)  # the table's other cells fill in after its first row
+            page.screenshot(path=str(path), full_page=False)
+        finally:
+            browser.close()
 
 
 def main() -> None:
@@ -45,48 +100,22 @@ def main() -> None:
     parser.add_argument("--tracking-uri", default="sqlite:///mlflow.db")
     parser.add_argument("--experiment", default="ddlx")
     parser.add_argument("--out", type=Path, default=Path("screenshots"))
-    parser.add_argument("--chromium", default="/usr/bin/chromium")
+    parser.add_argument("--chromium", default=CHROMIUM)
     args = parser.parse_args()
 
-    from mlflow.tracking import MlflowClient
     from playwright.sync_api import sync_playwright
 
-    client = MlflowClient(args.tracking_uri)
-    exp = client.get_experiment_by_name(args.experiment)
-    if exp is None:
-        raise SystemExit(f"no experiment {args.experiment!r} in {args.tracking_uri}")
-    runs = client.search_runs([exp.experiment_id], order_by=["attributes.start_time DESC"])
-    if not runs:
-        raise SystemExit(f"experiment {args.experiment!r} has no runs")
     port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", args.tracking_uri,
-                               "--host", "127.0.0.1", "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ui, links = start_ui(args.tracking_uri, port)
     args.out.mkdir(parents=True, exist_ok=True)
     try:
-        wait_for(base)
-        ids = ",".join(f'"{r.info.run_id}"' for r in runs)
-        pages = {
-            # The experiment's own address: where the UI lands when a person opens it.
-            "experiment": f"{base}/#/experiments/{exp.experiment_id}",
-            "runs_table": f"{base}/#/experiments/{exp.experiment_id}/runs?{ML}",
-            "run_page": f"{base}/#/experiments/{exp.experiment_id}/runs/{runs[0].info.run_id}?{ML}",
-            "compare": f"{base}/#/compare-runs?runs=[{ids}]&experiments=[\"{exp.experiment_id}\"]&{ML}",
-        }
-        with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=args.chromium, args=CHROMIUM_ARGS)
-            page = browser.new_page(viewport={"width": 1600, "height": 1000})
-            for name, url in pages.items():
-                page.goto(url)
-                page.wait_for_load_state("load")
-                time.sleep(6)  # the UI renders its tables after the data arrives (it polls: never network-idle)
-                path = args.out / f"{name}.png"
-                page.screenshot(path=str(path), full_page=False)
-                print(f"{name}: {page.url} -> {path}")
-            browser.close()
+        with sync_playwright() as playwright:
+            for name, (url, shows) in pages(args.tracking_uri, args.experiment, f"http://127.0.0.1:{port}", links).items():
+                path = args.out / f"mlflow_{name}.png"
+                screenshot(playwright, url, shows, path, args.chromium)
+                print(f"{name}: {url} shows run {shows!r} -> {path}")
     finally:
-        server.terminate()
-        server.wait(timeout=30)
+        stop_ui(ui)
 
 
 if __name__ == "__main__":

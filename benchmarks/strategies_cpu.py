@@ -3,6 +3,8 @@
     python benchmarks/strategies_cpu.py                       # AlexNet 224x224, firesmall, batch 32
     python benchmarks/strategies_cpu.py --model vgg11 --epochs 2 --num-images 400
     python benchmarks/strategies_cpu.py --model resnet18 --image-size 128
+    python benchmarks/strategies_cpu.py --neighbour --only "sequential threads=1" "cpu_mp processes=2" \
+        "cpu_mp processes=2 pin_cores=false"            # beside a process that keeps one core busy
     python benchmarks/strategies_cpu.py --model vgg11 --num-images 80 --pipe-balance auto --only \
         "sequential threads=1" "sequential threads=2" "pipe chunks=4 [cpu,cpu]" "pipe torch gpipe chunks=4" ...
 
@@ -32,6 +34,7 @@ SETUPS = {
     "threads k=2": ["strategy=threads", "strategy.threads=2"],
     "cpu_mp processes=2": ["strategy=cpu_mp", "strategy.processes=2"],
     "cpu_mp processes=2 split_linear=never": ["strategy=cpu_mp", "strategy.processes=2", "strategy.split_linear=never"],
+    "cpu_mp processes=2 pin_cores=false": ["strategy=cpu_mp", "strategy.processes=2", "strategy.pin_cores=false"],
     "ddp_gloo processes=2": ["strategy=ddp_gloo", "strategy.processes=2"],
     "pipe chunks=4 [cpu,cpu]": ["strategy=pipe", "strategy.chunks=4"],  # fairscale: one worker thread for both stages
     # PyTorch's pipelining: one process per stage, one core each.
@@ -57,7 +60,13 @@ def run_setup(name: str, overrides: list[str], args: argparse.Namespace, sweep: 
         "checkpoint.save=none", f"logger.experiment_name={EXPERIMENT}",
         f"+logger.tags.bench_round={sweep}", f"+logger.tags.bench_setup={slug}", *args.set,
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    neighbour = start_neighbour() if args.neighbour else None
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    finally:
+        if neighbour is not None:
+            neighbour.kill()
+            neighbour.wait()
     if proc.returncode != 0:
         print(proc.stderr[-3000:], file=sys.stderr)
         raise SystemExit(f"{name} failed")
@@ -69,6 +78,12 @@ def run_setup(name: str, overrides: list[str], args: argparse.Namespace, sweep: 
     history = sorted(client.get_metric_history(run.info.run_id, "epoch_time_s"), key=lambda m: m.step)
     times = [m.value for m in history]
     return (times[1:] if len(times) > 1 else times), run.data.metrics.get("peak_ram_mb", float("nan"))
+
+
+def start_neighbour() -> subprocess.Popen:
+    """What shares a user's node with a run: one process keeping one core busy (a loader, a
+    monitoring agent, another job), placed wherever the OS puts it, for the whole run."""
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
 
 
 def main() -> None:
@@ -87,6 +102,8 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", help="names from: " + "; ".join(SETUPS))
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                         help="more train.py overrides, for every setup (e.g. optim.lr=0.001)")
+    parser.add_argument("--neighbour", action="store_true",
+                        help="run every setup beside a process that keeps one core busy (a shared node)")
     parser.add_argument("--pipe-balance", help="strategy.balance of the pipe setups (auto: by profiled time; "
                         "default: the model's split point)")
     args = parser.parse_args()
@@ -104,7 +121,7 @@ def main() -> None:
 
     base = statistics.mean(times.get("sequential threads=1") or [float("nan")])
     print(f"\n{args.model} {args.data} {_size(args)} ({args.num_images} images, batch {args.batch_size}, {_workers(args)} loader workers, "
-          f"data.cache={args.cache}) on {_cores()} cores")
+          f"data.cache={args.cache}) on {_cores()} cores{', beside one busy process' if args.neighbour else ''}")
     print(f"{'setup':28s} {'epoch s':>9s} {'min':>7s} {'max':>7s} {'speedup':>8s} {'peak RAM MB':>12s}")
     for name, values in times.items():
         mean = statistics.mean(values)

@@ -1,4 +1,5 @@
-"""The machine a run is measured on, as its tags name it (the report compares runs of one host only)."""
+"""The machine a run is measured on, as its tags name it (the report compares runs of one host
+only), and how busy its cores are with other work when the run starts."""
 from __future__ import annotations
 
 import os
@@ -26,3 +27,17 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+BUSY_PERCENT = 30.0  # a core this busy with other processes before the run starts is not the run's alone
+BUSY_SAMPLE_S = 0.5
+
+
+def busy_cores(sample_s: float = BUSY_SAMPLE_S) -> dict[int, float]:
+    """The cores this process may run on that other processes keep busy, with how busy (percent of
+    the core), sampled over ``sample_s`` while this process waits (so the load is theirs)."""
+    import psutil
+
+    usage = psutil.cpu_percent(interval=sample_s, percpu=True)
+    return {core: usage[core] for core in sorted(os.sched_getaffinity(0))
+            if core < len(usage) and usage[core] >= BUSY_PERCENT}

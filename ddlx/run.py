@@ -33,7 +33,7 @@ from .data import ImageFolderDataModule
 from .data.folder import complete_data_config
 from .errors import ConfigError, Stopped
 from .job import FP32, precision_of
-from .machine import machine_tags
+from .machine import busy_cores, machine_tags
 from .measure.resources import ResourceMonitor
 from .measure.timing import EpochTimer
 from .models import build_model
@@ -342,6 +342,8 @@ def check_job(cfg: DictConfig, resolved: dict, tags: dict, rank0: bool):
         check_memory(cfg, plan.data_parallel, plan.replicas_per_machine, plan.recompute)
     datamodule.prepare_data()
     datamodule.build_sets()  # its errors now; the images are kept in memory (data.cache) once the ranks run
+    if rank0 and on_cpu:
+        note_busy_cores(tags)
     if rank0:
         client = prepare_store(cfg.logger.tracking_uri, cfg.logger.experiment_name, cfg.logger.artifact_location)
         close_vanished_runs(client, [client.get_experiment_by_name(cfg.logger.experiment_name).experiment_id])
@@ -349,6 +351,17 @@ def check_job(cfg: DictConfig, resolved: dict, tags: dict, rank0: bool):
             check_resumable_run(client, saved.run_id, cfg.logger.tracking_uri, cfg.logger.experiment_name,
                                 saved.tracking_uri)
     return saved, plan, datamodule
+
+
+def note_busy_cores(tags: dict) -> None:
+    """Say so, and tag the run ``busy_cores``, when other processes keep this run's cores busy
+    as it starts: its times are then of a shared machine (a neighbour slows pinned ranks, threads
+    and one core differently: docs/strategies.md), not comparable with a quiet sitting's."""
+    busy = busy_cores()
+    if busy:
+        tags["busy_cores"] = " ".join(f"{core}:{use:.0f}%" for core, use in busy.items())
+        log.warning("core(s) %s busy with other processes as this run starts: it shares them, and its times are "
+                    "not this machine's alone (tagged busy_cores)", ", ".join(f"{c} ({u:.0f}%)" for c, u in busy.items()))
 
 
 def batch_of_workers(cfg: DictConfig, resolved: dict, plan, meta, rank0: bool):

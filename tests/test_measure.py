@@ -165,3 +165,27 @@ def test_the_sampler_reads_pss_every_tenth_sample_and_scales_rss_in_between(monk
     assert set(Counter(readings).values()) == {2}, "each process at the first sample and the PSS_EVERY-th"
     first = sampler.series.samples[0].ram_mb
     assert all(s.ram_mb == pytest.approx(first, rel=0.05) for s in sampler.series.samples), "RSS scaled in between"
+
+
+def test_cores_other_processes_keep_busy_are_found_and_a_run_on_them_says_so(tiny_config, tracking_uri, tmp_path,
+                                                                             monkeypatch, caplog):
+    """A neighbour (a process keeping one of this run's cores busy) is named before the run starts,
+    and the run is tagged with it: its times are of a shared machine."""
+    import os
+
+    from ddlx import run as run_module
+    from ddlx.machine import busy_cores
+
+    core = min(os.sched_getaffinity(0))
+    neighbour = subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{core}}})\nwhile True: pass"])
+    try:
+        time.sleep(0.5)
+        assert core in busy_cores(sample_s=1.0)
+    finally:
+        neighbour.kill()
+        neighbour.wait()
+    monkeypatch.setattr(run_module, "busy_cores", lambda: {core: 97.0})
+    train(tiny_config(), tmp_path / "run")
+    (run,) = runs(tracking_uri)
+    assert run.data.tags["busy_cores"] == f"{core}:97%"
+    assert any("busy with other processes" in r.getMessage() for r in caplog.records)

@@ -30,7 +30,7 @@ def cpu_model() -> str:
 
 
 BUSY_PERCENT = 30.0  # a core this busy with other processes before the run starts is not the run's alone
-BUSY_SAMPLE_S = 0.5
+BUSY_SAMPLE_S = 0.25  # long enough to see a busy loop, short beside a run's start
 
 
 def busy_cores(sample_s: float = BUSY_SAMPLE_S) -> dict[int, float]:

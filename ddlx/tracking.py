@@ -283,6 +283,8 @@ def end_run(client, run_id: str, status: str, error: str | None = None) -> None:
             elif "error" in client.get_run(run_id).data.tags:  # set by a look that took it for vanished
                 client.delete_tag(run_id, "error")
             client.set_terminated(run_id, status)
+            if run_id in WATCHES:  # closed (by this thread or a launcher's): its watch has nothing left to do
+                WATCHES.pop(run_id).stop()
             return
         except Stopped:
             continue
@@ -304,7 +306,7 @@ def recorded(logger: MLFlowLogger | None, open_run: Callable[[], str]) -> Iterat
     try:
         run_id = open_run()
         heartbeat = Heartbeat(logger._tracking_uri, run_id)
-        watch = ProcessWatch(logger._tracking_uri, run_id)
+        watch = WATCHES[run_id] = ProcessWatch(logger._tracking_uri, run_id)
         yield run_id
         end_run(logger.experiment, run_id, "FINISHED")
     except Stopped as stop:
@@ -317,6 +319,7 @@ def recorded(logger: MLFlowLogger | None, open_run: Callable[[], str]) -> Iterat
         if heartbeat is not None:
             heartbeat.stop()
         if watch is not None:
+            WATCHES.pop(run_id, None)
             watch.stop()
 
 
@@ -349,6 +352,10 @@ class Heartbeat:
         self._stop.set()
 
 
+# The watch of each run this process has open, stopped when the run is closed (end_run).
+WATCHES: dict[str, ProcessWatch] = {}
+
+
 class ProcessWatch:
     """A small process (``python -m ddlx.run_watch``) that outlives this one: if this process ends
     without closing the run (kill -9, the out-of-memory killer, a crash in C), it marks the run
@@ -371,8 +378,9 @@ class ProcessWatch:
     def stop(self) -> None:
         if self._process is None:
             return
+        process, self._process = self._process, None
         try:
-            self._process.communicate(b"closed\n", timeout=5)
+            process.communicate(b"closed\n", timeout=5)
         except Exception as err:  # noqa: BLE001 - the run is closed already; the watch only looks
             log.warning("the watch process of this run did not end: %s", err)
 

@@ -388,8 +388,8 @@ def test_a_checkpoint_written_in_the_background_holds_the_state_it_was_taken_at(
     writer.teardown()  # what Lightning calls when training ends: waits for the writes
     assert torch.load(tmp_path / "last.ckpt", weights_only=True)["state_dict"]["w"].sum() == 0
     (tmp_path / "file").write_text("")
-    writer.save_checkpoint({"w": weights}, tmp_path / "file" / "last.ckpt")  # under a file: cannot be written
-    with pytest.raises(OSError):
+    with pytest.raises(OSError):  # raised at the next save or, at the latest, when the writes are waited for
+        writer.save_checkpoint({"w": weights}, tmp_path / "file" / "last.ckpt")  # under a file: cannot be written
         writer.teardown()
     assert issubclass(CheckpointNotWritten, OSError)
 

@@ -9,8 +9,6 @@ from __future__ import annotations
 import os
 import sys
 
-import torch
-
 from ..errors import ConfigError
 
 INSTALL_HINT = (
@@ -44,6 +42,8 @@ def _started_as_mpi_rank() -> bool:
 
 def set_rank_threads(local_size: int) -> int:
     """Intra-op threads of one MPI rank: its bound cores, or an equal share when mpirun did not bind."""
+    import torch  # not at import: abort_job serves train.py's command-line check, before torch loads
+
     cores = len(os.sched_getaffinity(0))
     threads = max(1, cores // local_size) if cores == os.cpu_count() else cores
     torch.set_num_threads(threads)

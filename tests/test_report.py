@@ -173,6 +173,11 @@ def test_command_line_prints_writes_and_logs_the_report(store, tmp_path, capsys)
 def test_command_line_errors_name_the_problem(tmp_path, capsys):
     assert cli.main(["--tracking-uri", f"sqlite:///{tmp_path / 'none.db'}"]) == 2
     assert "no MLflow store at" in capsys.readouterr().err
+    damaged = tmp_path / "mlflow.db"
+    damaged.write_bytes(bytes(range(256)) * 20)
+    assert cli.main(["--tracking-uri", f"sqlite:///{damaged}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--tracking-uri=" in err and "is not an SQLite database" in err, err
 
 
 def overlapping_labels(fig, texts) -> list[tuple[str, str]]:

@@ -488,3 +488,40 @@ def test_a_process_ended_but_not_yet_reaped_is_gone():
     _wait_for(lambda: psutil.Process(child.pid).status() == psutil.STATUS_ZOMBIE, 30, "the child to end")
     assert process_key(child.pid) is None, "a zombie is not the run's process any more"
     child.wait()
+
+
+def test_a_sweep_job_refused_for_its_data_is_a_failed_run(tiny_config, tracking_uri, tmp_path):
+    """Refused while its folder is read (one class folder: no classifier), before its data has a
+    name: still one FAILED run of the sweep, with the reason."""
+    (tmp_path / "one_class" / "a").mkdir(parents=True)
+    cfg = tiny_config("data=imagefolder", f"data.root={tmp_path / 'one_class'}")
+    with pytest.raises(ConfigError, match=r"data.root=\S+one_class has one class sub-folder"):
+        train(cfg, tmp_path / "run", extra_tags={"sweep_id": "multirun/x", "sweep_job": "0"})
+    (run,) = runs(tracking_uri)
+    assert run.info.status == "FAILED" and "one class sub-folder" in run.data.tags["error"]
+    assert run.data.tags["sweep_id"] == "multirun/x"
+
+
+def test_a_run_that_is_not_mpi_leaves_mpi_alone(tiny_config, tmp_path, monkeypatch):
+    """Lightning is handed its cluster environment, so it never asks mpi4py (which starts MPI and
+    an OpenMPI orted); an error outside an MPI job ends the process without MPI_Abort's banner."""
+    from lightning_fabric.plugins.environments import MPIEnvironment
+
+    from ddlx.parallel.mpi import abort_job
+
+    def detect():
+        raise AssertionError("MPIEnvironment.detect imports mpi4py")
+
+    monkeypatch.setattr(MPIEnvironment, "detect", staticmethod(detect))
+    train(tiny_config(), tmp_path / "run")
+    aborted = []
+    fake = SimpleNamespace(Is_initialized=lambda: True, Is_finalized=lambda: False,
+                           COMM_WORLD=SimpleNamespace(Abort=aborted.append))
+    monkeypatch.setitem(sys.modules, "mpi4py.MPI", fake)
+    for name in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    abort_job(1)
+    assert aborted == [], "no MPI_Abort outside an MPI job"
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    abort_job(1, show_traceback=False)
+    assert aborted == [1]

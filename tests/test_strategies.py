@@ -359,8 +359,10 @@ def test_sweep_with_ddp_gives_one_run_per_job_and_records_a_refused_job(tmp_path
            f"hydra.sweep.dir={tmp_path}/multirun", "strategy=ddp_gloo", "strategy.processes=2",
            "data.batch_size=8,1000000,16", *maths]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=subprocess_env(), cwd=tmp_path)
-    assert proc.returncode != 0, "the sweep reports that a job failed"
+    assert proc.returncode == 1, "the sweep reports that a job failed"
     assert "ddlx: error: " in proc.stderr and "GiB" in proc.stderr, proc.stderr[-4000:]
+    assert "Traceback" not in proc.stderr and "1 job(s) of the sweep refused before training" in proc.stderr, \
+        "the refusal is said in a line, not a traceback"
     got = {r.data.params["data.batch_size"]: r for r in runs(f"sqlite:///{tmp_path / 'mlflow.db'}")}
     assert set(got) == {"8", "1000000", "16"}, "one run per job"
     assert got["8"].info.status == got["16"].info.status == "FINISHED"

@@ -1017,18 +1017,21 @@ def test_a_precision_sets_the_bytes_of_weights_gradients_and_activations():
     fp32 = profile_model("vgg11", 2, 3, 64)
     layers = sum(layer.activation_bytes for layer in fp32.layers)
     mixed, half, double = (fp32.at(numerics_of(p)) for p in ("bf16-mixed", "bf16-true", "64"))
-    assert sum(layer.activation_bytes for layer in mixed.layers) == layers // 2
+    counted = sum(layer.mixed_activation_bytes for layer in fp32.layers)
+    assert sum(layer.activation_bytes for layer in mixed.layers) == counted, "what autograd saves under autocast"
+    assert layers // 2 <= counted < layers * 0.7, "the products' outputs in 2 bytes; max-pool indices, masks as they are"
     assert mixed.input_bytes == fp32.input_bytes, "the loader's fp32 images"
     assert mixed.gradient_mb == fp32.gradient_mb and mixed.state_bytes(10) == 10 * (3 * 4 + 2), \
         "autocast: fp32 weights, gradients and momentum, plus a bf16 copy of the weights"
     assert half.gradient_mb == fp32.gradient_mb / 2 and half.input_bytes == fp32.input_bytes // 2
+    assert half.activation_bytes_per_sample == mixed.activation_bytes_per_sample, "the same layers in 2 bytes"
     assert half.boundary_bytes([10, len(fp32.layers) - 10]) == [b // 2 for b in fp32.boundary_bytes([10, len(fp32.layers) - 10])]
     assert double.state_bytes(10) == 10 * 3 * 8 and double.activation_bytes_per_sample == 2 * fp32.activation_bytes_per_sample
     hw, job = _compose_hw_spec("titanrtx_4x"), Job("vgg11", "firesmall", 2, 3, 64, 32, 640)
     ddp = Setup("ddp_nccl", (("processes", 4),))
     per_device = {p: memory_need(ddp, replace(job, precision=p), hw, fp32.at(numerics_of(p))).per_device_gb
                   for p in ("32-true", "bf16-true", "64-true")}
-    assert per_device["bf16-true"] == pytest.approx(per_device["32-true"] / 2, rel=0.01)
+    assert per_device["32-true"] / 2 <= per_device["bf16-true"] < per_device["32-true"] * 0.6
     assert per_device["64-true"] == pytest.approx(per_device["32-true"] * 2, rel=0.01)
 
 

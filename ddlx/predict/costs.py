@@ -186,7 +186,7 @@ def stage_bytes(profile: ModelProfile, balance: list[int], batch: int, chunks: i
     inputs = [profile.input_bytes] + profile.boundary_bytes(balance)
     out = []
     for i, part in enumerate(parts):
-        acts = sum(layer.activation_bytes for layer in part) + (profile.input_bytes if i == 0 else 0)
+        acts = sum(layer.activation_bytes for layer in part)  # the first layer's saved input among them
         # Backward runs the kept micro-batches first and frees them, then recomputes the others one at a time.
         kept = recomputed * inputs[i] + max(batch - recomputed, micro if recomputed else 0) * acts
         out.append(profile.state_bytes(sum(layer.params for layer in part)) + kept)

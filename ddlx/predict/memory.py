@@ -1,7 +1,7 @@
 """Training memory of one replica: parameters, gradients, optimizer state and activations.
 
-Activations are counted, not guessed: :mod:`.profile` runs the model once on PyTorch's ``meta``
-device (shapes only, no memory, no compute) and counts every layer's output.
+Activations are counted, not guessed: :mod:`.profile` runs a training forward on fake tensors
+(shapes only, no memory, no compute) and counts every tensor autograd saves for backward.
 """
 from __future__ import annotations
 
@@ -50,6 +50,6 @@ def estimate_training_memory(
         parameters_bytes=param_bytes + profile.params * profile.cast_bytes,
         gradients_bytes=param_bytes,
         optimizer_bytes=param_bytes * optimizer_slots,
-        activations_bytes=per_sample * batch_size,
+        activations_bytes=per_sample * batch_size + (0 if recompute else profile.fixed_activation_bytes),
     )
     return estimate, per_sample

@@ -1,9 +1,13 @@
-"""What a model costs, layer by layer, counted on PyTorch's meta device (no memory, no compute).
+"""What a model costs, layer by layer, counted without memory or compute: on PyTorch's meta
+device, and on fake tensors (shapes and dtypes only) where autocast must run.
 
 Per top-level layer of the :class:`~ddlx.models.LayeredModel`: parameters, forward FLOPs
-(torch's FlopCounterMode; a multiply-add counts 2) and the bytes of activations kept for the
-backward pass, all per sample; plus the bytes of the layer's output, which is what crosses a
-device boundary when the model is cut after it. The performance and memory models read only this.
+(torch's FlopCounterMode; a multiply-add counts 2) and the bytes autograd saves for the backward
+pass in its forward (every tensor ``saved_tensors_hooks`` sees, each storage once across the
+model, the parameters and autocast's copies of them left out: they are the model state's), all
+per sample, in fp32 and under autocast; plus the bytes of the layer's output, which is what
+crosses a device boundary when the model is cut after it. The performance and memory models read
+only this.
 Apart: the size of every tensor a training step allocates (:func:`step_allocations`), which
 decides what glibc's allocator maps afresh each step (:func:`mapped_bytes`).
 """
@@ -12,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from pathlib import Path
@@ -32,9 +37,15 @@ BACKWARD_FLOPS_FACTOR = 2.0  # backward = 2x forward (input and weight gradients
 class LayerProfile:
     params: int
     forward_flops: float  # per sample
-    activation_bytes: int  # per sample: outputs kept for backward (in-place outputs not counted twice)
+    activation_bytes: int  # per sample: what autograd saves for backward in its forward (the profile's format)
     output_bytes: int  # per sample: what the next layer receives
     linears: tuple[tuple[int, int], ...] = ()  # (in, out) features of each fully connected layer in it
+    # The same two under autocast (bf16 and fp16 alike: 2-byte products, fp32 where autocast keeps it).
+    mixed_activation_bytes: int = 0
+    mixed_output_bytes: int = 0
+    # Saved for backward once per batch, whatever its size (batch norm's per-channel statistics).
+    fixed_activation_bytes: int = 0
+    mixed_fixed_activation_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -49,14 +60,20 @@ class ModelProfile:
     cast_bytes: int = 0  # per parameter: a low-precision copy of the weights held through the step (autocast)
 
     def at(self, numerics) -> ModelProfile:
-        """This profile (counted in fp32) in the bytes of ``numerics`` (:mod:`.numerics`)."""
-        def scaled(nbytes: int, width: int) -> int:
-            return nbytes * width // FLOAT_BYTES
+        """This profile (counted in fp32) in the bytes of ``numerics`` (:mod:`.numerics`): autocast's
+        counts for a 2-byte format, mixed or whole (counted alike: the same layers run in it), and
+        fp32's at the element's width for another (64-true)."""
+        def layer_at(layer: LayerProfile) -> LayerProfile:
+            if numerics.activation_bytes == 2:
+                return replace(layer, activation_bytes=layer.mixed_activation_bytes, output_bytes=layer.mixed_output_bytes,
+                               fixed_activation_bytes=layer.mixed_fixed_activation_bytes)
+            width = numerics.activation_bytes
+            return replace(layer, activation_bytes=layer.activation_bytes * width // FLOAT_BYTES,
+                           output_bytes=layer.output_bytes * width // FLOAT_BYTES,
+                           fixed_activation_bytes=layer.fixed_activation_bytes * width // FLOAT_BYTES)
 
-        act = numerics.activation_bytes
-        return replace(self, input_bytes=scaled(self.input_bytes, numerics.input_bytes),
-                       layers=tuple(replace(layer, activation_bytes=scaled(layer.activation_bytes, act),
-                                            output_bytes=scaled(layer.output_bytes, act)) for layer in self.layers),
+        return replace(self, input_bytes=self.input_bytes * numerics.input_bytes // FLOAT_BYTES,
+                       layers=tuple(layer_at(layer) for layer in self.layers),
                        param_bytes=numerics.param_bytes, cast_bytes=numerics.cast_bytes)
 
     @property
@@ -84,14 +101,20 @@ class ModelProfile:
     def activation_bytes_per_sample(self) -> int:
         return self.kept_bytes()
 
+    @property
+    def fixed_activation_bytes(self) -> int:
+        """What a training step saves for backward once per batch, whatever its size."""
+        return sum(layer.fixed_activation_bytes for layer in self.layers)
+
     def kept_bytes(self, start: int = 0, stop: int | None = None, recompute: bool = False) -> int:
-        """Per sample: what layers ``start``..``stop`` keep for backward (the model's input too
-        when ``start`` is 0); with ``recompute`` (activation checkpointing at the cut points) each
-        block's input, and one block's activations at a time while backward recomputes it."""
+        """Per sample: what layers ``start``..``stop`` keep for backward (a layer's input among
+        them when it saves it: the model's, a stage's received one); with ``recompute``
+        (activation checkpointing at the cut points) each block's input, and one block's
+        activations at a time while backward recomputes it."""
         stop = len(self.layers) if stop is None else stop
         if recompute:
             return self.block_inputs_bytes(start, stop) + self.largest_block_bytes(start, stop)
-        return (self.input_bytes if start == 0 else 0) + sum(layer.activation_bytes for layer in self.layers[start:stop])
+        return sum(layer.activation_bytes for layer in self.layers[start:stop])
 
     def _blocks(self, start: int, stop: int) -> list[tuple[int, int]]:
         return blocks_between((index for _, index in self.cut_points), start, stop)
@@ -180,24 +203,24 @@ def _count_profile(arch: str, num_classes: int, in_channels: int, image_size: in
     with torch.device("meta"):
         model = build_model(arch, num_classes, in_channels, image_size)
     x = torch.empty(1, in_channels, image_size, image_size, device="meta")
-    layers = []
+    flops = []
     with torch.no_grad():
         for layer in model:
-            kept: list[int] = []
-            hooks = [leaf.register_forward_hook(_count_into(kept)) for leaf in _leaves(layer)]
-            try:
-                with FlopCounterMode(display=False) as counter:
-                    x = layer(x)
-            finally:
-                for hook in hooks:
-                    hook.remove()
-            layers.append(LayerProfile(
-                params=sum(p.numel() for p in layer.parameters()),
-                forward_flops=float(counter.get_total_flops()),
-                activation_bytes=sum(kept) * FLOAT_BYTES,
-                output_bytes=x.numel() * FLOAT_BYTES,
-                linears=tuple((m.in_features, m.out_features) for m in layer.modules() if isinstance(m, nn.Linear)),
-            ))
+            with FlopCounterMode(display=False) as counter:
+                x = layer(x)
+            flops.append(float(counter.get_total_flops()))
+    fp32, mixed = (saved_by_layer(arch, num_classes, in_channels, image_size, autocast) for autocast in (False, True))
+    layers = [LayerProfile(
+        params=sum(p.numel() for p in layer.parameters()),
+        forward_flops=flops[i],
+        activation_bytes=fp32.per_sample[i],
+        output_bytes=fp32.outputs[i],
+        linears=tuple((m.in_features, m.out_features) for m in layer.modules() if isinstance(m, nn.Linear)),
+        mixed_activation_bytes=mixed.per_sample[i],
+        mixed_output_bytes=mixed.outputs[i],
+        fixed_activation_bytes=fp32.fixed[i],
+        mixed_fixed_activation_bytes=mixed.fixed[i],
+    ) for i, layer in enumerate(model)]
     return ModelProfile(
         arch=arch,
         image_size=image_size,
@@ -256,14 +279,72 @@ def step_allocations(arch: str, num_classes: int, in_channels: int, image_size: 
     return tuple((2 * a - b, (b - a) // 2) for a, b in zip(two, four))
 
 
-def _leaves(layer: nn.Module) -> list[nn.Module]:
-    children = list(layer.modules())
-    return [m for m in children if not list(m.children())] or [layer]
+# Batches a training forward is counted at: per sample is their difference (batch norm trips on
+# one sample where a map is 1x1), the rest is saved once per batch.
+SAVED_BATCHES = (2, 4)
 
 
-def _count_into(kept: list[int]):
-    def hook(module, _inputs, output) -> None:
-        if not getattr(module, "inplace", False) and isinstance(output, torch.Tensor):
-            kept.append(output.numel())
+@dataclass(frozen=True)
+class SavedBytes:
+    """Per top-level layer: bytes saved for backward per sample and per batch, and output bytes per sample."""
 
-    return hook
+    per_sample: list[int]
+    fixed: list[int]
+    outputs: list[int]
+
+
+def saved_by_layer(arch: str, num_classes: int, in_channels: int, image_size: int, mixed: bool) -> SavedBytes:
+    """What each top-level layer's training forward saves for backward (under CPU autocast to bf16
+    with ``mixed``, whose choice of ops in 2 bytes stands in for the GPU's), counted at two batches."""
+    (saved_a, out_a), (saved_b, out_b) = (_saved_at(arch, num_classes, in_channels, image_size, mixed, batch)
+                                          for batch in SAVED_BATCHES)
+    a, b = SAVED_BATCHES
+    per_sample = [(y - x) // (b - a) for x, y in zip(saved_a, saved_b)]
+    return SavedBytes(per_sample, [max(0, x - a * p) for x, p in zip(saved_a, per_sample)],
+                      [(y - x) // (b - a) for x, y in zip(out_a, out_b)])
+
+
+class _WeightCopies(TorchDispatchMode):
+    """The storages of the copies autocast makes of the parameters (counted with the weights)."""
+
+    def __init__(self, parameters: set[int]) -> None:
+        super().__init__()
+        self.parameters, self.copies = parameters, set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and args[0].untyped_storage()._cdata in self.parameters:
+            self.copies.add(out.untyped_storage()._cdata)
+        return out
+
+
+def _saved_at(arch: str, num_classes: int, in_channels: int, image_size: int, mixed: bool,
+              batch: int) -> tuple[list[int], list[int]]:
+    """Per top-level layer at ``batch`` samples: the bytes of the storages autograd saves in its
+    forward that no earlier layer saved, the parameters and autocast's copies of them left out,
+    and the bytes of its output. On fake tensors: no memory, no compute; autocast runs on them,
+    where the meta device has none."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        model = build_model(arch, num_classes, in_channels, image_size).train()
+        x = torch.empty(batch, in_channels, image_size, image_size)
+        parameters = {p.untyped_storage()._cdata for p in model.parameters()}
+        seen, saved, outputs, layer_saved = set(parameters), [], [], [0]
+        copies = _WeightCopies(parameters)
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            storage = tensor.untyped_storage()
+            if storage._cdata not in seen and storage._cdata not in copies.copies:
+                seen.add(storage._cdata)
+                layer_saved[0] += storage.nbytes()
+            return tensor
+
+        autocast = torch.autocast("cpu", torch.bfloat16) if mixed else nullcontext()
+        with copies, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), autocast:
+            for layer in model:
+                layer_saved[0] = 0
+                x = layer(x)
+                saved.append(layer_saved[0])
+                outputs.append(x.numel() * x.element_size())
+    return saved, outputs

@@ -19,7 +19,7 @@ from ..models import check_request
 from ..records import left_out
 from ..strategies import BASELINE
 from ..tracking import check_tracking_uri, load_runs, log_result_run, store_exists
-from .hardware import GB, HardwareSpec, detect_local, machine_identity, validate
+from .hardware import GB, HardwareSpec, detect_local, load_hw_file, machine_identity, validate
 from .kept import forget, kept
 from .prediction import Predictor, Recommendation, data_config_of_job
 from .setups import check_tries
@@ -69,13 +69,6 @@ def local_hardware(target: HardwareSpec, hw_dir: Path, detected_dir: Path | None
         if target.host == socket.gethostname():
             return target
     return hardware(load_hw_file(hw_dir / "local.yaml"), detected_dir, refresh)
-
-
-def load_hw_file(path: Path) -> DictConfig:
-    """A ``conf/hw`` file outside Hydra's composition, on the same typed schema."""
-    described = OmegaConf.load(path)
-    described.pop("defaults", None)
-    return OmegaConf.merge(OmegaConf.structured(HardwareSpec), described)
 
 
 def job_from_config(cfg: DictConfig) -> Job:

@@ -93,6 +93,22 @@ class HardwareSpec:
         return [self.link(devices[i], devices[(i + 1) % len(devices)]) for i in range(len(devices))]
 
 
+def load_hw_file(path: Path):
+    """A ``conf/hw`` file outside Hydra's composition, on the same typed schema (a DictConfig)."""
+    from omegaconf import OmegaConf
+
+    described = OmegaConf.load(path)
+    described.pop("defaults", None)
+    return OmegaConf.merge(OmegaConf.structured(HardwareSpec), described)
+
+
+def hw_file(name: str, hw_dir: Path) -> HardwareSpec:
+    """``conf/hw/<name>.yaml`` (in ``hw_dir``), typed and checked."""
+    from omegaconf import OmegaConf
+
+    return validate(OmegaConf.to_object(load_hw_file(hw_dir / f"{name}.yaml")))
+
+
 def from_dict(fields: dict) -> HardwareSpec:
     """A description written out as plain data (``dataclasses.asdict``), typed and checked again."""
     from omegaconf import OmegaConf

@@ -1,0 +1,169 @@
+"""Published one-GPU training throughputs, and the GPU time model's parameters fitted to them.
+
+``reference/gpu_training_throughput.csv`` holds every figure found, each with its source (a
+repository, a file and its commit, where in it); those marked ``fit=yes`` (PyTorch, mixed
+precision as AMP, the batch stated, NCHW as ddlx trains, a GPU with a description in
+``conf/hw``) are what the parameters of :class:`~.gpu_time.GpuParams` are fitted to, by least
+squares on the logarithm of predicted over published images/s; the others say why they are left
+out. :func:`leave_one_out` predicts each fitted figure from the others.
+"""
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from .gpu_time import BOUNDS, GpuParams, StepArrays, seconds, step_arrays
+from .hardware import HardwareSpec, hw_file
+from .kernels import kernel_profile
+from .numerics import numerics_of
+from .profile import _cache_path
+
+REFERENCE = Path(__file__).resolve().parent / "reference" / "gpu_training_throughput.csv"
+DEFAULT_HW_DIR = Path(__file__).resolve().parents[2] / "conf" / "hw"  # the project's descriptions of the GPUs it cites
+NUM_CLASSES = 1000  # ImageNet's: every published figure is of it
+
+
+@dataclass(frozen=True)
+class Figure:
+    hw: str  # the conf/hw description of the GPU
+    gpu: str
+    model: str
+    precision: str
+    batch: int
+    image_size: int
+    images_per_s: float
+    optimizer_step: bool  # False: forward and backward only (the source times no optimizer step)
+    fit: bool
+    excluded_because: str
+    source: str  # repository + path @ commit, and where in it
+
+    @property
+    def label(self) -> str:
+        return f"{self.gpu} {self.model} {self.precision} b{self.batch}"
+
+
+def load_reference(path: Path = REFERENCE) -> list[Figure]:
+    with open(path, newline="") as f:
+        return [Figure(row["hw"], row["gpu"], row["model"], row["precision"], int(row["batch"] or 0), int(row["image_size"]) if row["image_size"].isdigit() else 0,
+                       float(row["images_per_s"]), row["optimizer_step"] == "yes", row["fit"] == "yes",
+                       row["excluded_because"], f"{row['source']} {row['path']} @ {row['commit'][:10]}: {row['where']}")
+                for row in csv.DictReader(f)]
+
+
+def arrays_of(figure: Figure, hw: HardwareSpec) -> StepArrays:
+    mixed = numerics_of(figure.precision).precision.endswith("-mixed")
+    kernels = kernel_profile(figure.model, NUM_CLASSES, 3, figure.image_size, mixed)
+    return step_arrays(kernels, figure.batch, hw, numerics_of(figure.precision).compute, figure.optimizer_step)
+
+
+def predicted_images_per_s(step: StepArrays, batch: int, params: GpuParams) -> float:
+    per_segment, optimizer_s = seconds(step, params)
+    return batch / (per_segment.sum() + optimizer_s)
+
+
+def fit(steps: list[tuple[StepArrays, Figure]]) -> GpuParams:
+    """The parameters that minimize the squared log-ratio of predicted to published images/s,
+    within :data:`~.gpu_time.BOUNDS` (Nelder-Mead on a transform that keeps them there)."""
+    lows, highs = (np.array(b) for b in zip(*BOUNDS))
+
+    def unpack(z: np.ndarray) -> GpuParams:
+        return GpuParams.of(lows + (highs - lows) * 0.5 * (1 + np.tanh(z / 2)))  # a logistic that cannot overflow
+
+    def loss(z: np.ndarray) -> float:
+        params = unpack(z)
+        errors = [math.log(predicted_images_per_s(step, f.batch, params) / f.images_per_s) for step, f in steps]
+        return float(np.mean(np.square(errors)))
+
+    start = np.zeros(len(BOUNDS))
+    best = _nelder_mead(loss, start)
+    for _ in range(2):  # restarts from the best point: Nelder-Mead can stall on a ridge
+        best = _nelder_mead(loss, best)
+    return unpack(best)
+
+
+def _nelder_mead(f, x0: np.ndarray, step: float = 1.0, iterations: int = 1500, tolerance: float = 1e-10) -> np.ndarray:
+    n = len(x0)
+    points = [x0] + [x0 + step * np.eye(n)[i] for i in range(n)]
+    values = [f(p) for p in points]
+    for _ in range(iterations):
+        order = np.argsort(values)
+        points, values = [points[i] for i in order], [values[i] for i in order]
+        if values[-1] - values[0] < tolerance:
+            break
+        centroid = np.mean(points[:-1], axis=0)
+        reflected = centroid + (centroid - points[-1])
+        fr = f(reflected)
+        if fr < values[0]:
+            expanded = centroid + 2 * (centroid - points[-1])
+            fe = f(expanded)
+            points[-1], values[-1] = (expanded, fe) if fe < fr else (reflected, fr)
+        elif fr < values[-2]:
+            points[-1], values[-1] = reflected, fr
+        else:
+            contracted = centroid + 0.5 * (points[-1] - centroid)
+            fc = f(contracted)
+            if fc < values[-1]:
+                points[-1], values[-1] = contracted, fc
+            else:
+                points = [points[0] + 0.5 * (p - points[0]) for p in points]
+                values = [values[0]] + [f(p) for p in points[1:]]
+    return points[int(np.argmin(values))]
+
+
+def fitted_steps(hw_dir: Path, figures: list[Figure] | None = None) -> list[tuple[StepArrays, Figure]]:
+    figures = [f for f in (figures if figures is not None else load_reference()) if f.fit]
+    hws = {name: hw_file(name, hw_dir) for name in {f.hw for f in figures}}
+    return [(arrays_of(f, hws[f.hw]), f) for f in figures]
+
+
+@dataclass(frozen=True)
+class FittedModel:
+    params: GpuParams
+    figures: int  # how many published figures it was fitted to
+
+    @property
+    def basis(self) -> str:
+        return f"per-layer GPU model fitted to {self.figures} published one-GPU training throughputs"
+
+
+@lru_cache(maxsize=4)
+def fitted_model(hw_dir: Path) -> FittedModel:
+    """The parameters fitted to the reference table, kept on disk beside the model profiles (the
+    fit takes seconds) and keyed by the table, the hw files it reads and this code."""
+    key = hashlib.sha256(REFERENCE.read_bytes())
+    for source in sorted(hw_dir.glob("*.yaml")) + [Path(__file__), Path(__file__).with_name("gpu_time.py"),
+                                                    Path(__file__).with_name("kernels.py")]:
+        key.update(source.read_bytes())
+    path = _cache_path("gpu-model", 0, 0, 0).with_name(f"gpu-model-{key.hexdigest()[:16]}.json")
+    try:
+        kept = json.loads(path.read_text())
+        return FittedModel(GpuParams.of(kept["params"]), kept["figures"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    steps = fitted_steps(hw_dir)
+    model = FittedModel(fit(steps), len(steps))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps({"params": model.params.as_tuple(), "figures": model.figures}))
+        os.replace(partial, path)
+    except OSError:
+        pass
+    return model
+
+
+def leave_one_out(steps: list[tuple[StepArrays, Figure]]) -> list[tuple[Figure, float]]:
+    """Each figure predicted by the model fitted to all the others: (figure, predicted images/s)."""
+    out = []
+    for i, (step, figure) in enumerate(steps):
+        params = fit(steps[:i] + steps[i + 1:])
+        out.append((figure, predicted_images_per_s(step, figure.batch, params)))
+    return out

@@ -190,7 +190,7 @@ def test_recommendation_ranks_fitting_setups_first():
     fits = [p.memory.fits for p in rec.predictions]
     assert fits == sorted(fits, reverse=True), "setups that do not fit come last"
     assert rec.best is not None and rec.best.memory.fits and rec.best.setup.strategy != "sequential"
-    assert "assumed efficiency" in rec.sequential.basis and "no measured gpu baseline" in rec.sequential.basis
+    assert "per-layer GPU model fitted to" in rec.sequential.basis and rec.sequential.estimated, "no GPU run: the model"
 
 
 def test_close_calls_are_the_fitting_setups_within_the_band_of_the_best():
@@ -862,7 +862,7 @@ def test_gpu_predictions_are_bound_by_the_data_loaders():
     assert by["ddp_nccl"].epoch_s == pytest.approx(32 / 4 * 0.005 / 2 * job.steps)
     assert by["ddp_nccl"].speedup == pytest.approx(4.0) and "bound by data loading: 2 worker(s)" in by["ddp_nccl"].basis
     unbound = Predictor(gpu, []).recommend(job, [one])
-    assert unbound.predictions[0].epoch_s < by["sequential"].epoch_s / 10, "AlexNet at 64 px is loader-bound here"
+    assert unbound.predictions[0].epoch_s < by["sequential"].epoch_s / 5, "AlexNet at 64 px is loader-bound here"
 
     serial = Predictor(gpu, [], loading=loading).recommend(Job("alexnet", "firesmall", 3, 3, 64, 32, 320), [one])
     assert serial.sequential.load_per_sample_s == 0.005 and "data.num_workers=0" in serial.sequential.basis
@@ -961,12 +961,12 @@ def test_resampling_the_runs_says_how_reproducible_the_measured_fastest_is():
 
 # ---- precision ------------------------------------------------------------------------------
 
-def test_a_precision_sets_the_peak_and_the_assumed_efficiency():
-    """Uncalibrated T_seq: fp16 on the Titan RTX's tensor cores at the assumed mixed-precision
-    speedup over fp32 (not the 8x of the peaks), bf16 at the fp32 peak (Turing has no bf16 units,
-    and the basis says so), fp64 at its own peak; a tensor peak below the assumed speedup caps it."""
-    from ddlx.predict.tseq import TENSOR_CORE_SPEEDUP
-
+def test_a_precision_sets_the_units_the_gpu_model_runs_it_on():
+    """Uncalibrated T_seq on a GPU: fp16 on the Titan RTX's tensor cores, faster than fp32 but
+    not by the 8x of the peaks (the kernels between the products are bound by memory); bf16 on
+    the fp32 units there (Turing has none for it, and the basis says so); fp32 convolutions on an
+    H100's TF32 units (PyTorch's default); fp64 from counted FLOPs at its own peak; a lower
+    tensor peak is slower."""
     titan, h100 = _compose_hw_spec("titanrtx_4x"), _compose_hw_spec("h100_1x")
     job = Job("vgg16", "firesmall", 2, 3, 224, 32, 640)
 
@@ -974,17 +974,15 @@ def test_a_precision_sets_the_peak_and_the_assumed_efficiency():
         return Predictor(hw, []).recommend(replace(job, precision=precision), [Setup("sequential")]).sequential
 
     fp32, fp16, bf16, fp64 = (seq(titan, p) for p in ("32-true", "16-mixed", "bf16-mixed", "64-true"))
-    assert fp16.per_sample_s == pytest.approx(fp32.per_sample_s / TENSOR_CORE_SPEEDUP)
-    assert "fp16 peak" in fp16.basis and "16-mixed" in fp16.basis
-    assert bf16.per_sample_s == pytest.approx(fp32.per_sample_s) and "gives no bf16 peak" in bf16.basis
-    assert fp64.per_sample_s == pytest.approx(fp32.per_sample_s * 16.3 / 0.51) and "fp64 peak" in fp64.basis
-    assert fp64.weight_s == pytest.approx(2 * fp32.weight_s) and fp16.weight_s == pytest.approx(fp32.weight_s), \
-        "the optimizer's passes over the weights: fp64 weights, fp32 master weights under autocast"
-    h100_fp32, h100_bf16 = seq(h100, "32-true"), seq(h100, "bf16-mixed")
-    assert "fp32 peak" in h100_fp32.basis, "TF32 convolutions are left to calibration"
-    assert h100_bf16.per_sample_s == pytest.approx(h100_fp32.per_sample_s / TENSOR_CORE_SPEEDUP)
+    assert 1.5 < fp32.per_sample_s / fp16.per_sample_s < 130.5 / 16.3
+    assert "per-layer GPU model" in fp16.basis and "16-mixed" in fp16.basis
+    assert bf16.per_sample_s > fp16.per_sample_s and "no bf16 peak" in bf16.basis
+    assert fp64.per_sample_s > 10 * fp32.per_sample_s and "fp64 peak" in fp64.basis
+    assert fp16.weight_s == pytest.approx(fp32.weight_s), "the optimizer's passes over fp32 master weights under autocast"
+    no_tf32 = replace(h100, peak_tflops_by_type={k: v for k, v in h100.peak_tflops_by_type.items() if k != "tf32"})
+    assert seq(h100, "32-true").per_sample_s < seq(no_tf32, "32-true").per_sample_s, "convolutions on TF32 by default"
     slow = seq(replace(titan, peak_tflops_by_type={"fp16": 20.0}), "16-mixed")
-    assert slow.per_sample_s == pytest.approx(fp32.per_sample_s * 16.3 / 20.0), "no faster than its peak allows"
+    assert slow.per_sample_s > fp16.per_sample_s, "no faster than its peak allows"
 
 
 def test_16_mixed_is_not_predicted_on_cpus():

@@ -19,6 +19,8 @@ No torch here: the strategy specs import this when the config is composed.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -55,9 +57,32 @@ class SequentialTime:
     basis: str
     load_per_sample_s: float = 0.0
     estimated: bool = False  # counted FLOPs over a peak, not a run or a probe on the machine
+    # A step's compute (no weight traffic) at n samples where it is not n x per_sample_s: on a GPU
+    # a small batch leaves its units idle and every kernel costs a launch (:mod:`.gpu_time`).
+    step_s: Callable[[int], float] | None = None
+    # The same per top-level layer (forward and backward): a pipeline's stages are as slow as their layers.
+    layers_s: Callable[[int], tuple[float, ...]] | None = None
+
+    def stage_s(self, balance: list[int], samples: int) -> list[float] | None:
+        """Seconds of each stage of a model cut by ``balance`` on ``samples`` at a time, where the
+        time is known per layer (None: shares of the FLOPs stand in)."""
+        if self.layers_s is None:
+            return None
+        layers, out, start = self.layers_s(max(1, int(samples))), [], 0
+        for count in balance:
+            out.append(sum(layers[start:start + count]))
+            start += count
+        return out
+
+    def per_sample_at(self, samples: float) -> float:
+        """Per sample when the device works on ``samples`` at a time (a worker's share of the
+        batch, a micro-batch)."""
+        if self.step_s is None or samples < 1:
+            return self.per_sample_s
+        return self.step_s(int(samples)) / int(samples)
 
     def batch_s(self, batch: int) -> float:
-        return batch * (self.per_sample_s + self.load_per_sample_s) + self.weight_s
+        return batch * (self.per_sample_at(batch) + self.load_per_sample_s) + self.weight_s
 
 
 @dataclass(frozen=True)

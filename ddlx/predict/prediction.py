@@ -35,7 +35,7 @@ from .setups import (
     training_processes,
     worker_batch,
 )
-from .tseq import ProbedBatch, efficiency_from_runs, from_flops, from_probe, from_runs
+from .tseq import ProbedBatch, efficiency_from_runs, from_flops, from_gpu_model, from_probe, from_runs
 
 Probe = Callable[[Job], Callable[[int], list[ProbedBatch]]]
 LoadingProbe = Callable[[Job], Callable[[], float]]
@@ -159,7 +159,8 @@ class Predictor:
 
     # -- sequential time ------------------------------------------------------------------
     def sequential(self, job: Job, hw: HardwareSpec, runs: Sequence[MeasuredRun]) -> SequentialTime:
-        """Measured runs of the job, else a probe here (when the target is this machine), else FLOPs."""
+        """Measured runs of the job, else a probe here (when the target is this machine), else the
+        GPU model on a GPU, else FLOPs."""
         profile = profile_of_job(job)
         can_probe = self.probe is not None and self.local is not None and hw is self.local
         measured = from_runs(job, hw, runs, profile, other_batch=not can_probe)
@@ -167,6 +168,9 @@ class Predictor:
             return measured
         if can_probe:
             return self._probed_time(job, hw)
+        modelled = from_gpu_model(job, hw)
+        if modelled is not None:
+            return modelled
         effs = efficiency_from_runs(runs, self._hw_of_run, lambda r: profile_of_job(job_of_run(r)), hw.device_kind)
         return from_flops(job, hw, profile, effs)
 

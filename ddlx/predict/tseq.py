@@ -5,13 +5,16 @@
 2. probe: when the hardware is this machine, train a few batches here (the thesis' statistical
    model: per-batch time is stable within seconds, so extrapolate);
 3. measured at another batch, scaled per sample;
-4. scaled: counted training FLOPs / (the device's peak x an efficiency calibrated from the
+4. on a GPU, the per-layer GPU model (:mod:`.gpu_time`: each kernel at its units' peak and the
+   memory's bandwidth) with its parameters fitted to published one-GPU training throughputs;
+5. scaled: counted training FLOPs / (the device's peak x an efficiency calibrated from the
    measured baselines on hardware whose peak is known; a stated default when there are none).
 
 Every result says which one it is.
 """
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import time
@@ -117,6 +120,37 @@ def efficiency_from_runs(runs: Sequence[MeasuredRun], hw_of_run: Callable[[Measu
         if compute_s > 0:
             out.append(batch * profile.train_flops_per_sample / compute_s / (peak * 1e12))
     return out
+
+
+def from_gpu_model(job: Job, hw: HardwareSpec, hw_dir=None) -> SequentialTime | None:
+    """The per-layer GPU model's step at the job's batch (None where it has none: fp64, a
+    format other than fp32 and the 2-byte ones): its optimizer step is the weight traffic, the
+    rest is shared out per sample."""
+    from .gpu_reference import DEFAULT_HW_DIR, fitted_model
+    from .gpu_time import step_time
+    from .kernels import kernel_profile
+
+    numerics = numerics_of(job.precision)
+    if hw.device_kind != "gpu" or numerics.activation_bytes not in (2, 4) or numerics.compute == "fp64":
+        return None
+    model = fitted_model(hw_dir or DEFAULT_HW_DIR)
+    kernels = kernel_profile(job.model, job.num_classes, job.channels, job.image_size, numerics.activation_bytes == 2)
+
+    @functools.lru_cache(maxsize=64)
+    def layers_s(samples: int) -> tuple[float, ...]:
+        step = step_time(kernels, samples, hw, model.params, numerics.compute, optimizer=False)
+        return tuple(f + b for f, b in zip(step.forward_s, step.backward_s))
+
+    def compute_s(samples: int) -> float:
+        return sum(layers_s(samples))
+
+    step = step_time(kernels, job.batch_size, hw, model.params, numerics.compute)
+    precision = "" if job.precision == FP32 else f"{job.precision}, "
+    if numerics.compute != "fp32" and numerics.compute not in hw.peak_tflops_by_type:
+        precision += f"hw.peak_tflops_by_type gives no {numerics.compute} peak: on the fp32 units, "
+    return SequentialTime(compute_s(job.batch_size) / job.batch_size, step.optimizer_s,
+                          f"estimate: {model.basis} ({precision}{step.total_s * 1e3:.1f} ms a step of {job.batch_size})",
+                          estimated=True, step_s=compute_s, layers_s=layers_s)
 
 
 def default_efficiency(hw: HardwareSpec, precision: str) -> float:

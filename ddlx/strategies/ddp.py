@@ -70,7 +70,7 @@ def data_parallel_cost(setup: Setup, workers: int, job, hw, profile, seq):
     allreduce; only the last bucket is exposed on GPUs, every bucket on CPU (gloo and the
     backward pass share the cores), where the replicas of a node also share its memory bus."""
     shared_bus = hw.device_kind == "cpu"
-    work = job.batch_size * (seq.per_sample_s * recompute_factor(setup) + seq.load_per_sample_s)
+    work = job.batch_size * (seq.per_sample_at(job.batch_size / workers) * recompute_factor(setup) + seq.load_per_sample_s)
     local = min(workers, hw.devices_per_node) if shared_bus else 1
     bucket = float(setup.get("bucket_cap_mb", DEFAULT_BUCKET_MB))
     compute = work / computing_at_once(hw, workers)

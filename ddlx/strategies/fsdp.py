@@ -131,7 +131,7 @@ class Fsdp(StrategySpec):
         """DDP's Eq. 5.1 with FSDP's ring volume (``VOLUME``): the gathers and the reduce-scatter
         run per layer beside the computation on GPUs, in turn with it on CPU (shared cores)."""
         w, shared_bus = setup.get("processes"), hw.device_kind == "cpu"
-        work = job.batch_size * (seq.per_sample_s * recompute_factor(setup) + seq.load_per_sample_s)
+        work = job.batch_size * (seq.per_sample_at(job.batch_size / w) * recompute_factor(setup) + seq.load_per_sample_s)
         volume = VOLUME[setup.get("sharding", "full")] * profile.gradient_mb
         largest = max(layer.params for layer in profile.layers) * profile.param_bytes / 1e6  # one unit's transfer
         local, fixed = (min(w, hw.devices_per_node) if shared_bus else 1), hw.allreduce_fixed_us * 1e-6

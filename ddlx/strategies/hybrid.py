@@ -102,7 +102,7 @@ class Hybrid(StrategySpec):
         local = split_s(seq.batch_s(b // p), b // p, cut_mb(profile), link(hw.link(0, 1)))
         ring = [link(hw.link(2 * i, 2 * ((i + 1) % p))) for i in range(p)]
         bucket = float(setup.get("bucket_cap_mb", DEFAULT_BUCKET_MB))
-        work = b * (seq.per_sample_s + seq.load_per_sample_s)
+        work = b * (seq.per_sample_at(b / p) + seq.load_per_sample_s)
         return cost(work / p, hybrid_s(local, p, profile.gradient_mb, bucket, ring, hw.allreduce_fixed_us * 1e-6))
 
     def memory(self, setup, job, hw, profile):

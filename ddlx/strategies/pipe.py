@@ -255,7 +255,7 @@ class Pipe(StrategySpec):
             compute, total = self._torch_batch_s(setup, hw, profile, seq, b)
             return cost(compute + load, total + load)
         w, m = len(setup.get("devices")), setup.get("chunks")
-        return cost(gpipe_compute_s(m * max(1, b // m) * seq.per_sample_s, w, m) + load,
+        return cost(gpipe_compute_s(m * max(1, b // m) * seq.per_sample_at(b // m), w, m) + load,
                     self._batch_s(setup, hw, profile, seq, b) + load)
 
     def _batch_s(self, setup, hw, profile, seq, b: int) -> float:
@@ -267,8 +267,12 @@ class Pipe(StrategySpec):
         traffic = 1 + (m - 1) * REPLICA_SHARE
         weights = weight_traffic_s(seq, hw, traffic, w) if hw.device_kind == "cpu" else seq.weight_s * traffic / w
         recomputed = recomputed_share(setup.get("checkpoint", "never"), m)
-        per_sample = seq.per_sample_s * (1 + recomputed * FORWARD_SHARE)  # their forward again in backward
-        compute = gpipe_compute_s(m * micro * per_sample, w, m) + weights
+        again = 1 + recomputed * FORWARD_SHARE  # their forward again in backward
+        stages = seq.stage_s(pipe_balance(setup, profile), micro)
+        if stages is not None:  # each stage as slow as its layers: the slowest paces the pipeline (W + #mb - 1 steps)
+            compute = pipeline_schedule_s([t * again for t in stages], m, w - 1) + weights
+        else:
+            compute = gpipe_compute_s(m * micro * seq.per_sample_at(micro) * again, w, m) + weights
         boundaries = [x / 1e6 for x in profile.boundary_bytes(pipe_balance(setup, profile))]
         if all(d == "cpu" for d in devices):  # CPU stages: one memory, no link to cross
             links = [Link(hw.intra_node.latency_us * 1e-6, hw.memory_bandwidth_gb_s * 1e3)] * (w - 1)
@@ -284,10 +288,13 @@ class Pipe(StrategySpec):
         devices, m, name = setup.get("devices"), setup.get("chunks"), setup.get("schedule", "gpipe")
         w = len(devices)
         balance = default_balance(profile, w * SCHEDULES[name].stages_per_rank)
-        flops = [sum(layer.forward_flops for layer in part) for part in profile.partitions(balance)]
         micro = max(1, b // m)
-        per_sample = seq.per_sample_s * recompute_factor(setup, SCHEDULES[name].backward_passes)
-        per_rank = [sum(flops[i] for i in stages_of(name, r, w)) / sum(flops) * micro * per_sample for r in range(w)]
+        again = recompute_factor(setup, SCHEDULES[name].backward_passes)
+        stages = seq.stage_s(balance, micro)
+        if stages is None:  # shares of the FLOPs stand in for the stages' times
+            flops = [sum(layer.forward_flops for layer in part) for part in profile.partitions(balance)]
+            stages = [f / sum(flops) * micro * seq.per_sample_at(micro) for f in flops]
+        per_rank = [sum(stages[i] for i in stages_of(name, r, w)) * again for r in range(w)]
         compute = pipeline_schedule_s(per_rank, m, bubble_steps(name, w, m))
         traffic = 1 + (m - 1) * REPLICA_SHARE
         weights = weight_traffic_s(seq, hw, traffic, w) if hw.device_kind == "cpu" else seq.weight_s * traffic / w

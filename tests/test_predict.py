@@ -62,6 +62,40 @@ def test_data_parallel_exposes_the_last_bucket_or_every_bucket():
     assert small == pytest.approx(0.5 + 6 * (1e-5 + 5 / 4000)), "min(G, th) with G < th"
 
 
+def test_ddp_buckets_go_as_the_backward_pass_reaches_them():
+    """Gradients bucketed from the last layer (the first bucket 1 MB): each allreduce starts when
+    its bucket is ready and the one before is done; the step waits for the last."""
+    one = 6 * (1e-5 + 25 / 4000)  # a 25 MB bucket on four FAST devices
+    # Three layers of 25 MB whose backward takes longer than a bucket's allreduce: only the last is exposed.
+    slow_backward = pm.exposed_allreduce_s([1.0, 1.0, 1.0], [25.0, 25.0, 25.0], 4, 25.0, [FAST] * 4)
+    assert slow_backward == pytest.approx(one)
+    # A backward that takes no time: every bucket's allreduce is exposed, one after the other.
+    instant = pm.exposed_allreduce_s([0.0, 0.0, 0.0], [25.0, 25.0, 25.0], 4, 25.0, [FAST] * 4)
+    assert instant == pytest.approx(3 * one)
+    # The first bucket closes at 1 MB: the last layer's 0.5 MB waits for the one before it.
+    small = pm.exposed_allreduce_s([0.0, 0.0, 0.0], [24.0, 0.6, 0.5], 4, 25.0, [FAST] * 4)
+    assert small == pytest.approx(6 * (1e-5 + 1.1 / 4000) + 6 * (1e-5 + 24 / 4000))
+    assert pm.exposed_allreduce_s([0.0], [25.0], 1, 25.0, [FAST]) == 0.0, "one worker has nothing to reduce"
+
+
+def test_fsdp_gathers_before_each_unit_and_reduce_scatters_after():
+    """FSDP per unit on one queue: a gather before each forward (one ahead), again before each
+    backward in full sharding, a reduce-scatter after each backward; the step waits for the last."""
+    half = 3 * (1e-5 + 40 / 4000)  # one 40 MB unit gathered (or reduce-scattered) over four FAST devices
+    assert pm.ring_gather_s(4, 40.0, [FAST] * 4) == pytest.approx(half)
+    assert pm.ring_gather_s(4, 40.0, [FAST] * 4) * 2 == pytest.approx(pm.ring_allreduce_s(4, 40.0, [FAST] * 4))
+    # Nothing to hide behind: full sharding sends 3 halves per unit, grad_op 2 (its weights stay gathered).
+    zero = [0.0, 0.0]
+    assert pm.exposed_sharded_s(zero, zero, [40.0, 40.0], 4, [FAST] * 4) == pytest.approx(6 * half)
+    assert pm.exposed_sharded_s(zero, zero, [40.0, 40.0], 4, [FAST] * 4, regather=False) == pytest.approx(4 * half)
+    # Long layers: the first gather (nothing to hide it behind), the last unit's regather as the
+    # backward starts (full sharding only) and the last reduce-scatter are exposed.
+    slow = [1.0, 1.0]
+    assert pm.exposed_sharded_s(slow, slow, [40.0, 40.0], 4, [FAST] * 4) == pytest.approx(3 * half)
+    assert pm.exposed_sharded_s(slow, slow, [40.0, 40.0], 4, [FAST] * 4, regather=False) == pytest.approx(2 * half)
+    assert pm.exposed_sharded_s(slow, slow, [40.0, 40.0], 1, [FAST]) == 0.0
+
+
 def test_gpipe_compute_is_eq_6_1():
     assert pm.gpipe_compute_s(10.0, 4, 12) == pytest.approx(10.0 * 15 / 48)
     assert pm.gpipe_compute_s(10.0, 4, 1) == pytest.approx(10.0), "one micro-batch: plain model parallelism"
@@ -765,6 +799,12 @@ def test_recommend_py_reproduces_the_thesis_out_of_memory_case(tmp_path, capsys)
     best = answer["recommended"]
     assert best["fits"] and best["predicted_epoch_s"] <= gpipe["predicted_epoch_s"]
     assert best["command"].endswith("data=highres trainer=gpu " + best["overrides"]), "the thesis job, on the GPUs"
+    over = answer["speedup_over"]
+    assert over != "one device" and by_setup[over]["fits"] and by_setup[over]["speedup"] == 1.0, \
+        "one GPU cannot hold it: the speedups are over the fitting setup of the fewest processes"
+    assert all(by_setup[over]["predicted_epoch_s"] / p["predicted_epoch_s"] == pytest.approx(p["speedup"], rel=1e-3)
+               for p in answer["predictions"])
+    assert not any("strategy=sequential" in c for c in answer["calibrate_with"]), "no run that cannot be made"
 
 
 def test_calibration_is_chosen_by_how_well_it_predicts_held_out_runs():
@@ -840,7 +880,7 @@ def test_gpu_predictions_are_bound_by_the_data_loaders():
     from ddlx.predict.setups import loader_bound_s
 
     gpu = _hw(device_kind="gpu", devices_per_node=4, cores_per_node=8, peak_tflops=100.0, memory_per_device_gb=24,
-              memory_bandwidth_gb_s=1000.0)
+              memory_bandwidth_gb_s=1000.0, intra_node=LinkSpec(10000.0, 1.0))  # links that hide AlexNet's 244 MB of gradients
     job = Job("alexnet", "firesmall", 3, 3, 64, 32, 320, num_workers=2)
     ddp, one = Setup("ddp_nccl", (("processes", 4),)), Setup("sequential", (("trainer", "gpu"),))
     assert loader_bound_s(ddp, job, gpu, 0.005) == pytest.approx(32 / 4 * 0.005 / 2)
@@ -861,6 +901,11 @@ def test_gpu_predictions_are_bound_by_the_data_loaders():
     assert by["sequential"].epoch_s == pytest.approx(32 * 0.005 / 2 * job.steps)
     assert by["ddp_nccl"].epoch_s == pytest.approx(32 / 4 * 0.005 / 2 * job.steps)
     assert by["ddp_nccl"].speedup == pytest.approx(4.0) and "bound by data loading: 2 worker(s)" in by["ddp_nccl"].basis
+    assert "not even all of a process's share of the node's 8 cores would" in by["ddp_nccl"].basis
+    from ddlx.predict.setups import workers_to_keep_up
+
+    assert workers_to_keep_up(ddp, job, replace(gpu, cores_per_node=64), 0.005, 0.012) == 4, "8 samples x 5 ms in 12 ms"
+    assert workers_to_keep_up(ddp, job, gpu, 0.005, 0.012) is None, "2 cores per process"
     unbound = Predictor(gpu, []).recommend(job, [one])
     assert unbound.predictions[0].epoch_s < by["sequential"].epoch_s / 5, "AlexNet at 64 px is loader-bound here"
 

@@ -60,8 +60,9 @@ class SequentialTime:
     # A step's compute (no weight traffic) at n samples where it is not n x per_sample_s: on a GPU
     # a small batch leaves its units idle and every kernel costs a launch (:mod:`.gpu_time`).
     step_s: Callable[[int], float] | None = None
-    # The same per top-level layer (forward and backward): a pipeline's stages are as slow as their layers.
-    layers_s: Callable[[int], tuple[float, ...]] | None = None
+    # The same per top-level layer, (forward, backward): a pipeline's stages are as slow as their
+    # layers, and DDP's buckets are ready as the backward pass reaches them.
+    layers_s: Callable[[int], tuple[tuple[float, float], ...]] | None = None
 
     def stage_s(self, balance: list[int], samples: int) -> list[float] | None:
         """Seconds of each stage of a model cut by ``balance`` on ``samples`` at a time, where the
@@ -70,9 +71,14 @@ class SequentialTime:
             return None
         layers, out, start = self.layers_s(max(1, int(samples))), [], 0
         for count in balance:
-            out.append(sum(layers[start:start + count]))
+            out.append(sum(f + b for f, b in layers[start:start + count]))
             start += count
         return out
+
+    def layers_s_at(self, samples: float) -> tuple[tuple[float, float], ...] | None:
+        """Each top-level layer's (forward, backward) on ``samples`` at a time, in the model's
+        order (None: not known per layer)."""
+        return None if self.layers_s is None else self.layers_s(max(1, int(samples)))
 
     def per_sample_at(self, samples: float) -> float:
         """Per sample when the device works on ``samples`` at a time (a worker's share of the

@@ -47,6 +47,76 @@ def data_parallel_s(
     return compute + sum(ring_allreduce_s(workers, size, ring, fixed_s) for size in sizes)
 
 
+FIRST_BUCKET_MB = 1.0  # DDP's first bucket (torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES): the last layers' gradients go at once
+
+
+def exposed_allreduce_s(backward_s: Sequence[float], gradient_mb: Sequence[float], workers: int, bucket_mb: float,
+                        ring: Sequence[Link], fixed_s: float = 0.0) -> float:
+    """What DDP's allreduces add after the backward pass, on a device that runs them beside it (a
+    GPU): the gradients are bucketed in backward order (the last layer's first; the first bucket
+    of ``FIRST_BUCKET_MB``), each bucket's allreduce starts once its last gradient is computed and
+    the previous bucket's is done, and the step waits for the last. ``backward_s`` and
+    ``gradient_mb`` per layer, in the model's order."""
+    if workers <= 1:
+        return 0.0
+    buckets, clock, filled, cap = [], 0.0, 0.0, FIRST_BUCKET_MB
+    for seconds, mb in zip(reversed(backward_s), reversed(gradient_mb)):
+        clock += seconds
+        filled += mb
+        if filled >= cap:
+            buckets.append((clock, filled))
+            filled, cap = 0.0, bucket_mb
+    if filled > 1e-12:
+        buckets.append((clock, filled))
+    done = 0.0
+    for ready, mb in buckets:
+        done = max(done, ready) + ring_allreduce_s(workers, mb, ring, fixed_s)
+    return max(0.0, done - clock)
+
+
+def ring_gather_s(workers: int, mb: float, ring: Sequence[Link], fixed_s: float = 0.0) -> float:
+    """One ring all-gather (or reduce-scatter) of a unit of ``mb`` MB: W-1 steps of mb/W, half an
+    allreduce."""
+    if workers <= 1:
+        return 0.0
+    return (workers - 1) * max(link.latency_s + mb / (workers * link.bandwidth_mb_s) for link in ring) + fixed_s
+
+
+def exposed_sharded_s(forward_s: Sequence[float], backward_s: Sequence[float], unit_mb: Sequence[float], workers: int,
+                      ring: Sequence[Link], fixed_s: float = 0.0, regather: bool = True) -> float:
+    """What FSDP's collectives add to a step's compute on a device that runs them beside it (a
+    GPU), per unit (a top-level layer) on one communication queue: each unit's weights gathered
+    before its forward (the next unit's gather issued as a unit starts: one ahead), gathered again
+    before its backward when ``regather`` (full sharding frees them after the forward; grad_op
+    keeps them), and its gradients reduce-scattered once its backward is done. 1.5 allreduces'
+    traffic in full sharding, one in grad_op: the extra half is what ``regather`` adds."""
+    if workers <= 1:
+        return 0.0
+    gather = [ring_gather_s(workers, mb, ring, fixed_s) for mb in unit_mb]
+    comm_free = clock = 0.0
+
+    def issue(at: float, seconds: float) -> float:
+        nonlocal comm_free
+        comm_free = max(comm_free, at) + seconds
+        return comm_free
+
+    ready = issue(0.0, gather[0])
+    for i, seconds in enumerate(forward_s):
+        start = max(clock, ready)
+        if i + 1 < len(forward_s):
+            ready = issue(start, gather[i + 1])
+        clock = start + seconds
+    last = len(backward_s) - 1
+    ready = issue(clock, gather[last]) if regather else clock
+    done = clock
+    for i in range(last, -1, -1):
+        start = max(clock, ready)
+        ready = issue(start, gather[i - 1]) if regather and i > 0 else start
+        clock = start + backward_s[i]
+        done = issue(clock, gather[i])  # the reduce-scatter: as long as the gather
+    return max(0.0, max(clock, done) - sum(forward_s) - sum(backward_s))
+
+
 def gpipe_compute_s(t_seq: float, workers: int, micro_batches: int) -> float:
     """Eq. 6.1: T_seq (W + #mb - 1) / (W #mb). ``t_seq`` is the sequential time of the whole
     batch run as #mb micro-batches (#mb x the time of one micro-batch), as the thesis prescribes."""

@@ -34,6 +34,7 @@ from .setups import (
     setup_of_run,
     training_processes,
     worker_batch,
+    workers_to_keep_up,
 )
 from .tseq import ProbedBatch, efficiency_from_runs, from_flops, from_gpu_model, from_probe, from_runs
 
@@ -86,6 +87,9 @@ class Recommendation:
     # validation.group_errors): what decides close calls; empty where nothing is validated.
     errors: dict[str, float] = field(default_factory=dict)
     batches: Batches = field(default_factory=Batches)  # how each setup's batch follows from job.batch_size
+    # What the speedups are over: one device, or where one cannot hold the job, the fitting setup
+    # of the fewest processes (a speedup over a run that cannot be made says nothing).
+    reference: Prediction | None = None
 
     @property
     def fitting(self) -> list[Prediction]:
@@ -253,9 +257,13 @@ class Predictor:
                 how = f"; model uncalibrated (no measured {group} run on {self.hw.device_kind} hardware)"
             bound = loader_bound_s(setup, theirs, self.hw, load_core) if load_core is not None else 0.0
             if bound > batch_s:
+                enough = workers_to_keep_up(setup, theirs, self.hw, load_core, batch_s)
+                fix = (f"data.num_workers={enough} would" if enough is not None else
+                       f"not even all of a process's share of the node's {self.hw.cores_per_node} cores would: keep "
+                       f"the decoded images in memory (data.cache=auto) or decode fewer pixels")
                 batch_s = bound
                 how += (f"; bound by data loading: {job.num_workers} worker(s) per process at {1e3 * load_core:.1f} "
-                        f"ms/sample (timed on this machine's core) cannot keep up")
+                        f"ms/sample (timed on this machine's core) cannot keep up; {fix}")
             epoch = batch_s * theirs.steps
             calibrated = not their_seq.estimated and (group == BASELINE or group in calibrations)
             stated = batches.stated(setup.strategy)
@@ -263,7 +271,11 @@ class Predictor:
                                           f"T_seq {their_seq.basis}{how}", calibrated, theirs.batch_size,
                                           (f"data.batch_size={stated}",) if stated else ()))
         predictions.sort(key=lambda p: (not p.memory.fits, p.epoch_s))
-        return Recommendation(job, self.hw, seq, predictions, len(runs), batches=batches)
+        reference = speedup_reference(predictions)
+        if reference is not None and reference.setup.strategy != BASELINE:
+            for p in predictions:
+                p.speedup = reference.epoch_s / p.epoch_s
+        return Recommendation(job, self.hw, seq, predictions, len(runs), batches=batches, reference=reference)
 
     def _sequential_with_loading(self, job: Job, runs: Sequence[MeasuredRun]) -> SequentialTime:
         """T_seq of ``job``, with the training process's own loading timed here when it must be
@@ -285,6 +297,16 @@ class Predictor:
         if job not in self._loading:
             self._loading[job] = self.loading(job)()
         return self._loading[job]
+
+
+def speedup_reference(predictions: list[Prediction]) -> Prediction | None:
+    """The one-device setup, or when it does not fit, the fitting setup of the fewest training
+    processes (the fastest of those); None when nothing fits."""
+    one = next((p for p in predictions if p.setup.strategy == BASELINE), None)
+    if one is not None and one.memory.fits:
+        return one
+    fitting = [p for p in predictions if p.memory.fits]
+    return min(fitting, key=lambda p: (training_processes(p.setup), p.epoch_s)) if fitting else one
 
 
 def data_config_of_job(job: Job, runs: Sequence[MeasuredRun]):

@@ -39,9 +39,9 @@ def figure(value: float, calibrated: bool) -> str:
 def calibration_commands(rec: Recommendation, prediction: Prediction, job_overrides: list[str]) -> list[str]:
     """What to run on the target to calibrate an estimate: its one-device baseline and the setup
     itself, tagged with the hardware's name when it is not this machine."""
-    baseline = next((p for p in rec.predictions if p.setup.strategy == BASELINE), None)
+    baseline = rec.reference or next((p for p in rec.predictions if p.setup.strategy == BASELINE), None)
     tag = f" logger.tags.hw={rec.hw.name}" if rec.hw.name != "local" else ""
-    chosen = [p for p in (baseline, prediction) if p is not None]
+    chosen = [p for p in (baseline, prediction) if p is not None and p.memory.fits]  # never a run that cannot be made
     return list(dict.fromkeys(train_command(rec, p, job_overrides) + tag for p in chosen))
 
 
@@ -60,6 +60,7 @@ def recommendation_dict(rec: Recommendation, note: str, elapsed: float, close_ca
         "job": vars(rec.job) | {"steps_per_epoch": rec.job.steps},
         "runs": note,
         "sequential_basis": rec.sequential.basis,
+        "speedup_over": speedup_over(rec),
         "predictions": [p.as_dict() for p in rec.predictions],
         "recommended": with_command(best) if best else None,
         "calibrate_with": calibration_commands(rec, best, job_overrides) if best and not best.calibrated else [],
@@ -91,6 +92,9 @@ def recommendation_table(rec: Recommendation, note: str, elapsed: float, close_c
              f"measured runs: {note}" + ("" if rec.runs_used else "; none usable: every figure below is a model estimate"),
              f"T_seq basis: {rec.sequential.basis}", ""]
     batches = len({p.batch_size for p in rec.predictions}) > 1  # a column only when the setups' batches differ
+    over = speedup_over(rec)
+    if over != "one device":
+        lines.insert(-1, f"speedups over {over}: one device cannot hold this job")
     header = ["#", "setup", *(["global batch"] if batches else []), "epoch s", "speedup", "memory/device", "fits", "basis"]
     rows = []
     for i, p in enumerate(rec.predictions, 1):
@@ -108,7 +112,7 @@ def recommendation_table(rec: Recommendation, note: str, elapsed: float, close_c
         lines.append("recommendation: none of these setups fits in memory; lower data.batch_size or use more devices")
     else:
         lines.append(f"recommendation: {best.setup.label}: {figure(best.epoch_s, best.calibrated)} s/epoch predicted, "
-                     f"{figure(best.speedup, best.calibrated)}x one device ({_headline_basis(rec, best)})")
+                     f"{figure(best.speedup, best.calibrated)}x {over} ({_headline_basis(rec, best)})")
         lines.append(f"  {train_command(rec, best, job_overrides)}")
         if not best.calibrated:
             lines.append("  an estimate until runs on this hardware calibrate it; run these there, then ask again:")
@@ -130,10 +134,16 @@ def recommendation_table(rec: Recommendation, note: str, elapsed: float, close_c
     return "\n".join(lines)
 
 
+def speedup_over(rec: Recommendation) -> str:
+    """What the speedups are over, in words: one device, or the setup that stands for it."""
+    reference = rec.reference
+    return "one device" if reference is None or reference.setup.strategy == BASELINE else reference.setup.label
+
+
 def _headline_basis(rec: Recommendation, best: Prediction) -> str:
     if best.calibrated:
         return f"calibrated: T_seq {rec.sequential.basis.split(' (')[0]}, its model fitted to measured runs"
-    why = "counted FLOPs at an assumed or borrowed efficiency" if rec.sequential.estimated else \
+    why = rec.sequential.basis.removeprefix("estimate: ").split(" (")[0] if rec.sequential.estimated else \
         f"no measured {best.setup.strategy} run on {rec.hw.device_kind} hardware calibrates its model"
     return f"an estimate: {why}"
 

@@ -3,6 +3,8 @@ answered by the strategy's own spec (:mod:`ddlx.strategies`); the parts the mode
 :mod:`.costs`."""
 from __future__ import annotations
 
+import math
+
 from ..errors import ConfigError
 from ..job import Batches, Job
 from ..strategies import STRATEGIES, Setup, spec_of
@@ -124,6 +126,15 @@ def worker_batch(setup: Setup, job: Job) -> int:
     """The samples one worker allocates activations for in a step: the global batch, split over
     data-parallel processes or threads, or a pipeline's micro-batch."""
     return spec_of(setup.strategy).worker_batch(setup, job)
+
+
+def workers_to_keep_up(setup: Setup, job: Job, hw: HardwareSpec, load_core_s: float, batch_s: float) -> int | None:
+    """The ``data.num_workers`` per training process with which its loading keeps up with
+    ``batch_s`` seconds a batch; None when its share of the node's cores cannot."""
+    processes = training_processes(setup)
+    cores = max(1, hw.cores_per_node // min(processes, hw.devices_per_node))
+    need = math.ceil(job.batch_size / processes * load_core_s / batch_s)
+    return need if need <= cores else None
 
 
 def loader_bound_s(setup: Setup, job: Job, hw: HardwareSpec, load_core_s: float) -> float:

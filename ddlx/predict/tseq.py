@@ -137,12 +137,12 @@ def from_gpu_model(job: Job, hw: HardwareSpec, hw_dir=None) -> SequentialTime | 
     kernels = kernel_profile(job.model, job.num_classes, job.channels, job.image_size, numerics.activation_bytes == 2)
 
     @functools.lru_cache(maxsize=64)
-    def layers_s(samples: int) -> tuple[float, ...]:
+    def layers_s(samples: int) -> tuple[tuple[float, float], ...]:
         step = step_time(kernels, samples, hw, model.params, numerics.compute, optimizer=False)
-        return tuple(f + b for f, b in zip(step.forward_s, step.backward_s))
+        return tuple(zip(step.forward_s, step.backward_s))
 
     def compute_s(samples: int) -> float:
-        return sum(layers_s(samples))
+        return sum(f + b for f, b in layers_s(samples))
 
     step = step_time(kernels, job.batch_size, hw, model.params, numerics.compute)
     precision = "" if job.precision == FP32 else f"{job.precision}, "

@@ -20,7 +20,7 @@ from ..predict.costs import (
     ring,
     weight_traffic_s,
 )
-from ..predict.perf_models import data_parallel_s
+from ..predict.perf_models import data_parallel_s, exposed_sharded_s
 from .cpu_mp import TIMEOUT_S
 from .spec import Setup, StrategyPlan, StrategySpec, no_loss_scaling, recompute_knob, warn_oversubscription, with_recompute
 
@@ -130,17 +130,22 @@ class Fsdp(StrategySpec):
     def cost(self, setup, job, hw, profile, seq):
         """DDP's Eq. 5.1 with FSDP's ring volume (``VOLUME``): the gathers and the reduce-scatter
         run per layer beside the computation on GPUs, in turn with it on CPU (shared cores)."""
-        w, shared_bus = setup.get("processes"), hw.device_kind == "cpu"
+        w, shared_bus, sharding = setup.get("processes"), hw.device_kind == "cpu", setup.get("sharding", "full")
         work = job.batch_size * (seq.per_sample_at(job.batch_size / w) * recompute_factor(setup) + seq.load_per_sample_s)
-        volume = VOLUME[setup.get("sharding", "full")] * profile.gradient_mb
+        volume = VOLUME[sharding] * profile.gradient_mb
         largest = max(layer.params for layer in profile.layers) * profile.param_bytes / 1e6  # one unit's transfer
         local, fixed = (min(w, hw.devices_per_node) if shared_bus else 1), hw.allreduce_fixed_us * 1e-6
         compute = work / computing_at_once(hw, w)
-        if setup.get("sharding") == "hybrid":  # full inside each group, then its shard averaged across the groups
+        if sharding == "hybrid":  # full inside each group, then its shard averaged across the groups
             k = setup.get("shard_size", w)
             groups = [link(hw.link(rank_device(hw, i * k), rank_device(hw, (i + 1) % (w // k) * k))) for i in range(w // k)]
             comm = (data_parallel_s(0.0, k, volume, largest, ring(hw, k), fixed, overlap=not shared_bus)
                     + data_parallel_s(0.0, w // k, profile.gradient_mb / k, largest / k, groups, fixed, overlap=not shared_bus))
+        elif not shared_bus and sharding in ("full", "grad_op") and (layers := seq.layers_s_at(job.batch_size / w)) \
+                and len(layers) == len(profile.layers):  # per unit, as the GPU model times the layers
+            unit_mb = [layer.params * profile.param_bytes / 1e6 for layer in profile.layers]
+            comm = exposed_sharded_s([f for f, _ in layers], [b for _, b in layers], unit_mb, w, ring(hw, w), fixed,
+                                     regather=sharding == "full")
         else:
             comm = data_parallel_s(0.0, w, volume, largest, ring(hw, w), fixed, overlap=not shared_bus)
         return cost(compute, compute + comm + weight_traffic_s(seq, hw, local, local))

@@ -304,10 +304,21 @@ def check_job(cfg: DictConfig, multirun: bool) -> None:
 def check_recommend_job(cfg: DictConfig, multirun: bool, hw_dir: Path) -> None:
     """recommend.py's job: its hardware is one of the descriptions in ``hw_dir``, not the schema
     they extend (an option of the group, but no machine)."""
+    options = sorted(p.stem for p in hw_dir.glob("*.yaml"))
     if OmegaConf.select(cfg, "hydra.runtime.choices.hw") == "schema":
-        options = sorted(p.stem for p in hw_dir.glob("*.yaml"))
         raise ConfigError(f"hw=schema is the fields every machine description has, not a machine; "
                           f"expected one of {', '.join(options)}")
+    compare = OmegaConf.select(cfg, "compare", default=None)
+    compare = [] if compare is None else compare
+    if not (OmegaConf.is_list(compare) or isinstance(compare, list)):
+        raise ConfigError(f"compare={compare}; expected a list of hw names, e.g. compare=[a100_sxm4_40gb_8x,h100_1x]")
+    for name in compare:
+        if name not in options or name == "schema":
+            raise ConfigError(f"compare={list(compare)}: {name!r} is not a machine description; expected names of "
+                              f"{', '.join(o for o in options if o != 'schema')}")
+    limit = OmegaConf.select(cfg, "max_epoch_s", default=None)
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0):
+        raise ConfigError(f"max_epoch_s={limit}; expected seconds > 0 an epoch may take (or null), e.g. max_epoch_s=600")
 
 
 def _sweep_jobs(overrides: list[str]) -> list[list[str]]:

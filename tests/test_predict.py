@@ -1129,3 +1129,55 @@ def test_cpu_processes_beyond_the_cores_share_them():
         two, four = (model_cost(Setup(strategy, ((("processes", p),) + knobs[1:])), JOB, cpu, profile, seq) for p in (2, 4))
         assert four.compute_s == pytest.approx(two.compute_s) == pytest.approx(32 * 0.01 / 2), strategy
         assert four.total_s > two.total_s, f"{strategy}: the same compute on the 2 cores, and a longer ring"
+
+
+def test_one_question_compares_machines_and_names_the_cheapest_within_the_time(tmp_path, capsys):
+    """compare= answers the same job on other hw files; where a file gives a price per device-hour
+    each setup's epoch has a cost (price x its devices x its hours), and the cheapest setup whose
+    epoch is predicted within max_epoch_s is named with its command."""
+    job = ["model=resnet18", "data=firesmall"]
+
+    def answer(*extra):
+        cfg = _compose_recommend("hw=v100_8x", *job, "compare=[a100_sxm4_40gb_8x,h100_1x]", "probe=false", "output=json",
+                                 f"paths.root={tmp_path}", "cpu_allocator=system", *extra)
+        capsys.readouterr()
+        run_recommend(cfg, tmp_path / "out", CONF_DIR / "hw", job)
+        return json.loads(capsys.readouterr().out)
+
+    full = answer()
+    machines = [full, *full["compared"]]
+    assert [m["hw"] for m in machines] == ["v100_8x", "a100_sxm4_40gb_8x", "h100_1x"]
+    assert full["price_per_device_hour"] is None and "epoch_cost" not in full["predictions"][0], "v100_8x gives no price"
+    a100 = machines[1]
+    for p in a100["predictions"]:
+        assert p["epoch_cost"] == pytest.approx(1.844 * p["devices"] * p["predicted_epoch_s"] / 3600, rel=1e-3)
+    by = {p["setup"]: p for p in a100["predictions"]}
+    assert by["ddp_nccl processes=8"]["devices"] == 8 and by["sequential trainer=gpu"]["devices"] == 1
+    assert by["hybrid processes=4 local=split"]["devices"] == 8
+    fitting = [(m["hw"], p) for m in machines for p in m["predictions"] if p["fits"]]
+    fastest = min(fitting, key=lambda hp: hp[1]["predicted_epoch_s"])
+    assert (full["comparison"]["fastest"]["hw"], full["comparison"]["fastest"]["setup"]) == (fastest[0], fastest[1]["setup"])
+    priced = [(h, p) for h, p in fitting if "epoch_cost" in p]
+    cheapest = min(priced, key=lambda hp: hp[1]["epoch_cost"])
+    assert full["comparison"]["cheapest"]["epoch_cost"] == pytest.approx(cheapest[1]["epoch_cost"], rel=1e-3)
+
+    # A limit between the cheapest's epoch and the fastest's: the cheapest setup within it instead.
+    limit = (fastest[1]["predicted_epoch_s"] + cheapest[1]["predicted_epoch_s"]) / 2
+    assert fastest[1]["predicted_epoch_s"] < limit < cheapest[1]["predicted_epoch_s"], "the fixture has a trade-off"
+    within = answer(f"max_epoch_s={limit}")["comparison"]
+    ok = [p for h, p in priced if p["predicted_epoch_s"] <= limit]
+    assert within["cheapest"]["predicted_epoch_s"] <= limit
+    assert within["cheapest"]["epoch_cost"] == pytest.approx(min(p["epoch_cost"] for p in ok), rel=1e-3)
+    assert within["cheapest"]["command"].startswith("python train.py model=resnet18 data=firesmall")
+    none = answer("max_epoch_s=0.0001")["comparison"]
+    assert none["cheapest"] is None and none["setups_within"] == 0
+
+
+@pytest.mark.parametrize("override, key", [
+    ("compare=[nosuch]", "compare"), ("compare=titanrtx_4x", "compare"), ("max_epoch_s=-3", "max_epoch_s"),
+    ("hw.price_per_device_hour=2.0", "hw.price_basis"),
+])
+def test_comparison_inputs_are_checked_by_name(tmp_path, override, key):
+    cfg = _compose_recommend("hw=titanrtx_4x", "probe=false", f"paths.root={tmp_path}", override)
+    with pytest.raises(ConfigError, match=re.escape(key)):
+        run_recommend(cfg, tmp_path / "out", CONF_DIR / "hw")

@@ -11,7 +11,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from ..allocator import apply_allocator, check_allocator, resolve_allocator
-from ..config_check import check_bounds
+from ..config_check import check_bounds, check_recommend_job
 from ..data.folder import complete_data_config
 from ..errors import ConfigError
 from ..job import Batches, Job, cache_outcome
@@ -21,9 +21,12 @@ from ..strategies import BASELINE
 from ..tracking import check_tracking_uri, load_runs, log_result_run, store_exists
 from .hardware import GB, HardwareSpec, detect_local, load_hw_file, machine_identity, validate
 from .kept import forget, kept
+from .machines import compare
 from .prediction import Predictor, Recommendation, data_config_of_job
 from .setups import check_tries
 from .render import (
+    comparison_dict,
+    comparison_lines,
     recommendation_dict,
     recommendation_table,
     validation_plot,
@@ -88,10 +91,15 @@ def job_from_config(cfg: DictConfig) -> Job:
 def with_data_cache(job: Job, cfg: DictConfig, target) -> Job:
     """``job`` keeping its decoded images in memory where train.py would on ``target`` (its RAM
     per node, all of it available); the probes then load as the job would."""
-    images = round(job.train_samples / (1 - cfg.data.val_fraction)) if cfg.data.val_fraction < 1 else job.train_samples
-    outcome = cache_outcome(cfg.data.cache, images, job.channels, job.image_size, target.ram_per_node_gb * GB)
+    outcome = cache_of(job, cfg, target)
     cfg.data.cache = "auto" if outcome == "memory" else "none"
     return dataclasses.replace(job, data_cache=outcome)
+
+
+def cache_of(job: Job, cfg: DictConfig, target) -> str:
+    """Where train.py would keep ``job``'s decoded images on ``target``: in memory or not."""
+    images = round(job.train_samples / (1 - cfg.data.val_fraction)) if cfg.data.val_fraction < 1 else job.train_samples
+    return cache_outcome(cfg.data.cache, images, job.channels, job.image_size, target.ram_per_node_gb * GB)
 
 
 def measured_runs(cfg: DictConfig) -> tuple[list, str]:
@@ -134,6 +142,8 @@ def run(cfg: DictConfig, out_dir: Path, hw_dir: Path, job_overrides: list[str] |
     job = job_from_config(cfg) if cfg.mode == "recommend" else None  # bad values named before any timing
     detected_dir = Path(cfg.detected_dir) if cfg.detected_dir else None
     target = hardware(cfg.hw, detected_dir, refresh=cfg.mode == "probe")
+    check_recommend_job(cfg, False, hw_dir)  # compare= names machines; max_epoch_s is a time
+    others = [hardware(load_hw_file(hw_dir / f"{name}.yaml"), detected_dir) for name in cfg.get("compare") or []]
     if job is not None:
         numerics_on(job.precision, target.device_kind)  # 16-mixed on CPU: Lightning would train bf16-mixed
         job = with_data_cache(job, cfg, target)
@@ -152,20 +162,32 @@ def run(cfg: DictConfig, out_dir: Path, hw_dir: Path, job_overrides: list[str] |
     probe = loading = None
     if cfg.probe:
         probe, loading = kept_probes(cfg, runs, local, detected_dir)
-    predictor = Predictor(target, runs, local, probe, loading)
     if cfg.mode == "validate":
-        report_validation(cfg, predictor, note, out_dir, started)
+        report_validation(cfg, Predictor(target, runs, local, probe, loading), note, out_dir, started)
         return
     tries, own = check_tries(OmegaConf.to_container(cfg.candidates, resolve=True))
-    rec = predictor.recommend(job, batches=Batches(cfg.data.batch_per, tuple(own)), tries=tries)
-    rec.errors = close_call_errors(Predictor(target, runs, local), cfg.cpu_allocator, rec)
+    batches = Batches(cfg.data.batch_per, tuple(own))
+    recs = []
+    for machine in [target, *others]:  # the same question on each machine, the runs and probes of this one shared
+        on_it = job if machine is target else dataclasses.replace(job, data_cache=cache_of(job, cfg, machine))
+        rec = Predictor(machine, runs, local, probe, loading).recommend(on_it, batches=batches, tries=tries)
+        rec.errors = close_call_errors(Predictor(machine, runs, local), cfg.cpu_allocator, rec)
+        recs.append(rec)
+    rec = recs[0]
+    comparison = compare(recs, cfg.max_epoch_s) if others or cfg.max_epoch_s is not None else None
     elapsed = time.perf_counter() - started
     overrides = job_overrides or []
+    answer = recommendation_dict(rec, note, elapsed, cfg.close_call, overrides)
+    if comparison is not None:
+        answer["compared"] = [recommendation_dict(r, note, 0.0, cfg.close_call, overrides) for r in recs[1:]]
+        answer["comparison"] = comparison_dict(comparison, overrides)
     if cfg.output == "json":
-        print(json.dumps(recommendation_dict(rec, note, elapsed, cfg.close_call, overrides), indent=2))
+        print(json.dumps(answer, indent=2))
     else:
-        print(recommendation_table(rec, note, elapsed, cfg.close_call, overrides))
-    log_recommendation(cfg, rec, note, out_dir, overrides)
+        table = recommendation_table(rec, note, elapsed, cfg.close_call, overrides)
+        extra = comparison_lines(recs, comparison, overrides) if comparison is not None else []
+        print("\n".join([table, *extra]))
+    log_recommendation(cfg, rec, answer, out_dir)
 
 
 def close_call_errors(unprobed: Predictor, cpu_allocator: str, rec: Recommendation) -> dict[str, float]:
@@ -227,14 +249,14 @@ def _probe_data(cfg: DictConfig, job: Job, runs) -> DictConfig:
     return cfg.data if measured is None else measured
 
 
-def log_recommendation(cfg: DictConfig, rec: Recommendation, note: str, out_dir: Path, job_overrides: list[str]) -> None:
+def log_recommendation(cfg: DictConfig, rec: Recommendation, answer: dict, out_dir: Path) -> None:
     """One run in the ``recommendations`` experiment: the inputs as params, the answer as tags,
-    metrics and a JSON artifact."""
+    metrics and a JSON artifact (``answer``, the other machines' included)."""
     check_tracking_uri(cfg.logger.tracking_uri)
     best = rec.best
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "recommendation.json"
-    path.write_text(json.dumps(recommendation_dict(rec, note, 0.0, cfg.close_call, job_overrides), indent=2))
+    path.write_text(json.dumps(answer | {"seconds": 0.0}, indent=2))
     log_result_run(
         cfg.logger.tracking_uri, cfg.logger.experiment_name, cfg.logger.run_name, artifact_location=cfg.logger.artifact_location,
         tags={"hw": rec.hw.name, "model": rec.job.model, "data": rec.job.data,

@@ -61,6 +61,10 @@ class HardwareSpec:
     allreduce_fixed_us: float = 50.0  # fixed cost of one allreduce call: launch, negotiation, copies
     host: str = ""  # the machine the runs of this hardware were measured on ("" = not this machine)
     detect: bool = False  # fill cores, memory and GPUs from this machine (hw=local)
+    # What renting one device costs an hour, and where that figure comes from (a provider's list
+    # price and its date): an epoch's cost beside its time. None: the answer shows no cost.
+    price_per_device_hour: Optional[float] = None
+    price_basis: str = ""
 
     def peak_for(self, numerics: Numerics) -> tuple[float, str]:
         """The peak TFLOPS the matrix products of ``numerics`` run at, and which it is."""
@@ -141,6 +145,9 @@ def validate(spec: HardwareSpec) -> HardwareSpec:
         if len(pair.devices) != 2 or not all(0 <= d < spec.devices_per_node for d in pair.devices):
             raise ConfigError(f"hw.intra_node_pairs[{i}].devices={list(pair.devices)} for hw={spec.name}: expected two "
                               f"device indices in 0..{spec.devices_per_node - 1}")
+    if spec.price_per_device_hour is not None and (spec.price_per_device_hour <= 0 or not spec.price_basis):
+        raise ConfigError(f"hw.price_per_device_hour={spec.price_per_device_hour} for hw={spec.name}: expected a price "
+                          f"> 0 with its source in hw.price_basis (e.g. hw.price_basis='my cluster's internal rate, 2026')")
     if spec.nodes > 1 and spec.inter_node is None:
         raise ConfigError(f"hw={spec.name} has nodes={spec.nodes} but no inter_node link; add inter_node: "
                           f"{{bandwidth_gb_s: ..., latency_us: ...}} (40 Gbps Ethernet = 5 GB/s)")

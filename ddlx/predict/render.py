@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..allocator import KEEP_FREED
 from ..strategies import BASELINE, spec_of
+from .machines import Choice, MachineComparison
 from .prediction import Prediction, Recommendation, allocator_advice
 
 
@@ -55,13 +56,20 @@ def recommendation_dict(rec: Recommendation, note: str, elapsed: float, close_ca
     def with_command(p: Prediction) -> dict:
         return p.as_dict() | {"command": train_command(rec, p, job_overrides)}
 
+    def costed(p: Prediction) -> dict:
+        choice = Choice(rec, p)
+        return p.as_dict() | {"devices": choice.devices, **({"epoch_cost": float(f"{choice.epoch_cost:.6g}")}
+                                                            if choice.epoch_cost is not None else {})}
+
     return {
         "hw": rec.hw.name,
         "job": vars(rec.job) | {"steps_per_epoch": rec.job.steps},
         "runs": note,
         "sequential_basis": rec.sequential.basis,
         "speedup_over": speedup_over(rec),
-        "predictions": [p.as_dict() for p in rec.predictions],
+        "price_per_device_hour": rec.hw.price_per_device_hour,
+        "price_basis": rec.hw.price_basis or None,
+        "predictions": [costed(p) for p in rec.predictions],
         "recommended": with_command(best) if best else None,
         "calibrate_with": calibration_commands(rec, best, job_overrides) if best and not best.calibrated else [],
         "memory_basis": MEMORY_BASIS,
@@ -95,12 +103,17 @@ def recommendation_table(rec: Recommendation, note: str, elapsed: float, close_c
     over = speedup_over(rec)
     if over != "one device":
         lines.insert(-1, f"speedups over {over}: one device cannot hold this job")
-    header = ["#", "setup", *(["global batch"] if batches else []), "epoch s", "speedup", "memory/device", "fits", "basis"]
+    priced = rec.hw.price_per_device_hour is not None
+    if priced:
+        lines.insert(-1, f"cost: ${rec.hw.price_per_device_hour:g} per device-hour ({rec.hw.price_basis})")
+    header = ["#", "setup", *(["global batch"] if batches else []), "epoch s", *(["$/epoch"] if priced else []),
+              "speedup", "memory/device", "fits", "basis"]
     rows = []
     for i, p in enumerate(rec.predictions, 1):
         fits = "yes" if p.memory.fits else f"no (> {p.memory.limit_gb:.1f} GB of {p.memory.what})"
         rows.append([str(i), p.setup.label, *([str(p.batch_size)] if batches else []),
-                     figure(p.epoch_s, p.calibrated), f"{figure(p.speedup, p.calibrated)}x",
+                     figure(p.epoch_s, p.calibrated), *([money(Choice(rec, p))] if priced else []),
+                     f"{figure(p.speedup, p.calibrated)}x",
                      f"{p.memory.per_device_gb:.2f} GB",
                      fits, p.basis.replace(f"T_seq {rec.sequential.basis}", "T_seq").lstrip("; ") or "T_seq"])
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
@@ -132,6 +145,63 @@ def recommendation_table(rec: Recommendation, note: str, elapsed: float, close_c
             lines.append(f"  {advice['command']}")
     lines.append(f"({elapsed:.1f} s)")
     return "\n".join(lines)
+
+
+def money(choice: Choice) -> str:
+    """An epoch's cost to the digits of its time's basis ("" where the machine gives no price)."""
+    cost = choice.epoch_cost
+    if cost is None:
+        return ""
+    text = figure(cost, choice.prediction.calibrated)
+    return f"~${text[1:]}" if text.startswith("~") else f"${text}"
+
+
+def _choice_line(choice: Choice) -> str:
+    p, cost = choice.prediction, money(choice)
+    return (f"{p.setup.label} on hw={choice.rec.hw.name}: {figure(p.epoch_s, p.calibrated)} s/epoch"
+            + (f", {cost} an epoch on {choice.devices} device(s)" if cost else ""))
+
+
+def comparison_lines(recs: list[Recommendation], comparison: MachineComparison, job_overrides: list[str]) -> list[str]:
+    """The machines side by side (each one's fastest setup that fits), then the fastest overall and
+    the cheapest within the stated time."""
+    lines = ["", "machines: each one's fastest setup that fits" + (", an epoch's cost at its price per device-hour"
+                                                                  if comparison.priced else "")]
+    header = ["hw", "devices", "fastest setup", "epoch s", "$/epoch", "price basis"]
+    rows = []
+    for rec in recs:
+        best = rec.best
+        choice = Choice(rec, best) if best else None
+        rows.append([rec.hw.name, f"{rec.hw.total_devices} x {rec.hw.device_name or rec.hw.device_kind}",
+                     best.setup.label if best else "none fits", figure(best.epoch_s, best.calibrated) if best else "-",
+                     money(choice) if choice and money(choice) else "-", rec.hw.price_basis or "no price given"])
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
+    if comparison.fastest is not None:
+        lines.append(f"fastest: {_choice_line(comparison.fastest)}")
+        lines.append(f"  {train_command(comparison.fastest.rec, comparison.fastest.prediction, job_overrides)}")
+    limit = f" within max_epoch_s={comparison.max_epoch_s:g}" if comparison.max_epoch_s is not None else ""
+    if comparison.cheapest is not None:
+        lines.append(f"cheapest{limit}: {_choice_line(comparison.cheapest)}")
+        lines.append(f"  {train_command(comparison.cheapest.rec, comparison.cheapest.prediction, job_overrides)}")
+    elif comparison.within == 0:
+        lines.append(f"no setup that fits is predicted{limit}; the fastest is above")
+    elif comparison.priced or limit:
+        lines.append(f"cheapest{limit}: no machine that meets it gives a price (hw.price_per_device_hour)")
+    return lines
+
+
+def comparison_dict(comparison: MachineComparison, job_overrides: list[str]) -> dict:
+    def one(choice: Choice | None) -> dict | None:
+        if choice is None:
+            return None
+        return {"hw": choice.rec.hw.name, "setup": choice.prediction.setup.label, "devices": choice.devices,
+                "predicted_epoch_s": round(choice.prediction.epoch_s, 4),
+                "epoch_cost": None if choice.epoch_cost is None else float(f"{choice.epoch_cost:.6g}"),
+                "command": train_command(choice.rec, choice.prediction, job_overrides)}
+
+    return {"max_epoch_s": comparison.max_epoch_s, "fastest": one(comparison.fastest),
+            "cheapest": one(comparison.cheapest), "setups_within": comparison.within}
 
 
 def speedup_over(rec: Recommendation) -> str:

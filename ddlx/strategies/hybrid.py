@@ -95,6 +95,10 @@ class Hybrid(StrategySpec):
         pipelines = pipelines_candidates(self.name, n // 2, job, processes=n // 2)
         return pipelines if hw.device_kind == "cpu" else [Setup(self.name, (("processes", n // 2), ("local", "split"))), *pipelines]
 
+    def devices(self, setup) -> int:
+        """A pair of devices per process (local: split or pipe) or per two-process pipeline (engine=torch)."""
+        return 2 * setup.get("processes")
+
     def cost(self, setup, job, hw, profile, seq):
         p, b = setup.get("processes"), job.batch_size
         if setup.get("engine") == "torch":

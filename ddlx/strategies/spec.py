@@ -148,6 +148,12 @@ class StrategySpec:
         """Training processes (each with its own data loader)."""
         return setup.get("processes") or setup.get("ranks") or 1
 
+    def devices(self, setup: Setup) -> int:
+        """Devices the setup trains on (what renting it costs): its listed devices where it names
+        them (a pipeline's stages, a split's halves), else one per process."""
+        listed = setup.get("devices")
+        return len(listed) if isinstance(listed, tuple) else self.processes(setup)
+
     def worker_batch(self, setup: Setup, job: Job) -> int:
         """Samples one worker allocates activations for in a step."""
         return job.batch_size // self.processes(setup)

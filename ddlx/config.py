@@ -16,6 +16,7 @@ from omegaconf import MISSING
 from .allocator import AUTO
 from .allocator import CHOICES as ALLOCATORS
 from .job import BATCH_PER, CACHE_CHOICES
+from .compiling import COMPILE_MODES, MEMORY_FORMATS, OPTIMIZER_IMPLEMENTATIONS
 from .knobs import knob
 from .strategies import STRATEGIES
 
@@ -26,6 +27,8 @@ from .strategies import STRATEGIES
 class ModelConfig:
     name: str = MISSING  # built by ddlx.models.build_model
     dropout: Optional[float] = knob(None, low=0, high=1, high_open=True)  # null: the architecture's own
+    # How the weights and activations lie in memory: contiguous (NCHW) or channels_last (NHWC)
+    memory_format: str = knob("contiguous", choices=MEMORY_FORMATS)
 
 
 @dataclass
@@ -140,6 +143,16 @@ class OptimConfig:
     lr: float = knob(0.01, low=0, low_open=True)
     momentum: float = knob(0.9, low=0, high=1, high_open=True)
     weight_decay: float = knob(0.0, low=0)
+    # The step's implementation (torch.optim.SGD's foreach/fused): auto is torch's own choice
+    implementation: str = knob("auto", choices=OPTIMIZER_IMPLEMENTATIONS)
+
+
+@dataclass
+class CompileConfig:
+    """torch.compile on the model (or each layer, where the strategy shards or stages it by layers)."""
+
+    enable: bool = False
+    mode: str = knob("default", choices=COMPILE_MODES)
 
 
 @dataclass
@@ -171,6 +184,7 @@ class TrainConfig:
     optim: OptimConfig = MISSING
     measure: MeasureConfig = field(default_factory=MeasureConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
     memory_check: bool = True  # refuse a model/data/batch that cannot fit before training starts
     cpu_allocator: str = knob(AUTO, choices=(AUTO, *ALLOCATORS))
     model: ModelConfig = MISSING

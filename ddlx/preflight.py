@@ -39,6 +39,11 @@ def consistency_problems(cfg: DictConfig) -> list[str]:
     parallel = STRATEGIES[cfg.strategy.name].data_parallel(cfg.strategy)
     if cfg.data.batch_per == "global" and parallel:
         problems += batch_split_problems(cfg.data.batch_size, parallel)
+    if cfg.compile.enable:
+        try:
+            STRATEGIES[cfg.strategy.name].compile_unit(cfg.strategy)
+        except ConfigError as err:
+            problems.append(str(err))
     return problems
 
 

@@ -36,6 +36,7 @@ from .job import FP32, precision_of
 from .machine import busy_cores, machine_tags
 from .measure.resources import ResourceMonitor
 from .measure.timing import EpochTimer
+from .compiling import compile_model, to_memory_format
 from .models import build_model
 from .module import ClassifierModule
 from .parallel.launch import (
@@ -54,7 +55,7 @@ from .preflight import check_job as check_job_before_torch
 from .records import run_name
 from .slurm import run_tags as slurm_run_tags
 from .stopping import StopAtSignal, StopSignals, disable_lightning_signal_handlers
-from .strategies import build_strategy
+from .strategies import STRATEGIES, build_strategy
 from .tracking import (
     check_experiment,
     check_resumable_run,
@@ -250,7 +251,10 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, extra_tags: Mapping[st
             record_rejected_run(cfg.logger, cfg.logger.run_name or run_name(params, tags), tags, params, err)
         raise
     model = build_model(cfg.model.name, cfg.data.num_classes, cfg.data.channels, cfg.data.image_size, cfg.model.dropout)
-    module = ClassifierModule(model, cfg.data.num_classes, **cfg.optim)
+    model = to_memory_format(model, cfg.model.memory_format)
+    if cfg.compile.enable:  # compiled at its first call, timed apart (compile_s)
+        compile_model(model, STRATEGIES[cfg.strategy.name].compile_unit(cfg.strategy), cfg.compile.mode)
+    module = ClassifierModule(model, cfg.data.num_classes, **cfg.optim, channels_last=cfg.model.memory_format == "channels_last")
     if rank0:
         log.info("model=%s: %.1f M parameters, at %d px %.2f GFLOP per sample forward", cfg.model.name,
                  sum(p.numel() for p in model.parameters()) / 1e6, cfg.data.image_size, forward_gflops(cfg))

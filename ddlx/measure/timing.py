@@ -12,6 +12,8 @@ from statistics import mean
 import pytorch_lightning as pl
 import torch
 
+from ..compiling import CompileClock
+
 EPOCH_METRICS = ("epoch_time_s", "data_wait_s", "compute_s", "step_time_s", "samples_per_s")
 
 
@@ -29,6 +31,11 @@ class EpochTimer(pl.Callback):
     ``mean_samples_per_s`` average the epochs after the first ``warmup_epochs`` (the thesis
     reports the mean of 3 epochs).
 
+    With ``compile.enable``, torch compiles at a step's first call of a new graph: those seconds
+    (torch's compile callbacks, :class:`~ddlx.compiling.CompileClock`) are taken out of the step
+    they fall in and logged as ``compile_s`` (the run's total so far, the slowest rank's;
+    validation's compiles included), so the epoch times are the steady state's.
+
     Its state goes into every checkpoint: a run resumed mid-epoch adds the steps it times to those
     of the same epoch before the stop, so each epoch's figures cover all its steps once, and the
     means cover the epochs of every attempt.
@@ -44,15 +51,30 @@ class EpochTimer(pl.Callback):
         self._batch_start = 0.0
         self._samples = 0
         self._carried: tuple[list, int] | None = None  # the resumed epoch's steps timed before the stop
+        self.clock = CompileClock()
+        self.compile_s = 0.0  # every rank's compiling so far, the slowest's (at the last epoch's end)
+        self._compile_before = 0.0  # compiled before a resume (its checkpoint's compile_s)
+        self._compile_mark = 0.0
 
     def state_dict(self) -> dict:
         return {"epoch_times": self.epoch_times, "epoch_samples": self.epoch_samples, "epoch_steps": self.epoch_steps,
-                "step_times": self.step_times, "samples": self._samples}
+                "step_times": self.step_times, "samples": self._samples, "compile_s": self.compiled()}
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch_times, self.epoch_samples = list(state["epoch_times"]), list(state["epoch_samples"])
         self.epoch_steps = list(state["epoch_steps"])
         self._carried = (list(state["step_times"]), int(state["samples"]))
+        self._compile_before = self.compile_s = float(state.get("compile_s", 0.0))
+
+    def compiled(self) -> float:
+        """Compile seconds of the run: the slowest rank's at the last epoch end, or this rank's since."""
+        return max(self.compile_s, self._compile_before + self.clock.now())
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        self.clock.install()
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self.clock.remove()
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Resumed mid-epoch, Lightning goes on with the epoch without on_train_epoch_start.
@@ -66,10 +88,12 @@ class EpochTimer(pl.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         self._batch_start = time.perf_counter()
+        self._compile_mark = self.clock.now()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         now = time.perf_counter()
-        self.step_times.append((self._batch_start - self._mark, now - self._batch_start))
+        compiling = self.clock.now() - self._compile_mark  # not the step's: torch compiling a graph
+        self.step_times.append((self._batch_start - self._mark, now - self._batch_start - compiling))
         self._mark = now
         self._samples += _batch_size(batch) * trainer.world_size
         if batch_idx + 1 >= trainer.num_training_batches:
@@ -83,9 +107,10 @@ class EpochTimer(pl.Callback):
         """The slowest rank's figures (a collective: every rank calls it at the same step)."""
         steps = len(self.step_times)
         local = torch.tensor(
-            [sum(w for w, _ in self.step_times), sum(c for _, c in self.step_times)], dtype=torch.float64
+            [sum(w for w, _ in self.step_times), sum(c for _, c in self.step_times), self._compile_before + self.clock.now()],
+            dtype=torch.float64,
         )
-        wait, compute = trainer.strategy.reduce(local.to(pl_module.device), reduce_op="max").tolist()
+        wait, compute, self.compile_s = trainer.strategy.reduce(local.to(pl_module.device), reduce_op="max").tolist()
         elapsed, samples = wait + compute, self._samples
         self.step_times, self._samples = [], 0
         if steps == 0 or elapsed <= 0:
@@ -99,6 +124,7 @@ class EpochTimer(pl.Callback):
             "compute_s": compute,
             "step_time_s": elapsed / steps,
             "samples_per_s": samples / elapsed,
+            **({"compile_s": self.compile_s} if self.compile_s > 0 else {}),
         }
         trainer.callback_metrics.update({k: torch.tensor(v) for k, v in metrics.items()})
         if trainer.is_global_zero and trainer.logger is not None:
@@ -112,10 +138,12 @@ class EpochTimer(pl.Callback):
             return {}
         skip = self.warmup_epochs if len(self.epoch_times) > self.warmup_epochs else 0
         times, samples = self.epoch_times[skip:], self.epoch_samples[skip:]
+        compiled = self.compiled()
         return {
             "mean_epoch_time_s": mean(times),
             "mean_samples_per_s": sum(samples) / sum(times),
             "measured_epochs": float(len(times)),
+            **({"compile_s": compiled} if compiled > 0 else {}),
         }
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

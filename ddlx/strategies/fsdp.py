@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from ..compiling import EACH_LAYER
 from ..errors import ConfigError
 from ..knobs import knob
 from ..predict.costs import (
@@ -105,6 +106,11 @@ class Fsdp(StrategySpec):
 
     def refused_precisions(self, knobs) -> dict[str, str]:
         return no_loss_scaling("each rank holds only its shard of the gradients")
+
+    def compile_unit(self, knobs) -> str:
+        """Each layer, before it is sharded (torchtitan compiles each block, then fully_shard's it):
+        the gathers and reduce-scatters stay outside the compiled graphs."""
+        return EACH_LAYER
 
     def setup_of_run(self, params, tags) -> Setup:
         sharding = params.get("strategy.sharding", "full")

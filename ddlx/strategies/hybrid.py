@@ -15,7 +15,7 @@ from ..parallel.schedules import SCHEDULES
 from .pipe import (ENGINES, PIPE_CHECKPOINT, engine_refused_precisions, local_torch_pipeline,
                    pipelines_candidates, pipelines_cost,
                    pipelines_memory, torch_pipeline, torch_pipeline_knobs)
-from .spec import Setup, StrategyPlan, StrategySpec, accelerator_of, warn_oversubscription
+from .spec import Setup, StrategyPlan, StrategySpec, accelerator_of, compile_by_layers_or_refuse, refuse_compile, warn_oversubscription
 from .split import halves_bytes
 
 
@@ -80,6 +80,12 @@ class Hybrid(StrategySpec):
 
     def starts_ranks(self, cfg) -> bool:
         return (cfg.get("processes") or 1) > 1 or (cfg.get("local") == "pipe" and cfg.get("engine") == "torch")
+
+    def compile_unit(self, knobs) -> str:
+        if knobs.get("local") == "split":
+            refuse_compile(self.name, "its processes' split halves are not compiled by ddlx yet",
+                           "use strategy.local=pipe strategy.engine=torch")
+        return compile_by_layers_or_refuse(self.name, knobs)
 
     def setup_of_run(self, params, tags) -> Setup:
         return Setup(self.name, (("processes", int(params["strategy.processes"])), ("local", params.get("strategy.local", "split")),

@@ -13,7 +13,8 @@ from .ddp import data_parallel_cost, data_parallel_memory
 from ..parallel.schedules import SCHEDULES
 from .pipe import (ENGINES, PIPE_CHECKPOINT, engine_refused_precisions, local_torch_pipeline, pipe_knobs, pipelines_candidates,
                    pipelines_cost, pipelines_memory, torch_pipeline, torch_pipeline_knobs)
-from .spec import Setup, StrategyPlan, StrategySpec
+from ..compiling import WHOLE_MODEL
+from .spec import Setup, StrategyPlan, StrategySpec, compile_by_layers_or_refuse, refuse_compile
 from .split import cut_point
 
 
@@ -132,6 +133,13 @@ class Mpi(StrategySpec):
             data_parallel=world // 2, replicas_per_machine=local_size // 2,
             refused_precisions=engine_refused_precisions(cfg), recompute=strategy.recompute,
         )
+
+    def compile_unit(self, knobs) -> str:
+        local = knobs.get("local", "sequential")
+        if local == "split":
+            refuse_compile(self.name, "its ranks' split halves are not compiled by ddlx yet",
+                           "use strategy.local=sequential or strategy.local=pipe strategy.engine=torch")
+        return compile_by_layers_or_refuse(self.name, knobs) if local == "pipe" else WHOLE_MODEL
 
     def setup_of_run(self, params, tags) -> Setup:
         return Setup(self.name, (("ranks", int(tags.get("ranks", 1))), ("local", params.get("strategy.local", "sequential")),

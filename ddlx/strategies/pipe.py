@@ -30,7 +30,7 @@ from ..predict.costs import (
 from ..parallel.schedules import SCHEDULES, bubble_steps, in_flight, micro_batches, stage_owners, stages_of
 from ..predict.perf_models import Link, gpipe_comm_s, gpipe_compute_s, pipeline_schedule_s, ring_allreduce_s
 from .cpu_mp import TIMEOUT_S
-from .spec import Setup, StrategyPlan, StrategySpec, accelerator_of
+from .spec import Setup, StrategyPlan, StrategySpec, accelerator_of, compile_by_layers_or_refuse
 
 PIPE_CHECKPOINT = ("never", "except_last", "always")
 ENGINES = ("fairscale", "torch")
@@ -207,6 +207,9 @@ class Pipe(StrategySpec):
 
     def refused_precisions(self, knobs) -> dict[str, str]:
         return engine_refused_precisions(knobs)
+
+    def compile_unit(self, knobs) -> str:
+        return compile_by_layers_or_refuse(self.name, knobs)
 
     def setup_of_run(self, params, tags) -> Setup:
         knobs = (("chunks", int(params["strategy.chunks"])), ("devices", tuple(tags.get("devices", "cpu,cpu").split(","))))

@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from ..compiling import EACH_LAYER, WHOLE_MODEL
 from ..errors import ConfigError
 
 if TYPE_CHECKING:
@@ -94,6 +95,12 @@ class StrategySpec:
         """The trainer.precision values (full names) it cannot train in with ``knobs`` (its config,
         or a :class:`Setup`: anything with ``get``), each with why and what to use instead."""
         return {}
+
+    def compile_unit(self, knobs) -> str:
+        """What ``compile.enable`` compiles under ``knobs``: :data:`~ddlx.compiling.WHOLE_MODEL`, or
+        :data:`~ddlx.compiling.EACH_LAYER` where the strategy shards or stages the model by layers;
+        a :class:`ConfigError` with the reason where it cannot take it."""
+        return WHOLE_MODEL
 
     def setup_of_run(self, params: dict[str, str], tags: dict[str, str]) -> Setup:
         """The setup a measured run of this strategy used, in the terms of :meth:`candidates`."""
@@ -206,3 +213,18 @@ def warn_oversubscription(name: str, workers: int, what: str) -> None:
 
 def accelerator_of(device) -> str:
     return "gpu" if device.type == "cuda" else "cpu"
+
+
+def refuse_compile(strategy: str, why: str, instead: str) -> None:
+    """The one-line refusal of ``compile.enable=true`` under a strategy that cannot take it."""
+    raise ConfigError(f"compile.enable=true with strategy={strategy}: {why}; {instead}, or compile.enable=false")
+
+
+def compile_by_layers_or_refuse(strategy: str, knobs) -> str:
+    """Pipelines of PyTorch's schedules stage the model by layers: each layer compiled; fairscale's
+    ``Pipe`` runs its stages in worker threads of its own, which ddlx does not compile."""
+    if knobs.get("engine") == "torch":
+        return EACH_LAYER
+    refuse_compile(strategy, "fairscale's Pipe runs each stage's layers in worker threads of its own and "
+                   "moves the micro-batches between them outside any graph torch.compile could take",
+                   "use strategy.engine=torch (PyTorch's pipeline schedules, each layer compiled)")

@@ -7,7 +7,7 @@ from typing import Any, Optional
 from ..errors import ConfigError
 from ..predict.costs import cost, cut_mb, link, memory_need, stage_bytes
 from ..predict.perf_models import split_s
-from .spec import Setup, StrategyPlan, StrategySpec, accelerator_of
+from .spec import Setup, StrategyPlan, StrategySpec, accelerator_of, refuse_compile
 
 
 @dataclass
@@ -52,6 +52,10 @@ class Split(StrategySpec):
         strategy = NetworkStrategy(devices[0], split_parallelizer(lambda rank: devices, cut))
         return StrategyPlan(trainer_kwargs={"strategy": strategy, "devices": 1, "accelerator": accelerator_of(devices[0])},
                             tags={"devices": ",".join(map(str, devices)), "cut_point": cut})
+
+    def compile_unit(self, knobs) -> str:
+        refuse_compile(self.name, "its two halves, cut and placed on their devices with their own hand-off, are "
+                       "not compiled by ddlx yet", "use strategy=pipe strategy.engine=torch (stages of compiled layers)")
 
     def setup_of_run(self, params, tags) -> Setup:
         return Setup(self.name, (("devices", tuple(tags.get("devices", "cpu,cpu").split(","))),))

@@ -1,0 +1,89 @@
+"""PyTorch 2's own speed knobs: torch.compile, the channels_last memory format and the optimizer
+step's implementation; and the clock that keeps compiling out of the epoch times.
+
+torch is imported inside the functions: the config schema imports the choices below before torch
+loads (a config error is answered in about a second)."""
+from __future__ import annotations
+
+import threading
+import time
+
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+MEMORY_FORMATS = ("contiguous", "channels_last")
+OPTIMIZER_IMPLEMENTATIONS = ("auto", "for_loop", "foreach", "fused")  # auto: torch.optim's own choice
+
+# What a strategy compiles: the whole model, or each top-level layer (strategies that shard or
+# stage the model by layers: a compiled region must not span what they cut or wrap apart).
+WHOLE_MODEL, EACH_LAYER = "model", "layer"
+
+
+def compile_model(model, unit: str, mode: str = "default") -> None:
+    """Compile ``model``'s forward in place (``unit``: :data:`WHOLE_MODEL` or :data:`EACH_LAYER`).
+
+    The forward method is compiled, not the module's call: the hooks strategies put on a module
+    (FSDP2's gathers, DDP's) stay outside the compiled graph, and the state dict keeps its keys,
+    so a checkpoint of a compiled run resumes an eager one and the other way round. torch compiles
+    at the first call; its caches (inductor's FX graph and AOTAutograd caches, under
+    ``TORCHINDUCTOR_CACHE_DIR``, by default one folder per user of the machine) are shared by the
+    ranks of a machine and by the next run of the same job."""
+    import torch
+
+    modules = [model] if unit == WHOLE_MODEL else list(model.children())
+    for module in modules:
+        module.forward = torch.compile(module.forward, mode=mode)
+
+
+def to_memory_format(model, memory_format: str):
+    """``model`` with its weights in ``memory_format`` (convolutions then run NHWC kernels)."""
+    import torch
+
+    return model.to(memory_format=torch.channels_last) if memory_format == "channels_last" else model
+
+
+def optimizer_flags(implementation: str) -> dict:
+    """torch.optim.SGD's keyword arguments for ``implementation``."""
+    return {"auto": {}, "for_loop": {"foreach": False}, "foreach": {"foreach": True},
+            "fused": {"fused": True}}[implementation]
+
+
+class CompileClock:
+    """Seconds spent compiling (dynamo tracing, inductor, the backward compiled at its first call),
+    from torch's compile start and end callbacks: nested or overlapping compiles count once."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._depth, self._since = 0, 0.0
+        self._lock = threading.Lock()
+
+    def _start(self, _args=None) -> None:
+        with self._lock:
+            if self._depth == 0:
+                self._since = time.perf_counter()
+            self._depth += 1
+
+    def _end(self, _args=None) -> None:
+        with self._lock:
+            self._depth = max(0, self._depth - 1)
+            if self._depth == 0:
+                self.seconds += time.perf_counter() - self._since
+
+    def now(self) -> float:
+        """Compile seconds so far, the one under way included."""
+        with self._lock:
+            return self.seconds + (time.perf_counter() - self._since if self._depth else 0.0)
+
+    def install(self) -> None:
+        from torch._dynamo.callback import callback_handler
+
+        callback_handler.register_start_callback(self._start)
+        callback_handler.register_end_callback(self._end)
+
+    def remove(self) -> None:
+        from torch._dynamo.callback import callback_handler
+
+        for remove, callback in ((callback_handler.remove_start_callback, self._start),
+                                 (callback_handler.remove_end_callback, self._end)):
+            try:
+                remove(callback)
+            except ValueError:
+                pass

@@ -1,0 +1,147 @@
+"""PyTorch 2's speed knobs: torch.compile (compile.enable), channels_last (model.memory_format) and
+the optimizer step's implementation (optim.implementation): the same maths as eager, compile time
+kept apart, refused where a strategy cannot take it."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import PROJECT_DIR, runs, subprocess_env
+from test_strategies import SAME_MATHS, final_weights, train_here
+
+from ddlx.compiling import CompileClock, compile_model, optimizer_flags, to_memory_format
+from ddlx.models import build_model
+from ddlx.module import ClassifierModule
+from ddlx.records import MeasuredRun, usable, workload_of
+
+
+def _steps(module: ClassifierModule, steps: int = 3, seed: int = 0) -> dict[str, torch.Tensor]:
+    """``steps`` SGD steps of ``module`` on fixed random images: its parameters after them."""
+    gen = torch.Generator().manual_seed(seed)
+    optimizer = module.configure_optimizers()
+    for _ in range(steps):
+        images, labels = torch.randn(4, 3, 32, 32, generator=gen), torch.randint(0, 3, (4,), generator=gen)
+        optimizer.zero_grad()
+        module.loss(module(images), labels).backward()
+        optimizer.step()
+    return {k: v.detach().clone() for k, v in module.model.state_dict().items()}
+
+
+def _module(**kwargs) -> ClassifierModule:
+    torch.manual_seed(0)
+    return ClassifierModule(build_model("resnet18", 3, 3, 32), 3, lr=0.01, momentum=0.9, **kwargs)
+
+
+@pytest.mark.parametrize("implementation", ["for_loop", "foreach", "fused"])
+def test_every_optimizer_implementation_takes_the_same_steps(implementation):
+    assert set(optimizer_flags(implementation)) <= {"foreach", "fused"}
+    want = _steps(_module())
+    got = _steps(_module(implementation=implementation))
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_channels_last_trains_the_same_weights():
+    want = _steps(_module())
+    module = _module(channels_last=True)
+    module.model = to_memory_format(module.model, "channels_last")
+    conv = next(m for m in module.model.modules() if isinstance(m, torch.nn.Conv2d))
+    assert conv.weight.is_contiguous(memory_format=torch.channels_last)
+    got = _steps(module)
+    for name in want:
+        torch.testing.assert_close(got[name].contiguous(), want[name], rtol=1e-3, atol=1e-4, msg=name)  # NHWC kernels sum in another order
+
+
+def test_compile_clock_counts_compiling_once_and_not_the_calls():
+    clock = CompileClock()
+    clock.install()
+    try:
+        f = torch.compile(lambda x: torch.relu(x) * 2, backend="eager")
+        f(torch.randn(3))
+        first = clock.seconds
+        assert first > 0, "the first call traces the function"
+        f(torch.randn(3))
+        assert clock.seconds == first, "a call of a compiled graph is not compiling"
+    finally:
+        clock.remove()
+
+
+def test_compiled_forward_keeps_the_state_dict_and_hooks_outside():
+    """The forward is compiled, not the module: its keys stay those of an eager model (checkpoints
+    of either resume the other), and each layer is compiled apart for strategies cutting by layers."""
+    model = build_model("alexnet", 3, 3, 32)
+    keys = list(model.state_dict())
+    compile_model(model, "layer")
+    assert list(model.state_dict()) == keys
+    assert all("forward" in layer.__dict__ for layer in model.children()), "each layer's forward compiled"
+    assert "forward" not in model.__dict__
+    whole = build_model("alexnet", 3, 3, 32)
+    compile_model(whole, "model")
+    assert "forward" in whole.__dict__ and not any("forward" in layer.__dict__ for layer in whole.children())
+    assert list(whole.state_dict()) == keys
+
+
+@pytest.mark.parametrize("strategy, key", [
+    (["strategy=pipe"], "strategy.engine=torch"),
+    (["strategy=split"], "strategy=pipe strategy.engine=torch"),
+    (["strategy=hybrid", "strategy.local=split"], "strategy.local=pipe"),
+])
+def test_a_strategy_that_cannot_take_compile_refuses_it_before_any_work(tmp_path, strategy, key):
+    done = subprocess.run([sys.executable, str(PROJECT_DIR / "train.py"), f"paths.root={tmp_path}", *strategy,
+                           "compile.enable=true"], capture_output=True, text=True, timeout=60, env=subprocess_env())
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "compile.enable=true" in lines[0] and key in lines[0]
+    assert not (tmp_path / "mlflow.db").exists(), "refused before any run is opened"
+
+
+def test_the_recommender_leaves_compiled_runs_out():
+    params = {"model.name": "alexnet", "data.num_classes": "3", "data.channels": "3", "data.image_size": "32",
+              "data.batch_size": "8", "measure.warmup_epochs": "1"}
+    metrics = {"mean_epoch_time_s": 1.0, "mean_samples_per_s": 8.0, "measured_epochs": 2.0}
+
+    def run(**extra):
+        tags = {"strategy": "sequential", "host": "h", "accelerator": "cpu"}
+        return MeasuredRun("r", "FINISHED", workload_of(params, tags), "cpu", "sequential", "sequential", 1.0,
+                           params=params | extra, tags=tags, metrics=metrics)
+
+    assert usable(run())
+    assert not usable(run(**{"compile.enable": "True"}))
+    assert not usable(run(**{"model.memory_format": "channels_last"}))
+    assert not usable(run(**{"optim.implementation": "fused"}))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", [["strategy=sequential"], ["strategy=ddp_gloo", "strategy.processes=2"]])
+def test_compiled_runs_end_with_the_eager_weights(tmp_path, strategy):
+    """Compiled (inductor's kernels: another summation order) against eager after the same steps,
+    within a tolerance; the compile seconds are their own metric, out of the epoch times."""
+    data = tmp_path / "data"
+    eager, compiled = tmp_path / "eager", tmp_path / "compiled"
+    common = [*SAME_MATHS, *strategy, f"paths.data_dir={data}", "checkpoint.save=full"]
+    train_here(eager, *common)
+    train_here(compiled, *common, "compile.enable=true")
+    got, want = final_weights(compiled), final_weights(eager)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-3, atol=1e-5, msg=name)
+    (run,) = runs(f"sqlite:///{compiled / 'mlflow.db'}")
+    assert run.info.status == "FINISHED" and run.data.metrics["compile_s"] > 0
+    assert run.data.metrics["epoch_time_s"] < run.data.metrics["compile_s"], "compiling is not in the epoch's time"
+
+
+@pytest.mark.slow
+def test_a_compiled_run_resumes_an_eager_checkpoint(tmp_path):
+    """One eager epoch, then a second compiled from its checkpoint: the weights of two eager epochs."""
+    data = tmp_path / "data"
+    common = [*[o for o in SAME_MATHS if not o.startswith("trainer.max_epochs")], f"paths.data_dir={data}",
+              "checkpoint.save=full"]
+    straight, first = tmp_path / "straight", tmp_path / "first"
+    train_here(straight, *common, "trainer.max_epochs=2")
+    train_here(first, *common, "trainer.max_epochs=1")
+    (ckpt,) = (first / "run" / "checkpoints").glob("*.ckpt")
+    train_here(first, *common, "trainer.max_epochs=2", "compile.enable=true", f"ckpt_path={ckpt}")
+    got, want = final_weights(first), final_weights(straight)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-3, atol=1e-5, msg=name)

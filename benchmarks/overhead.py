@@ -49,7 +49,7 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def compose(model: str, args: argparse.Namespace, root: Path, monitor: bool):
+def compose(model: str, args: argparse.Namespace, root: Path, monitor: bool, *extra: str):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
@@ -61,7 +61,7 @@ def compose(model: str, args: argparse.Namespace, root: Path, monitor: bool):
         "strategy=sequential", f"strategy.threads={args.threads}", "trainer.max_epochs=1", "trainer.limit_val_batches=0",
         "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "checkpoint.save=none",
         f"measure.monitor={str(monitor).lower()}", f"paths.root={root}", f"logger.tracking_uri=sqlite:///{root / 'mlflow.db'}",
-        "logger.experiment_name=benchmark-overhead",
+        "logger.experiment_name=benchmark-overhead", *extra,
     ]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         return hydra_compose(config_name="train", overrides=overrides)

@@ -272,4 +272,5 @@ def test_loader_workers_do_not_keep_the_training_process_freed_heap():
         return int(proc.stdout.split()[-1])
 
     plain, forking = held_mb("plain"), held_mb("forking")
-    assert forking < plain - 200, f"parent and worker hold {forking} MB, with a plain loader {plain} MB (256 MB freed)"
+    # Half the freed 256 MB: the PSS of the pages the two processes share swings by tens of MB from run to run.
+    assert forking < plain - 128, f"parent and worker hold {forking} MB, with a plain loader {plain} MB (256 MB freed)"

@@ -1181,3 +1181,52 @@ def test_comparison_inputs_are_checked_by_name(tmp_path, override, key):
     cfg = _compose_recommend("hw=titanrtx_4x", "probe=false", f"paths.root={tmp_path}", override)
     with pytest.raises(ConfigError, match=re.escape(key)):
         run_recommend(cfg, tmp_path / "out", CONF_DIR / "hw")
+
+
+def test_compiling_is_recommended_only_where_it_pays_for_the_epochs_asked():
+    """Compiled runs beside eager runs of the same setups on the target give compiled/eager (their
+    median) and the compile seconds; the recommender compiles the recommended setup only when the
+    run's epochs pass the break-even, and a held-out setup's break-even is predicted within an epoch."""
+    from ddlx.predict.compile_gain import measured_gain
+    from ddlx.predict.render import compile_lines, recommendation_dict
+
+    hw, params = _hw(host="test-host"), _workload_params("resnet18", 64)
+    # A network's gain varies little between setups of one machine (its kernels are the same): a
+    # break-even of ~40 epochs moves by an epoch for every 0.3 point of compiled/eager.
+    measured = {"sequential": (20.0, 0.870, 60.0), "threads": (11.0, 0.868, 62.0), "cpu_mp": (10.5, 0.869, 61.5)}
+    runs = []
+    for setup in SETUPS[:3]:
+        eager_s, factor, compile_s = measured[setup.strategy]
+        runs.append(_run(f"e-{setup.strategy}", setup, params, eager_s))
+        compiled = _run(f"c-{setup.strategy}", setup, params, eager_s * factor)
+        compiled.params["compile.enable"] = "True"
+        compiled.metrics["compile_s"] = compile_s
+        runs.append(compiled)
+    job = job_of_run(runs[0])
+
+    # The cpu_mp pair held out: its break-even from the other two setups' gain.
+    held_out = measured_gain([r for r in runs if r.strategy != "cpu_mp"], job, hw)
+    assert held_out.factor == pytest.approx(0.869) and held_out.compile_s == pytest.approx(61.0)
+    eager_s, factor, compile_s = measured["cpu_mp"]
+    assert abs(held_out.break_even_epochs(eager_s) - compile_s / (eager_s * (1 - factor))) < 1.0
+
+    gain = measured_gain(runs, job, hw)
+    assert gain.factor == pytest.approx(0.869) and gain.runs == 3 and set(gain.setups) == {s.label for s in SETUPS[:3]}
+    own = measured_gain(runs, job, hw, "threads threads=2")
+    assert (own.factor, own.compile_s, own.setups) == (pytest.approx(0.868), 62.0, ("threads threads=2",)), "its own pair"
+    assert measured_gain(runs, job, _hw(host="another")) is None, "only the target's runs say what compiling gains"
+    rec = Predictor(hw, runs).recommend(job)
+    best = rec.best
+    assert rec.compile_gain == measured_gain(runs, job, hw, best.setup.label), "the recommended setup's, where measured"
+    even = rec.compile_gain.break_even_epochs(best.epoch_s)
+    for epochs, pays in ((int(even) - 1, False), (int(even) + 1, True), (None, False)):
+        rec.epochs = epochs
+        assert rec.compile_pays is pays
+        command = recommendation_dict(rec, "", 0.0, 0.05, [])["recommended"]["command"]
+        assert command.endswith("compile.enable=true") is pays
+        assert ("compile.enable=true above" in compile_lines(rec, best, [])[0]) is pays
+    rec.compile_gain = replace(rec.compile_gain, factor=1.02)
+    rec.epochs = 1000
+    assert not rec.compile_pays and "not faster" in compile_lines(rec, best, [])[0]
+    rec.compile_gain = None
+    assert "no compiled run of resnet18" in compile_lines(rec, best, [])[0]

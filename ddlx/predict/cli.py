@@ -172,6 +172,7 @@ def run(cfg: DictConfig, out_dir: Path, hw_dir: Path, job_overrides: list[str] |
         on_it = job if machine is target else dataclasses.replace(job, data_cache=cache_of(job, cfg, machine))
         rec = Predictor(machine, runs, local, probe, loading).recommend(on_it, batches=batches, tries=tries)
         rec.errors = close_call_errors(Predictor(machine, runs, local), cfg.cpu_allocator, rec)
+        rec.epochs = cfg.trainer.get("max_epochs")
         recs.append(rec)
     rec = recs[0]
     comparison = compare(recs, cfg.max_epoch_s) if others or cfg.max_epoch_s is not None else None

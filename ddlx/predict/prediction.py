@@ -16,8 +16,10 @@ from omegaconf import OmegaConf
 from ..allocator import MMAP_CEILING_BYTES, SYSTEM, keep_freed_possible
 from ..job import Batches, Job
 from ..records import MeasuredRun, job_of_run, measured_per_batch_s, on_hardware, usable
-from ..strategies import BASELINE
+from ..errors import ConfigError
+from ..strategies import BASELINE, spec_of
 from .calibration import Calibration, fit_group_calibrations, workload_ratios
+from .compile_gain import CompileGain, measured_gain
 from .hardware import HardwareSpec
 from .numerics import numerics_of
 from .profile import ModelProfile, mapped_bytes, profile_model
@@ -90,6 +92,16 @@ class Recommendation:
     # What the speedups are over: one device, or where one cannot hold the job, the fitting setup
     # of the fewest processes (a speedup over a run that cannot be made says nothing).
     reference: Prediction | None = None
+    # What torch.compile gains on this hardware for the job's network (measured; None: no
+    # compiled run says), and the epochs of the run asked about (trainer.max_epochs; None: not said).
+    compile_gain: CompileGain | None = None
+    epochs: int | None = None
+
+    @property
+    def compile_pays(self) -> bool:
+        """Compiling the recommended setup makes the run asked about shorter, and it can be compiled."""
+        best, gain = self.best, self.compile_gain
+        return best is not None and gain is not None and gain.pays(best.epoch_s, self.epochs) and compilable(best.setup)
 
     @property
     def fitting(self) -> list[Prediction]:
@@ -158,6 +170,7 @@ class Predictor:
         targets, whose loaders run on the host's cores: see :func:`~.setups.loader_bound_s`)."""
         self.hw, self.local, self.probe, self.loading = hw, local, probe, loading
         self.runs = [r for r in runs if usable(r)]
+        self.measured = list(runs)  # compiled runs too: what compiling gains (:mod:`.compile_gain`)
         self._probed: dict[Job, SequentialTime] = {}
         self._loading: dict[Job, float] = {}
 
@@ -275,7 +288,9 @@ class Predictor:
         if reference is not None and reference.setup.strategy != BASELINE:
             for p in predictions:
                 p.speedup = reference.epoch_s / p.epoch_s
-        return Recommendation(job, self.hw, seq, predictions, len(runs), batches=batches, reference=reference)
+        return Recommendation(job, self.hw, seq, predictions, len(runs), batches=batches, reference=reference,
+                              compile_gain=measured_gain(self.measured, job, self.hw, next(
+                                  (p.setup.label for p in predictions if p.memory.fits), None)))
 
     def _sequential_with_loading(self, job: Job, runs: Sequence[MeasuredRun]) -> SequentialTime:
         """T_seq of ``job``, with the training process's own loading timed here when it must be
@@ -297,6 +312,15 @@ class Predictor:
         if job not in self._loading:
             self._loading[job] = self.loading(job)()
         return self._loading[job]
+
+
+def compilable(setup: Setup) -> bool:
+    """``setup``'s strategy can take compile.enable (:meth:`~ddlx.strategies.spec.StrategySpec.compile_unit`)."""
+    try:
+        spec_of(setup.strategy).compile_unit(setup)
+    except ConfigError:
+        return False
+    return True
 
 
 def speedup_reference(predictions: list[Prediction]) -> Prediction | None:

@@ -8,7 +8,7 @@ from pathlib import Path
 from ..allocator import KEEP_FREED
 from ..strategies import BASELINE, spec_of
 from .machines import Choice, MachineComparison
-from .prediction import Prediction, Recommendation, allocator_advice
+from .prediction import Prediction, Recommendation, allocator_advice, compilable
 
 
 def train_command(rec: Recommendation, prediction: Prediction, job_overrides: list[str]) -> str:
@@ -56,6 +56,10 @@ def recommendation_dict(rec: Recommendation, note: str, elapsed: float, close_ca
     def with_command(p: Prediction) -> dict:
         return p.as_dict() | {"command": train_command(rec, p, job_overrides)}
 
+    recommended = with_command(best) if best else None
+    if recommended is not None and rec.compile_pays:
+        recommended["command"] = recommended_command(rec, best, job_overrides)
+
     def costed(p: Prediction) -> dict:
         choice = Choice(rec, p)
         return p.as_dict() | {"devices": choice.devices, **({"epoch_cost": float(f"{choice.epoch_cost:.6g}")}
@@ -70,7 +74,8 @@ def recommendation_dict(rec: Recommendation, note: str, elapsed: float, close_ca
         "price_per_device_hour": rec.hw.price_per_device_hour,
         "price_basis": rec.hw.price_basis or None,
         "predictions": [costed(p) for p in rec.predictions],
-        "recommended": with_command(best) if best else None,
+        "recommended": recommended,
+        "compile": compile_dict(rec),
         "calibrate_with": calibration_commands(rec, best, job_overrides) if best and not best.calibrated else [],
         "memory_basis": MEMORY_BASIS,
         "close_call_band": close_call,
@@ -126,7 +131,8 @@ def recommendation_table(rec: Recommendation, note: str, elapsed: float, close_c
     else:
         lines.append(f"recommendation: {best.setup.label}: {figure(best.epoch_s, best.calibrated)} s/epoch predicted, "
                      f"{figure(best.speedup, best.calibrated)}x {over} ({_headline_basis(rec, best)})")
-        lines.append(f"  {train_command(rec, best, job_overrides)}")
+        lines.append(f"  {recommended_command(rec, best, job_overrides)}")
+        lines += compile_lines(rec, best, job_overrides)
         if not best.calibrated:
             lines.append("  an estimate until runs on this hardware calibrate it; run these there, then ask again:")
             lines += [f"    {command}" for command in calibration_commands(rec, best, job_overrides)]
@@ -145,6 +151,44 @@ def recommendation_table(rec: Recommendation, note: str, elapsed: float, close_c
             lines.append(f"  {advice['command']}")
     lines.append(f"({elapsed:.1f} s)")
     return "\n".join(lines)
+
+
+def recommended_command(rec: Recommendation, best: Prediction, job_overrides: list[str]) -> str:
+    """The recommended setup's command, compiled where compiling pays for the run asked about."""
+    return train_command(rec, best, job_overrides) + (" compile.enable=true" if rec.compile_pays else "")
+
+
+def compile_lines(rec: Recommendation, best: Prediction, job_overrides: list[str]) -> list[str]:
+    """Whether torch.compile pays for the run asked about (trainer.max_epochs), from measured runs."""
+    gain = rec.compile_gain
+    if gain is None:
+        epochs = "" if rec.epochs is not None and rec.epochs >= 2 else " trainer.max_epochs=3"
+        return [f"torch.compile: no compiled run of {rec.job.model} measured on this hardware, so its gain is not "
+                f"predicted; measure it, and the same without compile.enable: {train_command(rec, best, job_overrides)} "
+                f"compile.enable=true measure.warmup_epochs=1{epochs}"]
+    even = gain.break_even_epochs(best.epoch_s)
+    line = f"torch.compile: {gain.basis}: "
+    if even is None:
+        return [line + "the compiled step is not faster here; train eager"]
+    line += f"compiling pays after {even:.1f} epochs of {figure(best.epoch_s, best.calibrated)} s"
+    if rec.epochs is None:
+        return [line + "; give trainer.max_epochs=N to be told whether it pays for your run"]
+    saved = rec.epochs * best.epoch_s * (1 - gain.factor) - gain.compile_s
+    if not compilable(best.setup):
+        return [line + f"; {best.setup.strategy} with these knobs cannot take compile.enable"]
+    verdict = (f"for trainer.max_epochs={rec.epochs} it saves {saved:.0f} s (compile.enable=true above)" if rec.compile_pays
+               else f"for trainer.max_epochs={rec.epochs} it would cost {-saved:.0f} s more: train eager")
+    return [f"{line}; {verdict}"]
+
+
+def compile_dict(rec: Recommendation) -> dict | None:
+    gain, best = rec.compile_gain, rec.best
+    if gain is None or best is None:
+        return None
+    even = gain.break_even_epochs(best.epoch_s)
+    return {"factor": round(gain.factor, 4), "compile_s": round(gain.compile_s, 2), "setups_measured": list(gain.setups),
+            "compiled_runs": gain.runs, "break_even_epochs": None if even is None else round(even, 3),
+            "epochs": rec.epochs, "pays": rec.compile_pays, "basis": gain.basis}
 
 
 def money(choice: Choice) -> str:

@@ -1,0 +1,158 @@
+"""torch.compile: eager against compiled, in ddlx and in the hand-written loop, one sitting.
+
+    python benchmarks/compile.py                                   # MobileNetV2 and ResNet18, 64 px, batch 32, 1 thread
+    python benchmarks/compile.py --models alexnet --threads 2 --rounds 6
+
+In one process, on the same model (same initial weights), batch, thread count and in-memory data,
+four runners alternate round after round, in rotating order:
+
+- ``hand eager`` / ``hand compiled``: the loop of benchmarks/handloop.py on the model, and on
+  ``torch.compile(model)`` applied by hand;
+- ``ddlx eager`` / ``ddlx compiled``: ddlx's Trainer as train.py builds it (benchmarks/overhead.py's
+  runner), without and with ``compile.enable=true`` (ddlx's :func:`ddlx.compiling.compile_model`).
+
+Per-step time = training-epoch time / steps (ddlx's own ``epoch_time_s``, which leaves the compile
+seconds out; the hand loop's first round holds its compile, and the first round is dropped for
+all four). Ratios are medians of the per-round ratios, with their range over the rounds. The
+compile seconds: ddlx's ``compile_s`` (torch's compile callbacks), and the hand loop's first round
+less its steady epoch; inductor's cache is a fresh folder, so the first of the two compiles is
+cold and the second may reuse its kernels (the figure says which came first). Break-even: the
+epochs of ``--epoch-images`` images after which compiling has paid for itself
+(compile seconds / the seconds it saves an epoch), "never" where compiled is not faster.
+Goals: ddlx compiled within 3% of the hand-compiled step; the gain reported with its spread.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["mobilenet_v2", "resnet18"])
+    parser.add_argument("--image-size", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=10, help="steps per round")
+    parser.add_argument("--rounds", type=int, default=5, help="measured rounds (plus one with the compiles)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--epoch-images", type=int, default=10000, help="the epoch the break-even is counted in")
+    return parser.parse_args()
+
+
+def measure_model(name: str, args: argparse.Namespace, root: Path) -> dict:
+    import torch
+    from handloop import hand_written_epoch, sgd
+    from overhead import DdlxRunner, compose
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from ddlx.compiling import WHOLE_MODEL, compile_model
+    from ddlx.models import build_model
+
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    images = torch.randn(args.steps * args.batch_size, 3, args.image_size, args.image_size)
+    labels = torch.randint(0, 3, (len(images),))
+    loader = DataLoader(TensorDataset(images, labels), batch_size=args.batch_size, shuffle=False)
+    base = build_model(name, 3, 3, args.image_size, 0.0)
+
+    hand_eager = copy.deepcopy(base)
+    hand_eager_opt = sgd(hand_eager)
+    hand_model = copy.deepcopy(base)
+    hand_compiled = torch.compile(hand_model)
+    hand_compiled_opt = sgd(hand_model)
+    extra = ("optim.lr=0.001",)
+    ddlx_eager = DdlxRunner(compose(name, args, root, False, *extra), copy.deepcopy(base), root)
+    compiled_model = copy.deepcopy(base)
+    compile_model(compiled_model, WHOLE_MODEL)
+    ddlx_compiled = DdlxRunner(compose(name, args, root, False, *extra, "compile.enable=true"), compiled_model, root)
+    compile_s: dict[str, float] = {}
+    first_done: list[str] = []
+
+    def ddlx_epoch(runner, key):
+        def run():
+            from ddlx.run import build_trainer, measurement_callbacks
+
+            callbacks = measurement_callbacks(runner.cfg)
+            trainer = build_trainer(runner.cfg, runner.plan, runner.logger, runner.root / "run", callbacks)
+            trainer.fit(runner.module, train_dataloaders=loader)
+            timer = callbacks[0]
+            if key not in compile_s and timer.compiled() > 0:
+                compile_s[key] = timer.compiled()
+                first_done.append(key)
+            return timer.epoch_times[-1], timer.epoch_steps[-1]
+        return run
+
+    runners = {
+        "hand eager": lambda: hand_written_epoch(hand_eager, loader, hand_eager_opt),
+        "hand compiled": lambda: hand_written_epoch(hand_compiled, loader, hand_compiled_opt),
+        "ddlx eager": ddlx_epoch(ddlx_eager, "ddlx eager"),
+        "ddlx compiled": ddlx_epoch(ddlx_compiled, "ddlx compiled"),
+    }
+    order = list(runners)
+    step_times: dict[str, list[float]] = {k: [] for k in order}
+    first_round: dict[str, float] = {}
+    for round_ in range(args.rounds + 1):
+        for key in order[round_ % len(order):] + order[: round_ % len(order)]:
+            torch.set_num_threads(args.threads)
+            started = time.perf_counter()
+            seconds, steps = runners[key]()
+            if round_ == 0:
+                first_round[key] = time.perf_counter() - started
+                if key == "hand compiled":
+                    first_done.append(key)
+            else:
+                step_times[key].append(seconds / steps)
+        print(f"  {name} round {round_}: " + ", ".join(f"{k} {1000 * v[-1]:.1f} ms" for k, v in step_times.items() if v),
+              file=sys.stderr)
+    steady_hand = statistics.median(step_times["hand compiled"]) * args.steps
+    compile_s["hand compiled"] = first_round["hand compiled"] - steady_hand
+    return {"steps": step_times, "compile_s": compile_s, "first": first_done[0] if first_done else ""}
+
+
+def ratios(a: list[float], b: list[float]) -> list[float]:
+    return [x / y for x, y in zip(a, b)]
+
+
+def main() -> None:
+    args = parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(tmp) / "inductor")  # a cold cache for the first compile
+        for name in args.models:
+            rows.append((name, measure_model(name, args, Path(tmp))))
+    print(f"\n{args.image_size}x{args.image_size}, batch {args.batch_size}, {args.threads} thread(s), {args.steps} steps "
+          f"a round, {args.rounds} rounds after the compiling one; ratios: median of per-round ratios [min-max]; "
+          f"break-even in epochs of {args.epoch_images} images\n")
+    header = ("model", "eager ms/step", "compiled ms/step", "gain (eager/compiled)", "ddlx/hand compiled",
+              "hand gain", "ddlx compile s", "hand compile s", "break-even epochs")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    steps_per_epoch = args.epoch_images / args.batch_size
+    for name, r in rows:
+        t, c = r["steps"], r["compile_s"]
+        gain = ratios(t["ddlx eager"], t["ddlx compiled"])
+        hand_gain = ratios(t["hand eager"], t["hand compiled"])
+        vs_hand = ratios(t["ddlx compiled"], t["hand compiled"])
+        saved = (statistics.median(t["ddlx eager"]) - statistics.median(t["ddlx compiled"])) * steps_per_epoch
+        ddlx_c = c.get("ddlx compiled", 0.0)
+        even = f"{ddlx_c / saved:.2f}" if saved > 0 else "never"
+        cold = lambda key: " (cold)" if r["first"] == key else " (cached)"  # noqa: E731
+        print(f"| {name} | {1000 * statistics.median(t['ddlx eager']):.1f} | {1000 * statistics.median(t['ddlx compiled']):.1f} | "
+              f"{statistics.median(gain):.3f} [{min(gain):.3f}-{max(gain):.3f}] | "
+              f"{statistics.median(vs_hand):.3f} [{min(vs_hand):.3f}-{max(vs_hand):.3f}] | "
+              f"{statistics.median(hand_gain):.3f} | {ddlx_c:.1f}{cold('ddlx compiled')} | "
+              f"{c['hand compiled']:.1f}{cold('hand compiled')} | {even} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -121,6 +121,7 @@ def test_compiled_runs_end_with_the_eager_weights(tmp_path, strategy):
     data = tmp_path / "data"
     eager, compiled = tmp_path / "eager", tmp_path / "compiled"
     common = [*SAME_MATHS, *strategy, f"paths.data_dir={data}", "checkpoint.save=full"]
+    eager.mkdir(), compiled.mkdir()
     train_here(eager, *common)
     train_here(compiled, *common, "compile.enable=true")
     got, want = final_weights(compiled), final_weights(eager)
@@ -132,16 +133,22 @@ def test_compiled_runs_end_with_the_eager_weights(tmp_path, strategy):
 
 
 @pytest.mark.slow
-def test_a_compiled_run_resumes_an_eager_checkpoint(tmp_path):
-    """One eager epoch, then a second compiled from its checkpoint: the weights of two eager epochs."""
+def test_a_compiled_run_resumes_from_its_checkpoint_with_the_eager_maths(tmp_path):
+    """One compiled epoch, stopped, resumed compiled for a second: the weights of two eager epochs,
+    under the eager model's keys (the checkpoint loads into an eager model). A resume keeps the
+    run's settings (compile.enable included): the MLflow run stays one run of one setup."""
     data = tmp_path / "data"
     common = [*[o for o in SAME_MATHS if not o.startswith("trainer.max_epochs")], f"paths.data_dir={data}",
               "checkpoint.save=full"]
     straight, first = tmp_path / "straight", tmp_path / "first"
+    straight.mkdir(), first.mkdir()
     train_here(straight, *common, "trainer.max_epochs=2")
-    train_here(first, *common, "trainer.max_epochs=1")
+    train_here(first, *common, "trainer.max_epochs=1", "compile.enable=true")
     (ckpt,) = (first / "run" / "checkpoints").glob("*.ckpt")
     train_here(first, *common, "trainer.max_epochs=2", "compile.enable=true", f"ckpt_path={ckpt}")
     got, want = final_weights(first), final_weights(straight)
+    assert got.keys() == want.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-3, atol=1e-5, msg=name)
+    (run,) = runs(f"sqlite:///{first / 'mlflow.db'}")
+    assert run.info.status == "FINISHED" and run.data.metrics["compile_s"] > 0

@@ -21,6 +21,7 @@ from ddlx.cli import (
 )
 from ddlx.config_check import check_command_line
 from ddlx.parallel.rank_fork import start_fork_server
+from ddlx.rank_worker import main as rank_entry
 
 PROJECT_DIR = Path(__file__).resolve().parent
 register_config(PROJECT_DIR)
@@ -31,7 +32,7 @@ def main(cfg: DictConfig) -> None:
     from ddlx.run import train  # imported here so --help and config errors answer fast
     from ddlx.strategies import starts_ranks
 
-    start_fork_server(starts_ranks(cfg.strategy))  # extra ranks forked from this process as it is now, before it computes
+    start_fork_server(starts_ranks(cfg.strategy), rank_entry)  # extra ranks forked from this process as it is now, before it computes
     output_dir, tags = hydra_job_tags(cfg.paths.root)
     requeue = resume_requeued_job(cfg, tags)  # under SLURM: a requeued job resumes where it stopped
     run_training_job(lambda: train(cfg, output_dir, tags), in_sweep="sweep_id" in tags, overrides=task_overrides(),

@@ -6,38 +6,22 @@ A worker ends with the process that started it (kill -9 of rank 0 leaves no rank
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
-import signal
 import sys
 
 from omegaconf import OmegaConf
 
 from .cli import report_config_errors
 from .errors import Stopped
-from .parallel.launch import PARENT_ENV
-
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def end_with_parent() -> None:
-    """Ask the kernel to kill this process when its parent dies (Linux), and leave now if it
-    already has (it died before the request)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        return  # not Linux: the collectives' timeout (strategy.timeout_s) ends this rank instead
-    parent = os.environ.get(PARENT_ENV)
-    if parent and os.getppid() != int(parent):
-        os._exit(1)
-
+from .process import PARENT_ENV, end_with_parent
 
 def main(argv: list[str]) -> None:
     if len(argv) != 2:
         raise SystemExit("usage: python -m ddlx.rank_worker CONFIG_YAML OUTPUT_DIR")
-    end_with_parent()
+    parent = os.environ.get(PARENT_ENV)
+    if not end_with_parent(int(parent) if parent else None):
+        os._exit(1)  # the launching process is gone already
     from .run import train
 
     cfg = OmegaConf.load(argv[0])

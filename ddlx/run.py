@@ -63,6 +63,7 @@ from .tracking import (
     close_vanished_runs,
     flatten_config,
     make_logger,
+    mark_failed,
     prepare_store,
     record_rejected_run,
     record_unmeasured,
@@ -225,6 +226,7 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, extra_tags: Mapping[st
         strategy = plan.trainer_kwargs.get("strategy")
         if isinstance(strategy, RelaunchingDDPStrategy):
             strategy.worker_args = [str(config_file), str(output_dir)]  # before the Trainer picks a launcher
+            strategy.rank_died = mark_failed  # a dead rank: the run FAILED with the reason
         accelerator = str(plan.trainer_kwargs.get("accelerator", cfg.trainer.accelerator))
         tags.update({
             "synthetic_data": str(datamodule.is_synthetic),

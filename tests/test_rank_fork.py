@@ -12,6 +12,7 @@ import psutil
 import pytest
 from conftest import PROJECT_DIR, TINY, compose_config, rank_workers, subprocess_env
 
+from ddlx import rank_worker
 from ddlx.parallel import rank_fork
 from ddlx.parallel.rank_fork import RankForkServer
 from ddlx.strategies import starts_ranks
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ra
 def fork_server():
     # Made in the test, where capfd holds fd 2. Its ranks here never compute (a process whose
     # OpenMP threads ran, as pytest's, cannot fork ones that do).
-    server = RankForkServer()
+    server = RankForkServer(rank_worker.main)
     try:
         yield server
     finally:
@@ -102,8 +103,8 @@ def test_a_sweep_whose_first_job_starts_no_ranks_forks_no_server_later(monkeypat
     """By its second job the process has computed, and cannot fork one (its ranks would hang)."""
     monkeypatch.setattr(rank_fork, "_first_job_seen", False)
     monkeypatch.setattr(rank_fork, "_server", None)
-    rank_fork.start_fork_server(needed=False)
-    rank_fork.start_fork_server(needed=True)
+    rank_fork.start_fork_server(needed=False, entry=print)
+    rank_fork.start_fork_server(needed=True, entry=print)
     assert rank_fork.fork_server() is None
 
 

@@ -156,7 +156,7 @@ def _quiet_worker(worker_id: int) -> None:
     Seeded as Lightning seeds them, named for ps and top."""
     from lightning_fabric.utilities.seed import pl_worker_init_function
 
-    from ..parallel.rank_fork import end_with_parent, name_process
+    from ..process import end_with_parent, name_process
 
     pl_worker_init_function(worker_id)
     name_process("ddlx-loader")  # in ps and top (a forked process keeps its parent's command line)

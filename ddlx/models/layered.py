@@ -59,6 +59,14 @@ class LayeredModel(nn.Sequential):
         return f"arch={self.arch}, split_point={self.split_point}@{self.split_index}"
 
 
+def find_layered_model(module: nn.Module) -> LayeredModel:
+    """The one :class:`LayeredModel` inside ``module`` (a LightningModule, a wrapper)."""
+    found = [m for m in module.modules() if isinstance(m, LayeredModel)]
+    if len(found) != 1:
+        raise TypeError(f"expected exactly one LayeredModel inside {type(module).__name__}, found {len(found)}")
+    return found[0]
+
+
 def out_of_place(layer: nn.Module) -> None:
     """Have ``layer`` (an activation built with ``inplace=True``) write a new tensor: where its
     input must survive it (a stage's or a recomputed block's input, a profiled layer's)."""

@@ -27,7 +27,7 @@ from datetime import timedelta
 import torch
 
 from .launch import RelaunchingDDPStrategy, plain_optimizer
-from .network import find_layered_model
+from ..models.layered import find_layered_model
 from .pinning import Restore, pin_rank, unpin
 
 log = logging.getLogger(__name__)

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from lightning_fabric.strategies.launchers.subprocess_script import (
@@ -26,20 +27,13 @@ from pytorch_lightning.strategies.launchers.subprocess_script import (
     _SubprocessScriptLauncher,
 )
 
-from ..tracking import mark_failed
+from ..process import PARENT_ENV, STARTED_EXTERNALLY, WORKER_ENV, is_rank_worker
 
 log = logging.getLogger(__name__)
 
-WORKER_ENV = "DDLX_RANK_WORKER"
-PARENT_ENV = "DDLX_RANK_PARENT"  # the launching process: a worker ends with it (ddlx.rank_worker)
 # Set by the launcher in the parent; removed after the job so the next job of a sweep picks a
 # fresh port instead of the previous job's.
 DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
-STARTED_EXTERNALLY = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS", "TORCHELASTIC_RUN_ID")
-
-
-def is_rank_worker() -> bool:
-    return os.environ.get(WORKER_ENV) == "1"
 
 
 def launch_rank() -> int:
@@ -175,22 +169,24 @@ def end_distributed_job(strategy=None, timeout_s: float = 120.0) -> None:
 
 class _RecordingObserver(_ChildProcessObserver):
     """Lightning's watchdog (a dead rank kills the others instead of leaving them waiting), but
-    the MLflow run is marked FAILED, with the reason, before rank 0 is killed."""
+    ``rank_died`` is told why (the run is marked FAILED with it) before rank 0 is killed."""
 
-    def __init__(self, main_pid: int, child_processes, logger) -> None:
+    def __init__(self, main_pid: int, child_processes, rank_died: Callable[[str], None]) -> None:
         super().__init__(main_pid=main_pid, child_processes=child_processes, sleep_period=1)
-        self.logger = logger
+        self.rank_died = rank_died
 
     def _terminate_all(self) -> None:
         codes = {rank: p.returncode for rank, p in enumerate(self._child_processes, start=1) if p.returncode}
-        mark_failed(self.logger, ", ".join(f"rank {r} exited with code {c}" for r, c in codes.items()))
+        self.rank_died(", ".join(f"rank {r} exited with code {c}" for r, c in codes.items()))
         super()._terminate_all()
 
 
 class WorkerLauncher(_SubprocessScriptLauncher):
-    def __init__(self, cluster_environment, num_processes: int, num_nodes: int, worker_args: list[str]) -> None:
+    def __init__(self, cluster_environment, num_processes: int, num_nodes: int, worker_args: list[str],
+                 rank_died: Callable[[object, str], None]) -> None:
         super().__init__(cluster_environment, num_processes, num_nodes)
         self.worker_args = worker_args
+        self.rank_died = rank_died  # (the Trainer's logger, why): the run layer records it
 
     def join(self, timeout_s: float) -> None:
         """Wait for the other ranks to exit (kill what is left after ``timeout_s``), so the next
@@ -207,7 +203,8 @@ class WorkerLauncher(_SubprocessScriptLauncher):
     def launch(self, function, *args, trainer=None, **kwargs):
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         self._call_children_scripts()
-        _RecordingObserver(os.getpid(), self.procs, trainer.logger if trainer is not None else None).start()
+        logger = trainer.logger if trainer is not None else None
+        _RecordingObserver(os.getpid(), self.procs, lambda reason: self.rank_died(logger, reason)).start()
         _set_num_threads_if_needed(num_processes=self.num_processes)
         return function(*args, **kwargs)
 
@@ -241,6 +238,8 @@ class RelaunchingDDPStrategy(DDPStrategy):
     """DDPStrategy whose extra ranks run ``ddlx.rank_worker`` on the job's resolved config."""
 
     worker_args: list[str] | None = None  # [config file, output dir], set by ddlx.run before fit
+    # Called with the Trainer's logger and the reason when a rank dies (ddlx.run: the run is FAILED)
+    rank_died: Callable[[object, str], None] = staticmethod(lambda logger, reason: None)
     recompute: bool = False  # activation checkpointing at the model's cut points (strategy.checkpoint=always)
 
     def configure_ddp(self) -> None:
@@ -255,4 +254,4 @@ class RelaunchingDDPStrategy(DDPStrategy):
         if env.creates_processes_externally or self.worker_args is None:
             super()._configure_launcher()  # mpirun / SLURM / torchrun started every rank already
             return
-        self._launcher = WorkerLauncher(env, self.num_processes, self.num_nodes, self.worker_args)
+        self._launcher = WorkerLauncher(env, self.num_processes, self.num_nodes, self.worker_args, self.rank_died)

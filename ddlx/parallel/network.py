@@ -18,6 +18,7 @@ import torch
 from pytorch_lightning.strategies import SingleDeviceStrategy
 
 from ..models import LayeredModel
+from ..models.layered import find_layered_model
 from .launch import RelaunchingDDPStrategy
 
 
@@ -29,13 +30,6 @@ class InstalledForward(Protocol):
 
 
 Parallelizer = Callable[[LayeredModel, int], InstalledForward]
-
-
-def find_layered_model(module: torch.nn.Module) -> LayeredModel:
-    found = [m for m in module.modules() if isinstance(m, LayeredModel)]
-    if len(found) != 1:
-        raise TypeError(f"expected exactly one LayeredModel inside {type(module).__name__}, found {len(found)}")
-    return found[0]
 
 
 def install(module: torch.nn.Module, parallelize: Parallelizer, local_rank: int) -> InstalledForward:

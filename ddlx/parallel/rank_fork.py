@@ -28,10 +28,12 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+
+from ..process import PARENT_ENV, STARTED_EXTERNALLY, end_with_parent, is_rank_worker, name_process
 
 log = logging.getLogger(__name__)
 
-PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15  # linux/prctl.h
 SERVER_NAME, RANK_NAME = "ddlx-forker", "ddlx-rank-{}"  # what ps and top show
 POLL_S = 0.2
 # Stop signals go to every process of the terminal's group or the job: they are for the ranks
@@ -42,20 +44,21 @@ _server: RankForkServer | None = None
 _first_job_seen = False
 
 
-def start_fork_server(needed: bool = True) -> None:
+def start_fork_server(needed: bool, entry: Callable[[list[str]], None]) -> None:
     """Call it at the start of every job of this process, before anything computes: on Linux it
     forks the rank server when the process's first job ``needed`` one (it starts extra ranks
     itself, not mpirun, srun or torchrun; this is no rank). Later jobs of a sweep use that server;
     when the first job did not need one, they start their ranks as new interpreters (a process
-    that has computed cannot fork a server: see the module's docstring)."""
+    that has computed cannot fork a server: see the module's docstring). Each forked rank runs
+    ``entry`` with the launcher's arguments (the server is given it: it does not import the
+    rank's entry point, which imports the training above it)."""
     global _server, _first_job_seen
     first, _first_job_seen = not _first_job_seen, True
-    from .launch import STARTED_EXTERNALLY, is_rank_worker
 
     if not (needed and first) or not sys.platform.startswith("linux") or is_rank_worker() \
             or any(name in os.environ for name in STARTED_EXTERNALLY):
         return
-    _server = RankForkServer()
+    _server = RankForkServer(entry)
 
 
 def fork_server() -> RankForkServer | None:
@@ -63,7 +66,8 @@ def fork_server() -> RankForkServer | None:
 
 
 class RankForkServer:
-    def __init__(self) -> None:
+    def __init__(self, entry: Callable[[list[str]], None]) -> None:
+        """``entry``: what each forked rank runs with the launcher's arguments (ddlx.rank_worker.main)."""
         ours, theirs = multiprocessing.Pipe()
         sys.stdout.flush()
         sys.stderr.flush()  # a forked copy would write what is buffered again
@@ -72,7 +76,7 @@ class RankForkServer:
             ours.close()
             code = 1
             try:
-                _serve(theirs)
+                _serve(theirs, entry)
                 code = 0
             finally:
                 os._exit(code)
@@ -146,27 +150,7 @@ class ForkedRank:
         self.send_signal(signal.SIGTERM)
 
 
-def end_with_parent() -> bool:
-    """Have the kernel kill this process when its parent ends (Linux; elsewhere nothing). False
-    when the parent has already gone (the process was reparented before the call)."""
-    import ctypes
-
-    parent = os.getppid()
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    return parent != 1 and os.getppid() == parent
-
-
-def name_process(name: str) -> None:
-    """This process's name as ps, top and psutil show it (its command line stays the launching
-    one's: a forked process cannot change that). Linux only; elsewhere nothing."""
-    import ctypes
-
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, name.encode()[:15])
-
-
-def _serve(conn) -> None:
+def _serve(conn, entry: Callable[[list[str]], None]) -> None:
     """The server's loop: fork a rank per request, report each rank's end; leave when the
     launching process does (its end of the pipe closes, or the kernel's signal)."""
     if not end_with_parent():
@@ -193,15 +177,14 @@ def _serve(conn) -> None:
         pid = os.fork()
         if pid == 0:
             conn.close()
-            _run_rank(argv, env, cwd)
+            _run_rank(argv, env, cwd, entry)
         ranks.add(pid)
         conn.send(("pid", pid))
 
 
-def _run_rank(argv: list[str], env: dict[str, str], cwd: str) -> None:
+def _run_rank(argv: list[str], env: dict[str, str], cwd: str, entry: Callable[[list[str]], None]) -> None:
     """In the forked rank: the job's environment and directory, default signal handling and
     logging, as a new interpreter would have them; then the rank's entry. Never returns."""
-    from .launch import PARENT_ENV
 
     code = 1
     try:
@@ -219,9 +202,7 @@ def _run_rank(argv: list[str], env: dict[str, str], cwd: str) -> None:
             root.removeHandler(handler)
         root.setLevel(logging.WARNING)
         sys.argv = [sys.executable, "-m", "ddlx.rank_worker", *argv]
-        from ..rank_worker import main
-
-        main(argv)
+        entry(argv)
         code = 0
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)

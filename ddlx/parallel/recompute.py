@@ -86,7 +86,7 @@ def recompute_blocks(layers: nn.Sequential, blocks: Sequence[tuple[int, int]]) -
 
 def recompute_at_cut_points(module: nn.Module) -> None:
     """The network inside ``module`` (a LightningModule) recomputes each block between its cut points."""
-    from .network import find_layered_model  # names what it found instead
+    from ..models.layered import find_layered_model  # names what it found instead
 
     model = find_layered_model(module)
     recompute_blocks(model, blocks_between(model.cut_points.values(), 0, len(model)))

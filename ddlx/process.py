@@ -1,0 +1,39 @@
+"""This process: who started it (ddlx's launcher, or mpirun, srun, torchrun), its name and its end
+with its parent (Linux's prctl; elsewhere nothing), for the ranks, the fork server and the loader
+workers alike."""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15  # linux/prctl.h
+WORKER_ENV = "DDLX_RANK_WORKER"
+PARENT_ENV = "DDLX_RANK_PARENT"  # the launching process: a worker ends with it (ddlx.rank_worker)
+STARTED_EXTERNALLY = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS", "TORCHELASTIC_RUN_ID")
+
+
+def is_rank_worker() -> bool:
+    """An extra rank started by ddlx's own launcher."""
+    return os.environ.get(WORKER_ENV) == "1"
+
+
+def end_with_parent(expected_parent: int | None = None) -> bool:
+    """Have the kernel kill this process when its parent ends. False when the parent has already
+    gone (the process was reparented before the call), or is not ``expected_parent``."""
+    import ctypes
+
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    alive = parent != 1 and os.getppid() == parent
+    return alive and (expected_parent is None or parent == expected_parent)
+
+
+def name_process(name: str) -> None:
+    """This process's name as ps, top and psutil show it (its command line stays the launching
+    one's: a forked process cannot change that)."""
+    import ctypes
+
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, name.encode()[:15])

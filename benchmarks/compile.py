@@ -80,16 +80,11 @@ def measure_model(name: str, args: argparse.Namespace, root: Path) -> dict:
 
     def ddlx_epoch(runner, key):
         def run():
-            from ddlx.run import build_trainer, measurement_callbacks
-
-            callbacks = measurement_callbacks(runner.cfg)
-            trainer = build_trainer(runner.cfg, runner.plan, runner.logger, runner.root / "run", callbacks)
-            trainer.fit(runner.module, train_dataloaders=loader)
-            timer = callbacks[0]
-            if key not in compile_s and timer.compiled() > 0:
-                compile_s[key] = timer.compiled()
+            timed = runner.epoch(loader)
+            if key not in compile_s and runner.timer.compiled() > 0:
+                compile_s[key] = runner.timer.compiled()
                 first_done.append(key)
-            return timer.epoch_times[-1], timer.epoch_steps[-1]
+            return timed
         return run
 
     runners = {

@@ -97,8 +97,8 @@ class DdlxRunner:
         callbacks = measurement_callbacks(self.cfg)
         trainer = build_trainer(self.cfg, self.plan, self.logger, self.root / "run", callbacks)
         trainer.fit(self.module, train_dataloaders=loader)
-        timer = callbacks[0]
-        return timer.epoch_times[-1], timer.epoch_steps[-1]
+        self.timer = callbacks[0]  # the last epoch's timer (its compile_s too)
+        return self.timer.epoch_times[-1], self.timer.epoch_steps[-1]
 
 
 def measure_model(name: str, args: argparse.Namespace, root: Path) -> dict[str, list[float]]:

@@ -230,13 +230,14 @@ def not_measured_because(run: MeasuredRun) -> str | None:
 EAGER_DEFAULTS = {"compile.enable": "False", "model.memory_format": "contiguous", "optim.implementation": "auto"}
 
 
+def speed_knobs_set(run: MeasuredRun) -> dict[str, str]:
+    """``run``'s speed knobs off their defaults (runs from before a knob existed count as its default)."""
+    return {key: run.params[key] for key, default in EAGER_DEFAULTS.items() if run.params.get(key, default) != default}
+
+
 def unmodelled(run: MeasuredRun) -> str | None:
-    """The speed knob of ``run`` the recommender does not model yet (None: all at their defaults;
-    runs from before a knob existed count as its default)."""
-    for key, default in EAGER_DEFAULTS.items():
-        if run.params.get(key, default) != default:
-            return f"{key}={run.params[key]}"
-    return None
+    """The speed knob of ``run`` the recommender does not model yet (None: all at their defaults)."""
+    return next((f"{key}={value}" for key, value in speed_knobs_set(run).items()), None)
 
 
 def usable(run: MeasuredRun) -> bool:

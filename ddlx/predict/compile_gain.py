@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..job import Job
-from ..records import EAGER_DEFAULTS, MeasuredRun, not_measured, on_hardware, unmodelled
+from ..records import MeasuredRun, not_measured, on_hardware, speed_knobs_set, unmodelled
 from .hardware import HardwareSpec
 
 
@@ -44,8 +44,7 @@ class CompileGain:
 
 def compiled(run: MeasuredRun) -> bool:
     """A run with compile.enable and every other speed knob at its default."""
-    return (run.params.get("compile.enable") == "True"
-            and unmodelled(_with(run, {"compile.enable": EAGER_DEFAULTS["compile.enable"]})) is None)
+    return speed_knobs_set(run) == {"compile.enable": "True"}
 
 
 def measured_gain(runs: Sequence[MeasuredRun], job: Job, hw: HardwareSpec, setup: str | None = None) -> CompileGain | None:
@@ -73,8 +72,3 @@ def measured_gain(runs: Sequence[MeasuredRun], job: Job, hw: HardwareSpec, setup
     return CompileGain(statistics.median(factors), compile_s, tuple(dict.fromkeys(k[1] for k in both)),
                        len(runs_compiled), job.model)
 
-
-def _with(run: MeasuredRun, params: dict[str, str]) -> MeasuredRun:
-    from dataclasses import replace
-
-    return replace(run, params={**run.params, **params})

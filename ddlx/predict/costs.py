@@ -75,10 +75,11 @@ class SequentialTime:
             start += count
         return out
 
-    def layers_s_at(self, samples: float) -> tuple[tuple[float, float], ...] | None:
-        """Each top-level layer's (forward, backward) on ``samples`` at a time, in the model's
-        order (None: not known per layer)."""
-        return None if self.layers_s is None else self.layers_s(max(1, int(samples)))
+    def layers_s_at(self, samples: float, profile: ModelProfile) -> tuple[tuple[float, float], ...] | None:
+        """Each of ``profile``'s top-level layers' (forward, backward) on ``samples`` at a time, in
+        the model's order (None: not known per layer of that profile)."""
+        layers = None if self.layers_s is None else self.layers_s(max(1, int(samples)))
+        return layers if layers and len(layers) == len(profile.layers) else None
 
     def per_sample_at(self, samples: float) -> float:
         """Per sample when the device works on ``samples`` at a time (a worker's share of the

@@ -84,6 +84,11 @@ class ModelProfile:
     def gradient_mb(self) -> float:
         return self.params * self.param_bytes / 1e6
 
+    @property
+    def layer_mb(self) -> list[float]:
+        """Each top-level layer's parameters (or gradients) in MB, in the model's order."""
+        return [layer.params * self.param_bytes / 1e6 for layer in self.layers]
+
     def state_bytes(self, params: int) -> int:
         """What ``params`` of the model's parameters hold through a step: weights, gradients and
         momentum (SGD's one slot), and autocast's copies of the weights."""

@@ -218,7 +218,7 @@ def comparison_lines(recs: list[Recommendation], comparison: MachineComparison, 
         choice = Choice(rec, best) if best else None
         rows.append([rec.hw.name, f"{rec.hw.total_devices} x {rec.hw.device_name or rec.hw.device_kind}",
                      best.setup.label if best else "none fits", figure(best.epoch_s, best.calibrated) if best else "-",
-                     money(choice) if choice and money(choice) else "-", rec.hw.price_basis or "no price given"])
+                     (money(choice) if choice else "") or "-", rec.hw.price_basis or "no price given"])
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
     if comparison.fastest is not None:

@@ -74,10 +74,9 @@ def data_parallel_cost(setup: Setup, workers: int, job, hw, profile, seq):
     local = min(workers, hw.devices_per_node) if shared_bus else 1
     bucket = float(setup.get("bucket_cap_mb", DEFAULT_BUCKET_MB))
     compute = work / computing_at_once(hw, workers)
-    layers = None if shared_bus else seq.layers_s_at(job.batch_size / workers)
-    if layers and len(layers) == len(profile.layers):  # the buckets go as the backward pass reaches them
-        per_layer_mb = [layer.params * profile.param_bytes / 1e6 for layer in profile.layers]
-        comm = exposed_allreduce_s([b for _, b in layers], per_layer_mb, workers, bucket, ring(hw, workers),
+    layers = None if shared_bus else seq.layers_s_at(job.batch_size / workers, profile)
+    if layers:  # the buckets go as the backward pass reaches them
+        comm = exposed_allreduce_s([b for _, b in layers], profile.layer_mb, workers, bucket, ring(hw, workers),
                                    hw.allreduce_fixed_us * 1e-6)
     else:
         comm = data_parallel_s(0.0, workers, profile.gradient_mb, bucket, ring(hw, workers), hw.allreduce_fixed_us * 1e-6,

@@ -139,7 +139,7 @@ class Fsdp(StrategySpec):
         w, shared_bus, sharding = setup.get("processes"), hw.device_kind == "cpu", setup.get("sharding", "full")
         work = job.batch_size * (seq.per_sample_at(job.batch_size / w) * recompute_factor(setup) + seq.load_per_sample_s)
         volume = VOLUME[sharding] * profile.gradient_mb
-        largest = max(layer.params for layer in profile.layers) * profile.param_bytes / 1e6  # one unit's transfer
+        largest = max(profile.layer_mb)  # one unit's transfer
         local, fixed = (min(w, hw.devices_per_node) if shared_bus else 1), hw.allreduce_fixed_us * 1e-6
         compute = work / computing_at_once(hw, w)
         if sharding == "hybrid":  # full inside each group, then its shard averaged across the groups
@@ -147,11 +147,9 @@ class Fsdp(StrategySpec):
             groups = [link(hw.link(rank_device(hw, i * k), rank_device(hw, (i + 1) % (w // k) * k))) for i in range(w // k)]
             comm = (data_parallel_s(0.0, k, volume, largest, ring(hw, k), fixed, overlap=not shared_bus)
                     + data_parallel_s(0.0, w // k, profile.gradient_mb / k, largest / k, groups, fixed, overlap=not shared_bus))
-        elif not shared_bus and sharding in ("full", "grad_op") and (layers := seq.layers_s_at(job.batch_size / w)) \
-                and len(layers) == len(profile.layers):  # per unit, as the GPU model times the layers
-            unit_mb = [layer.params * profile.param_bytes / 1e6 for layer in profile.layers]
-            comm = exposed_sharded_s([f for f, _ in layers], [b for _, b in layers], unit_mb, w, ring(hw, w), fixed,
-                                     regather=sharding == "full")
+        elif not shared_bus and sharding in ("full", "grad_op") and (layers := seq.layers_s_at(job.batch_size / w, profile)):
+            comm = exposed_sharded_s([f for f, _ in layers], [b for _, b in layers], profile.layer_mb, w, ring(hw, w), fixed,
+                                     regather=sharding == "full")  # per unit, as the GPU model times the layers
         else:
             comm = data_parallel_s(0.0, w, volume, largest, ring(hw, w), fixed, overlap=not shared_bus)
         return cost(compute, compute + comm + weight_traffic_s(seq, hw, local, local))

@@ -143,7 +143,6 @@ def run(cfg: DictConfig, out_dir: Path, hw_dir: Path, job_overrides: list[str] |
     detected_dir = Path(cfg.detected_dir) if cfg.detected_dir else None
     target = hardware(cfg.hw, detected_dir, refresh=cfg.mode == "probe")
     check_recommend_job(cfg, False, hw_dir)  # compare= names machines; max_epoch_s is a time
-    others = [hardware(load_hw_file(hw_dir / f"{name}.yaml"), detected_dir) for name in cfg.get("compare") or []]
     if job is not None:
         numerics_on(job.precision, target.device_kind)  # 16-mixed on CPU: Lightning would train bf16-mixed
         job = with_data_cache(job, cfg, target)
@@ -167,6 +166,7 @@ def run(cfg: DictConfig, out_dir: Path, hw_dir: Path, job_overrides: list[str] |
         return
     tries, own = check_tries(OmegaConf.to_container(cfg.candidates, resolve=True))
     batches = Batches(cfg.data.batch_per, tuple(own))
+    others = [hardware(load_hw_file(hw_dir / f"{name}.yaml"), detected_dir) for name in cfg.get("compare") or []]
     recs = []
     for machine in [target, *others]:  # the same question on each machine, the runs and probes of this one shared
         on_it = job if machine is target else dataclasses.replace(job, data_cache=cache_of(job, cfg, machine))

@@ -72,16 +72,39 @@ class _DlInfo(ctypes.Structure):
 def malloc_library() -> str | None:
     """The path of the shared library whose ``malloc`` this process calls (the C library's, or
     a replacement's interposed through ``LD_PRELOAD``), or None where the loader cannot say."""
+    library = _library_defining("malloc")
+    if library is not None and os.path.realpath(library) == os.path.realpath("/proc/self/exe"):
+        # A non-PIE executable that takes malloc's address (uv's and other standalone Pythons)
+        # defines the symbol at its own PLT entry, which the loader binds to the first
+        # preloaded library that has malloc, else the C library's.
+        return next((lib for lib in _preloaded() if _same_file(_library_defining("malloc", lib), lib)), None)
+    return library
+
+
+def _library_defining(symbol: str, within: str | None = None) -> str | None:
+    """The file ``dladdr`` names for the address this process (or the library ``within`` and
+    what it needs) resolves ``symbol`` to."""
     try:
-        process = ctypes.CDLL(None)
-        dladdr = process.dladdr
+        process = ctypes.CDLL(within)
+        dladdr = ctypes.CDLL(None).dladdr
+        getattr(process, symbol)
     except (OSError, AttributeError, TypeError):
         return None
     dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(_DlInfo)]
     info = _DlInfo()
-    if not dladdr(ctypes.cast(process.malloc, ctypes.c_void_p), ctypes.byref(info)) or not info.dli_fname:
+    if not dladdr(ctypes.cast(getattr(process, symbol), ctypes.c_void_p), ctypes.byref(info)) or not info.dli_fname:
         return None
     return os.fsdecode(info.dli_fname)
+
+
+def _preloaded() -> list[str]:
+    return os.environ.get("LD_PRELOAD", "").replace(":", " ").split()
+
+
+def _same_file(found: str | None, library: str) -> bool:
+    """Whether the path ``dladdr`` gave is ``library`` as LD_PRELOAD names it (a path or a file name)."""
+    return found is not None and (os.path.realpath(found) == os.path.realpath(library) or
+                                  os.path.basename(found) == os.path.basename(library))
 
 
 def replacement_of(library: str | None) -> str | None:

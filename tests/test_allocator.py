@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import subprocess
 import sys
 import textwrap
+
 
 import pytest
 from conftest import subprocess_env
@@ -63,6 +65,22 @@ def test_auto_under_a_malloc_ddlx_cannot_name_is_refused(monkeypatch):
                                           r"\(LD_PRELOAD=/opt/hoard/libhoard.so\), which ddlx cannot name: .* unset "
                                           r"LD_PRELOAD, or preload one of jemalloc, tcmalloc, mimalloc"):
         resolve_allocator("auto")
+
+
+def test_a_python_whose_executable_defines_malloc_runs_on_the_library_behind_it(monkeypatch):
+    """uv's standalone Pythons (the GPU machines' image) are non-PIE executables that define malloc
+    at their own PLT entry: dladdr names the executable, the calls reach the C library (or the
+    preloaded replacement). Every train.py there was refused before this was known."""
+    executable, look_up = os.path.realpath("/proc/self/exe"), allocator._library_defining
+    monkeypatch.setattr(allocator, "_library_defining",
+                        lambda symbol, within=None: executable if within is None else look_up(symbol, within))
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    assert malloc_library() is None
+    assert resolve_allocator("auto") == "keep_freed"
+    check_allocator("system")
+    monkeypatch.setenv("LD_PRELOAD", "libm.so.6 libc.so.6")  # the first preloaded library that has malloc serves it
+    assert malloc_library() == "libc.so.6"
+    assert resolve_allocator("auto") == "keep_freed"
 
 
 def test_a_named_malloc_replacement_must_be_the_one_preloaded():

@@ -2,6 +2,7 @@
 
     python benchmarks/overhead.py                          # AlexNet and ResNet18 at 64x64, batch 32, 1 thread
     python benchmarks/overhead.py --models resnet18 --threads 2 --rounds 8
+    python benchmarks/overhead.py --models resnet50 alexnet --image-size 224 --batch-size 64 --device cuda --precision bf16-mixed
 
 In one process, on the same model (same initial weights), batch, thread count and in-memory
 data (one DataLoader over pre-made tensors, so image decoding is not in either figure), it
@@ -37,6 +38,8 @@ sys.path.insert(0, str(ROOT))
 
 from handloop import hand_written_epoch, sgd  # noqa: E402
 
+AUTOCAST = {"32-true": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -46,6 +49,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=20, help="steps per epoch")
     parser.add_argument("--rounds", type=int, default=6, help="measured rounds (plus one warm-up)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: ddlx with trainer=gpu")
+    parser.add_argument("--precision", default="32-true", choices=sorted(AUTOCAST))
     return parser.parse_args()
 
 
@@ -61,7 +66,8 @@ def compose(model: str, args: argparse.Namespace, root: Path, monitor: bool, *ex
         "strategy=sequential", f"strategy.threads={args.threads}", "trainer.max_epochs=1", "trainer.limit_val_batches=0",
         "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "checkpoint.save=none",
         f"measure.monitor={str(monitor).lower()}", f"paths.root={root}", f"logger.tracking_uri=sqlite:///{root / 'mlflow.db'}",
-        "logger.experiment_name=benchmark-overhead", *extra,
+        "logger.experiment_name=benchmark-overhead", f"trainer.precision={args.precision}",
+        *(["trainer=gpu"] if args.device == "cuda" else []), *extra,
     ]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         return hydra_compose(config_name="train", overrides=overrides)
@@ -107,15 +113,17 @@ def measure_model(name: str, args: argparse.Namespace, root: Path) -> dict[str, 
     torch.manual_seed(0)
     images = torch.randn(args.steps * args.batch_size, 3, args.image_size, args.image_size)
     labels = torch.randint(0, 3, (len(images),))
-    loader = DataLoader(TensorDataset(images, labels), batch_size=args.batch_size, shuffle=False)
+    device = torch.device(args.device)
+    loader = DataLoader(TensorDataset(images, labels), batch_size=args.batch_size, shuffle=False,
+                        pin_memory=device.type == "cuda")
     base = build_model(name, 3, 3, args.image_size, 0.0)
 
-    hand_model = copy.deepcopy(base)
+    hand_model = copy.deepcopy(base).to(device)
     hand_opt = sgd(hand_model)
     with_monitor = DdlxRunner(compose(name, args, root, monitor=True), copy.deepcopy(base), root)
     without_monitor = DdlxRunner(compose(name, args, root, monitor=False), copy.deepcopy(base), root)
     runners = {
-        "hand": lambda: hand_written_epoch(hand_model, loader, hand_opt),
+        "hand": lambda: hand_written_epoch(hand_model, loader, hand_opt, device, AUTOCAST[args.precision]),
         "ddlx": lambda: with_monitor.epoch(loader),
         "ddlx no monitor": lambda: without_monitor.epoch(loader),
     }
@@ -148,7 +156,8 @@ def main() -> None:
                 paired_ratio(t["ddlx"], t["ddlx no monitor"]),
                 (max(t["hand"]) - min(t["hand"])) / statistics.median(t["hand"]),
             ))
-    print(f"\n{args.image_size}x{args.image_size}, batch {args.batch_size}, {args.threads} thread(s), {args.steps} steps "
+    print(f"\n{args.device}, {args.precision}, {args.image_size}x{args.image_size}, batch {args.batch_size}, "
+          f"{args.threads} thread(s), {args.steps} steps "
           f"per epoch, median of {args.rounds} rounds; ratios are medians of per-round ratios (goal: ddlx/hand <= 1.03)\n")
     header = ("model", "hand ms/step", "ddlx ms/step", "ddlx no-mon ms/step", "ddlx/hand", "no-mon/hand",
               "monitor cost", "hand spread")

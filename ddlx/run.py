@@ -112,6 +112,10 @@ def check_memory(cfg: DictConfig, data_parallel: int = 1, replicas: int = 1, rec
     )
     need = estimate.total_bytes * replicas
     have, what = available_memory_bytes(cfg.trainer.accelerator)
+    if what.endswith("on cuda:0"):  # a GPU: its libraries' workspaces beside what is counted
+        from .predict.gpu_measured import gpu_working_memory
+
+        need += gpu_working_memory()[0] * replicas
     if need > MEMORY_HEADROOM * have:
         fixed = (estimate.total_bytes - estimate.activations_bytes) * replicas
         max_batch = int((MEMORY_HEADROOM * have - fixed) / (per_sample * replicas)) * data_parallel

@@ -230,5 +230,8 @@ def memory_need(hw: HardwareSpec, per_process_bytes: float, processes_per_node: 
     if hw.device_kind == "cpu":
         need = per_process_bytes * processes_per_node / GB
         return MemoryNeed(need, MEMORY_HEADROOM * hw.ram_per_node_gb, f"{hw.ram_per_node_gb:.0f} GB RAM per node")
-    return MemoryNeed(per_process_bytes / GB, MEMORY_HEADROOM * hw.memory_per_device_gb,
+    from .gpu_measured import gpu_working_memory
+
+    working, _ = gpu_working_memory()  # cuBLAS's and cuDNN's workspaces beside what is counted
+    return MemoryNeed((per_process_bytes + working) / GB, MEMORY_HEADROOM * hw.memory_per_device_gb,
                       f"{hw.memory_per_device_gb:.0f} GB per device")

@@ -70,22 +70,26 @@ def predicted_images_per_s(step: StepArrays, batch: int, params: GpuParams) -> f
 
 
 def fit(steps: list[tuple[StepArrays, Figure]]) -> GpuParams:
-    """The parameters that minimize the squared log-ratio of predicted to published images/s,
-    within :data:`~.gpu_time.BOUNDS` (Nelder-Mead on a transform that keeps them there)."""
+    """The parameters that minimize the squared log-ratio of predicted to published images/s."""
+    def loss(params: GpuParams) -> float:
+        errors = [math.log(predicted_images_per_s(step, f.batch, params) / f.images_per_s) for step, f in steps]
+        return float(np.mean(np.square(errors)))
+
+    return minimize(loss)
+
+
+def minimize(loss) -> GpuParams:
+    """The parameters that minimize ``loss(params)`` within :data:`~.gpu_time.BOUNDS`
+    (Nelder-Mead on a transform that keeps them there)."""
     lows, highs = (np.array(b) for b in zip(*BOUNDS))
 
     def unpack(z: np.ndarray) -> GpuParams:
         return GpuParams.of(lows + (highs - lows) * 0.5 * (1 + np.tanh(z / 2)))  # a logistic that cannot overflow
 
-    def loss(z: np.ndarray) -> float:
-        params = unpack(z)
-        errors = [math.log(predicted_images_per_s(step, f.batch, params) / f.images_per_s) for step, f in steps]
-        return float(np.mean(np.square(errors)))
-
     start = np.zeros(len(BOUNDS))
-    best = _nelder_mead(loss, start)
+    best = _nelder_mead(lambda z: loss(unpack(z)), start)
     for _ in range(2):  # restarts from the best point: Nelder-Mead can stall on a ridge
-        best = _nelder_mead(loss, best)
+        best = _nelder_mead(lambda z: loss(unpack(z)), best)
     return unpack(best)
 
 
@@ -138,26 +142,35 @@ class FittedModel:
 def fitted_model(hw_dir: Path) -> FittedModel:
     """The parameters fitted to the reference table, kept on disk beside the model profiles (the
     fit takes seconds) and keyed by the table, the hw files it reads and this code."""
-    key = hashlib.sha256(REFERENCE.read_bytes())
-    for source in sorted(hw_dir.glob("*.yaml")) + [Path(__file__), Path(__file__).with_name("gpu_time.py"),
-                                                    Path(__file__).with_name("kernels.py")]:
+    def compute() -> dict:
+        steps = fitted_steps(hw_dir)
+        return {"params": fit(steps).as_tuple(), "figures": len(steps)}
+
+    kept = kept_fit("gpu-model", [REFERENCE, *sorted(hw_dir.glob("*.yaml"))], compute)
+    return FittedModel(GpuParams.of(kept["params"]), kept["figures"])
+
+
+def kept_fit(name: str, sources: list[Path], compute, also: str = "") -> dict:
+    """``compute()``'s JSON-able result, kept on disk beside the model profiles and keyed by the
+    files it reads (``sources``), ``also`` and the model's code: a fit takes seconds, a question should not."""
+    key = hashlib.sha256((name + also).encode())
+    here = Path(__file__)
+    for source in [*sources, here, here.with_name("gpu_time.py"), here.with_name("kernels.py")]:
         key.update(source.read_bytes())
-    path = _cache_path("gpu-model", 0, 0, 0).with_name(f"gpu-model-{key.hexdigest()[:16]}.json")
+    path = _cache_path("gpu-model", 0, 0, 0).with_name(f"{name}-{key.hexdigest()[:16]}.json")
     try:
-        kept = json.loads(path.read_text())
-        return FittedModel(GpuParams.of(kept["params"]), kept["figures"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
         pass
-    steps = fitted_steps(hw_dir)
-    model = FittedModel(fit(steps), len(steps))
+    result = compute()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".{os.getpid()}.tmp")
-        partial.write_text(json.dumps({"params": model.params.as_tuple(), "figures": model.figures}))
+        partial.write_text(json.dumps(result))
         os.replace(partial, path)
     except OSError:
         pass
-    return model
+    return result
 
 
 def leave_one_out(steps: list[tuple[StepArrays, Figure]]) -> list[tuple[Figure, float]]:

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..job import FP32
+
+FP32_BYTES = 4
 from .numerics import numerics_of
 from .profile import profile_model
 
@@ -20,10 +22,11 @@ class MemoryEstimate:
     gradients_bytes: int
     optimizer_bytes: int
     activations_bytes: int  # for the whole batch on this device
+    input_bytes: int = 0  # the fp32 batch the step holds where autograd keeps only its cast (autocast)
 
     @property
     def total_bytes(self) -> int:
-        return self.parameters_bytes + self.gradients_bytes + self.optimizer_bytes + self.activations_bytes
+        return self.parameters_bytes + self.gradients_bytes + self.optimizer_bytes + self.activations_bytes + self.input_bytes
 
 
 def estimate_training_memory(
@@ -51,5 +54,8 @@ def estimate_training_memory(
         gradients_bytes=param_bytes,
         optimizer_bytes=param_bytes * optimizer_slots,
         activations_bytes=per_sample * batch_size + (0 if recompute else profile.fixed_activation_bytes),
+        # Autograd keeps the first layer's input, which is the batch itself in fp32; under autocast
+        # it keeps the cast, while the step still holds the fp32 batch.
+        input_bytes=batch_size * in_channels * image_size**2 * FP32_BYTES if profile.cast_bytes else 0,
     )
     return estimate, per_sample

@@ -126,6 +126,7 @@ def from_gpu_model(job: Job, hw: HardwareSpec, hw_dir=None) -> SequentialTime | 
     """The per-layer GPU model's step at the job's batch (None where it has none: fp64, a
     format other than fp32 and the 2-byte ones): its optimizer step is the weight traffic, the
     rest is shared out per sample."""
+    from .gpu_measured import measured_fit
     from .gpu_reference import DEFAULT_HW_DIR, fitted_model
     from .gpu_time import step_time
     from .kernels import kernel_profile
@@ -133,7 +134,7 @@ def from_gpu_model(job: Job, hw: HardwareSpec, hw_dir=None) -> SequentialTime | 
     numerics = numerics_of(job.precision)
     if hw.device_kind != "gpu" or numerics.activation_bytes not in (2, 4) or numerics.compute == "fp64":
         return None
-    model = fitted_model(hw_dir or DEFAULT_HW_DIR)
+    model = measured_fit(hw) or fitted_model(hw_dir or DEFAULT_HW_DIR)  # the GPU's own layers, where measured
     kernels = kernel_profile(job.model, job.num_classes, job.channels, job.image_size, numerics.activation_bytes == 2)
 
     @functools.lru_cache(maxsize=64)

@@ -35,7 +35,7 @@ ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PROJECT), o
 SMALL = ["trainer=gpu", "model=resnet18", "data=firesmall", "data.image_size=64", "data.synthetic_size=[72,96]",
          "data.num_images=640", "data.batch_size=64", "data.num_workers=4", "trainer.max_epochs=2",
          "measure.warmup_epochs=1", "trainer.enable_progress_bar=false", "cpu_allocator=system"]
-KILL_IMAGES = 3200  # about 2 s an epoch on an H100 at 64 px: time to kill it inside its second
+KILL_IMAGES = 12800  # epochs of seconds on one GPU at 64 px, so that the kill lands inside one
 ONE_GPU = "strategy.devices=[cuda:0,cuda:0]"
 PATHS = {
     "sequential fp32": ["strategy=sequential"],

@@ -8,8 +8,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..job import FP32
-
-FP32_BYTES = 4
 from .numerics import numerics_of
 from .profile import profile_model
 
@@ -56,6 +54,6 @@ def estimate_training_memory(
         activations_bytes=per_sample * batch_size + (0 if recompute else profile.fixed_activation_bytes),
         # Autograd keeps the first layer's input, which is the batch itself in fp32; under autocast
         # it keeps the cast, while the step still holds the fp32 batch.
-        input_bytes=batch_size * in_channels * image_size**2 * FP32_BYTES if profile.cast_bytes else 0,
+        input_bytes=batch_size * profile.input_bytes if profile.cast_bytes else 0,
     )
     return estimate, per_sample

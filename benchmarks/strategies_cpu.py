@@ -11,7 +11,7 @@
 Each setup is one ``train.py`` run (its own MLflow run in the ``benchmark-strategies``
 experiment of the project's mlflow.db). The table gives the mean ``epoch_time_s`` over the
 epochs after the first (warm-up) one and the speedup over the one-core sequential baseline of
-the same sitting (source 003, section 2: mean baseline time / mean setup time). This machine is
+the same sitting (the Lerat et al. entry, section 2: mean baseline time / mean setup time). This machine is
 shared and noisy: compare the ratios, and repeat with --rounds to see the spread.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""ddlx's recommender against source 004's published measurements (Jansen, "A performance-based
+"""ddlx's recommender against Jansen's published measurements (Jansen, "A performance-based
 recommender system for Distributed DNN training").
 
     python benchmarks/thesis_tables.py
@@ -137,7 +137,7 @@ def _fits(p: Prediction) -> str:
 
 def main() -> int:
     picks = table_8_1()
-    print("Table 8.1 (source 004): 4 Titan RTX, Horovod (ddp_nccl processes=4) against GPipe (pipe over 4 GPUs, "
+    print("Table 8.1 (Jansen's thesis): 4 Titan RTX, Horovod (ddp_nccl processes=4) against GPipe (pipe over 4 GPUs, "
           "except_last), predicted s/epoch from the per-layer GPU model fitted to published throughputs (no Titan RTX "
           "run of ddlx calibrates it)\n")
     print("| network | data | Horovod s (batch, memory/GPU) | GPipe s (batch/#mb, memory/GPU) | ddlx picks | measured fastest "
@@ -163,7 +163,7 @@ def main() -> int:
     print(f"\nwithin 15%: {sum(abs(e) <= 0.15 for e in ratio_errors)} of {len(ratio_errors)}")
 
     configs = table_6_1()
-    print("\nTable 6.1 (source 004): GPipe on ResNet-18 / ImageNet, 4 GPUs, recomputing as torchgpipe does\n")
+    print("\nTable 6.1 (Jansen's thesis): GPipe on ResNet-18 / ImageNet, 4 GPUs, recomputing as torchgpipe does\n")
     print("| config | micro-batch x #mb = batch | measured s/epoch | predicted s/epoch | error |\n|---|---|---|---|---|")
     for c in configs:
         print(f"| {c.name} | {c.micro_batch} x {c.chunks} = {c.micro_batch * c.chunks} | {c.measured_s:.0f} "

@@ -138,7 +138,7 @@ class PathsConfig:
 
 @dataclass
 class OptimConfig:
-    """SGD with momentum (conf/optim/sgd.yaml; source 000, section 3.2, used lr 0.001)."""
+    """SGD with momentum (conf/optim/sgd.yaml; Lerat et al. 2022, section 3.2, used lr 0.001)."""
 
     lr: float = knob(0.01, low=0, low_open=True)
     momentum: float = knob(0.9, low=0, high=1, high_open=True)

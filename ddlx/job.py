@@ -51,7 +51,7 @@ class Batches:
     """Each setup's global batch, from the batch as the user stated it: ``per="global"``, it is
     every setup's global batch; ``per="worker"`` (``data.batch_per=worker``), it is each
     data-parallel process's (a pipeline's), so the global batch grows with the processes, as
-    the papers state theirs (source 004 Table 3.3). ``own``: strategies given a batch of their
+    the papers state theirs (Jansen's thesis Table 3.3). ``own``: strategies given a batch of their
     own, in the same terms (the thesis gave GPipe 384 where DDP had 32 per GPU)."""
 
     per: str = "global"

@@ -10,7 +10,7 @@ from .compiling import optimizer_flags
 
 
 class ClassifierModule(pl.LightningModule):
-    """Cross-entropy classification with SGD (source 000, section 3.2: lr 0.001, momentum 0.9)."""
+    """Cross-entropy classification with SGD (Lerat et al. 2022, section 3.2: lr 0.001, momentum 0.9)."""
 
     def __init__(self, model: nn.Module, num_classes: int, lr: float = 0.001, momentum: float = 0.9, weight_decay: float = 0.0,
                  implementation: str = "auto", channels_last: bool = False) -> None:

@@ -376,7 +376,7 @@ def note_busy_cores(tags: dict) -> None:
 
 def batch_of_workers(cfg: DictConfig, resolved: dict, plan, meta, rank0: bool):
     """``data.batch_per=worker``: ``data.batch_size`` is each data-parallel process's batch (a
-    pipeline's), as the papers state theirs (source 004 Table 3.3). It becomes the global batch
+    pipeline's), as the papers state theirs (Jansen's thesis Table 3.3). It becomes the global batch
     here, in the config, the recorded params and the ranks' job description, so a run's
     workload reads the same however its batch was stated; the plan is made again with it."""
     per_worker = cfg.data.batch_size

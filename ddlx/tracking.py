@@ -21,7 +21,7 @@ from .records import MeasuredRun, to_measured_run
 if TYPE_CHECKING:  # Lightning is imported where a logger is made, not by every tracking check
     from pytorch_lightning.loggers import MLFlowLogger
 
-# The paper's two use cases (source 000, section 3.1).
+# The paper's two use cases (Lerat et al. 2022, section 3.1).
 USE_CASES = {("vgg16", "firesmall"): "complexsmall", ("alexnet", "firebig"): "simplebig"}
 MAX_PARAM_LENGTH = 6000  # MLflow's limit on a parameter value
 

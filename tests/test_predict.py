@@ -774,7 +774,7 @@ def _compose_hw_spec(name: str) -> HardwareSpec:
 
 
 def test_recommend_py_reproduces_the_thesis_out_of_memory_case(tmp_path, capsys):
-    """ResNet-152 on Highres with source 004's settings (32 per GPU; GPipe 48 in 12 micro-batches,
+    """ResNet-152 on Highres with Jansen's settings (32 per GPU; GPipe 48 in 12 micro-batches,
     recomputing as torchgpipe does): DDP keeping every activation and one GPU run out of memory,
     GPipe fits (its Table 8.1), and so do DDP and FSDP recomputing their blocks in backward, which
     the thesis did not try; the epoch is the whole set. In this process: recommend.py's start-up

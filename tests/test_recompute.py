@@ -87,7 +87,7 @@ def test_recomputing_costs_a_forward_and_saves_activation_memory(setup, forwards
 
 
 def test_data_parallel_candidates_include_recomputation_and_the_thesis_case_fits_with_it():
-    """ResNet-152 on Highres, 32 per GPU on the Titan RTX (source 004): DDP keeping every
+    """ResNet-152 on Highres, 32 per GPU on the Titan RTX (Jansen's thesis): DDP keeping every
     activation does not fit; recomputing at the cut points it does, a forward slower."""
     from ddlx.predict.prediction import Predictor
 

@@ -91,7 +91,7 @@ CASES = {
                                        marks=pytest.mark.slow),
     # Plain DDP runs in the default suite as ddp_gloo_batch_per_worker and ddp_gloo_checkpoint (the same step).
     "ddp_gloo": pytest.param((["strategy=ddp_gloo", "strategy.processes=2"], False), marks=pytest.mark.slow),
-    # The papers' way of stating it (source 004 Table 3.3): 4 per process x 2 = the reference's global 8.
+    # The papers' way of stating it (Jansen's thesis Table 3.3): 4 per process x 2 = the reference's global 8.
     "ddp_gloo_batch_per_worker": (["strategy=ddp_gloo", "strategy.processes=2", "data.batch_per=worker", "data.batch_size=4"], False),
     "split": (["strategy=split"], True),
     "pipe": (["strategy=pipe", "strategy.chunks=4"], False),
@@ -278,7 +278,7 @@ def test_cpu_mp_refuses_gradient_clipping_it_would_not_apply(tmp_path, shared_da
 
 @pytest.mark.parametrize("hook", [pytest.param("fp16", marks=pytest.mark.slow), pytest.param("powersgd", marks=pytest.mark.slow)])
 def test_ddp_gradient_compression_hooks(hook, tmp_path, shared_data, sequential_weights):
-    """Compressed allreduce (source 002, section 4) trains, approximately the sequential step."""
+    """Compressed allreduce (the training-systems survey, section 4) trains, approximately the sequential step."""
     train_here(tmp_path, "strategy=ddp_gloo", f"strategy.comm_hook={hook}", f"paths.data_dir={shared_data}", *SAME_MATHS)
     got = final_weights(tmp_path)
     # fp16 rounds each gradient to ~3 significant digits; PowerSGD starts compressing at step 2.

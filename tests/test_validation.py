@@ -42,7 +42,7 @@ def test_the_recommender_picks_the_measured_fastest_on_real_runs():
 
 
 def test_the_thesis_tables_are_reproduced():
-    """benchmarks/thesis_tables.py: source 004 Table 8.1's measured fastest picked in all 24
+    """benchmarks/thesis_tables.py: Jansen's thesis Table 8.1's measured fastest picked in all 24
     workloads (DDP runs out of memory only on ResNet-152 / Highres), and its Table 6.1 GPipe
     configurations A, B, C within 15% and in the measured order."""
     import importlib.util

@@ -1,7 +1,7 @@
 """Synthetic stand-ins for datasets that cannot be downloaded here.
 
 Written once, on first use, as an ImageFolder tree (one sub-folder per class) on local disk, the
-way the thesis wrote synthetic copies of its datasets to each node (source 004, section 3.4).
+way the thesis wrote synthetic copies of its datasets to each node (Jansen's thesis, section 3.4).
 Each class has its own colour, stripe orientation and stripe frequency, with per-image jitter,
 noise and distractor blobs, so that a model can learn the classes but must look at the image.
 """

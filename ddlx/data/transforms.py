@@ -1,4 +1,4 @@
-"""The preprocessing of source 000, section 3.2."""
+"""The preprocessing of Lerat et al. 2022, section 3.2."""
 from __future__ import annotations
 
 from collections.abc import Sequence

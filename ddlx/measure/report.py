@@ -1,9 +1,9 @@
-"""The speedup report: source 000 Tables 1-3 for whatever was measured, read from MLflow runs.
+"""The speedup report: Lerat et al. 2022 Tables 1-3 for whatever was measured, read from MLflow runs.
 
 Runs are grouped by *workload* (host, model, dataset, image size, global batch, dataset size,
 loader workers, batches per epoch) and device kind (cpu / gpu). In each group the baseline is
 ``sequential`` on one device: one CPU core (``threads=1``) or one GPU. Speedup is the
-baseline's mean epoch time over the setup's (source 003, section 2); with several runs of one
+baseline's mean epoch time over the setup's (the Lerat et al. entry, section 2); with several runs of one
 setup the median of their ``mean_epoch_time_s`` is used. Only these names are read: the
 params (flattened config), tags and metrics every ddlx run logs.
 """

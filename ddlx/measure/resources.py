@@ -1,4 +1,4 @@
-"""Resource use over a whole run: source 000 Figures 2-5 (CPU %, RAM, threads against time).
+"""Resource use over a whole run: Lerat et al. 2022 Figures 2-5 (CPU %, RAM, threads against time).
 
 A daemon thread in launch-rank 0 samples the process tree it belongs to: this process and its
 descendants (data-parallel ranks started by the launcher, loader workers); under ``mpirun``

@@ -11,7 +11,7 @@ from .mobilenet import build_mobilenet_v2
 from .resnet import build_resnet
 from .vgg import build_vgg
 
-# Inputs smaller than this use the CIFAR/MNIST variants of source 004 Appendix A.
+# Inputs smaller than this use the CIFAR/MNIST variants of Jansen's thesis Appendix A.
 SMALL_INPUT_BELOW = 64
 MIN_IMAGE_SIZE = 16
 

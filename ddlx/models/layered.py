@@ -15,7 +15,7 @@ class LayeredModel(nn.Sequential):
 
     ``cut_points[name] = i`` means the model can be cut between layer ``i - 1`` and layer ``i``:
     ``model[:i]`` then ``model[i:]`` computes the same function as ``model``.
-    ``split_point`` names the cut used by the two-device split (source 003, section 2.4).
+    ``split_point`` names the cut used by the two-device split (the Lerat et al. entry, section 2.4).
     """
 
     def __init__(

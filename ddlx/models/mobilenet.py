@@ -1,4 +1,4 @@
-"""MobileNetV2: torchvision's for ImageNet-sized inputs, source 004 Tables A.4/A.7 for small images."""
+"""MobileNetV2: torchvision's for ImageNet-sized inputs, Jansen's thesis Tables A.4/A.7 for small images."""
 from __future__ import annotations
 
 from torch import nn

@@ -1,4 +1,4 @@
-"""ResNet-18/50/152: torchvision's for ImageNet-sized inputs, source 004 Tables A.2/A.5 for small images."""
+"""ResNet-18/50/152: torchvision's for ImageNet-sized inputs, Jansen's thesis Tables A.2/A.5 for small images."""
 from __future__ import annotations
 
 from torch import nn

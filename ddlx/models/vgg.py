@@ -1,4 +1,4 @@
-"""VGG-11/16: torchvision's for ImageNet-sized inputs, source 004 Tables A.3/A.6 for small images."""
+"""VGG-11/16: torchvision's for ImageNet-sized inputs, Jansen's thesis Tables A.3/A.6 for small images."""
 from __future__ import annotations
 
 from torch import nn

@@ -1,4 +1,4 @@
-"""Custom multi-process data parallelism on CPU: the paper's fastest CPU setup (source 000, 4.1).
+"""Custom multi-process data parallelism on CPU: the paper's fastest CPU setup (Lerat et al. 2022, 4.1).
 
 ``processes`` ranks on one machine, each pinned to its own equal share of the cores with that
 many intra-op threads (so ranks never oversubscribe), its own data shard (Lightning's

@@ -1,6 +1,6 @@
 """MPI launch: ``mpirun`` starts every rank; Lightning's MPIEnvironment reads the ranks from mpi4py.
 
-Each rank runs a local strategy on its own share of the machine (source 003, section 2.6 and
+Each rank runs a local strategy on its own share of the machine (the Lerat et al. entry, section 2.6 and
 its Figure 1: MPI between nodes, local parallelism inside each) and gradients are averaged
 across all ranks by DDP over gloo (CPU) or NCCL (GPU).
 """

@@ -1,4 +1,4 @@
-"""fairscale ``Pipe``: GPipe micro-batch pipelining over devices (source 004, chapter 6).
+"""fairscale ``Pipe``: GPipe micro-batch pipelining over devices (Jansen's thesis, chapter 6).
 
 The batch is split into ``chunks`` micro-batches that flow through the partitions, so the
 devices work at once on different micro-batches; gradients of all micro-batches are summed

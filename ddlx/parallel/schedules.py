@@ -24,7 +24,7 @@ SCHEDULES = {
 
 def bubble_steps(schedule: str, ranks: int, micro: int) -> float:
     """Idle micro-batch steps of the slowest rank in one batch (in units of its time per
-    micro-batch): GPipe's W-1 (source 004 Eq. 6.1); 1F1B the same bubble (PipeDream-flush,
+    micro-batch): GPipe's W-1 (Jansen's thesis Eq. 6.1); 1F1B the same bubble (PipeDream-flush,
     Narayanan et al. 2021: it saves memory, not time); interleaving v stages per rank divides it
     by v (Narayanan et al., SC'21); ZB-V fills it with deferred weight gradients once there are at
     least 2W micro-batches (Qi et al., ICLR 2024), and is interleaved's otherwise."""

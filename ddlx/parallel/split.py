@@ -1,4 +1,4 @@
-"""The manual two-device model split without pipelining (source 003, section 2.4).
+"""The manual two-device model split without pipelining (the Lerat et al. entry, section 2.4).
 
 The first part of the model, up to its named split point (AlexNet after its 4th convolution,
 VGG16 after its 8th), runs on the first device, the rest on the second; activations cross once

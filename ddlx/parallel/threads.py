@@ -1,4 +1,4 @@
-"""The paper's single-process multi-threaded data parallelism on CPU (source 003, section 2.5).
+"""The paper's single-process multi-threaded data parallelism on CPU (the Lerat et al. entry, section 2.5).
 
 A batch of n is split into k sub-batches of n/k; k threads each run forward and backward of
 the network on their sub-batch. The replicas share one set of weights in memory, so they are

@@ -20,7 +20,7 @@ not once per micro-batch.
 
 Several pipelines train data-parallel (``hybrid``, ``mpi``): ranks form a (replica, stage) mesh
 as torchtitan's ``pp`` and ``dp`` dimensions, a pipeline's ranks consecutive (one node: its
-activations never cross the network, only the gradient average does, as in source 003's
+activations never cross the network, only the gradient average does, as in the Lerat et al. entry's
 Figure 1). Each pipeline trains its share of the batch; after the schedule, every rank averages
 its stages' gradients with the same stages of the other pipelines.
 

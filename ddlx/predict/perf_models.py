@@ -1,6 +1,6 @@
 """Performance models: seconds per training batch of each strategy, from the sequential time.
 
-Small pure functions of documented inputs (source 004, chapters 5-6, symbols of its Table 5.1):
+Small pure functions of documented inputs (Jansen's thesis, chapters 5-6, symbols of its Table 5.1):
 ``t_seq`` seconds per batch on one device, ``W`` workers, ``G`` gradient MB, ``th`` the
 allreduce bucket threshold in MB (``bucket_cap_mb``), links as (latency s, bandwidth MB/s).
 Each returns the model's time; calibration against measured runs is applied by the caller.
@@ -144,7 +144,7 @@ def gpipe_comm_s(micro_batch: int, micro_batches: int, boundary_mb: Sequence[flo
 
 
 def split_s(t_seq: float, batch: int, boundary_mb: float, link: Link) -> float:
-    """Two devices, one after the other (no overlap, source 003 2.4): the whole computation plus
+    """Two devices, one after the other (no overlap, the Lerat et al. entry 2.4): the whole computation plus
     the cut's activations forward and their gradients backward."""
     return t_seq + 2 * link.send_s(batch * boundary_mb)
 

@@ -1,4 +1,4 @@
-"""The sequential time T_seq of a job on one device, in order of preference (source 004 ch. 4):
+"""The sequential time T_seq of a job on one device, in order of preference (Jansen's thesis ch. 4):
 
 1. measured: ddlx runs of this network and batch on this hardware on one device
    (``sequential``, one core or one GPU);

@@ -1,4 +1,4 @@
-"""Validation (source 004 Tables 8.1 / 8.2): every measured configuration predicted from all the
+"""Validation (Jansen's thesis Tables 8.1 / 8.2): every measured configuration predicted from all the
 others' runs (leave-one-out), the recommended setup against the measured fastest, and how
 reproducible each workload's measured fastest is (its setups' repeats resampled)."""
 from __future__ import annotations

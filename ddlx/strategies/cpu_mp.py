@@ -1,5 +1,5 @@
 """Multi-process data parallelism on one CPU machine, gradients averaged through shared memory
-(source 000, section 4.1): the paper's fastest CPU setup."""
+(Lerat et al. 2022, section 4.1): the paper's fastest CPU setup."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,7 +25,7 @@ SPLIT_LINEAR = ("auto", "never")
 class CpuMpConfig:
     """``processes`` ranks on one machine, each pinned to cores/processes cores with as many
     threads, its own data shard and loader workers; gradients averaged through shared memory
-    (source 000, section 4.1)."""
+    (Lerat et al. 2022, section 4.1)."""
 
     name: str = "cpu_mp"
     processes: int = knob(2, low=1)

@@ -34,8 +34,8 @@ class DdpConfig:
 
     name: str = MISSING
     processes: int = knob(2, low=1)
-    bucket_cap_mb: float = knob(DEFAULT_BUCKET_MB, low=0, low_open=True)  # DDP's fusion threshold (source 004 Eq. 5.1's th)
-    comm_hook: str = knob("none", choices=COMM_HOOKS)  # gradient compression (source 002, section 4)
+    bucket_cap_mb: float = knob(DEFAULT_BUCKET_MB, low=0, low_open=True)  # DDP's fusion threshold (Jansen's thesis Eq. 5.1's th)
+    comm_hook: str = knob("none", choices=COMM_HOOKS)  # gradient compression (the training-systems survey, section 4)
     checkpoint: str = knob("never", choices=RECOMPUTE)  # always: recompute each block between cut points in backward
     timeout_s: float = knob(TIMEOUT_S, low=0, low_open=True)
 
@@ -52,7 +52,7 @@ class DdpNcclConfig(DdpConfig):
 
 
 def comm_hook(name: str) -> dict:
-    """DDP's communication hook (source 002, section 4: gradient compression)."""
+    """DDP's communication hook (the training-systems survey, section 4: gradient compression)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
     if name == "fp16":

@@ -1,4 +1,4 @@
-"""Data and model parallelism (source 000 Table 2, source 003 Figure 1): DDP across
+"""Data and model parallelism (Lerat et al. 2022 Table 2, the Lerat et al. entry Figure 1): DDP across
 ``processes``, each splitting or piping the model over its own pair of devices."""
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from .split import halves_bytes
 @dataclass
 class HybridConfig:
     """DDP across ``processes``, each splitting (local: split) or piping (local: pipe) the model
-    over its own pair of devices (source 000 Table 2, source 003 Figure 1). local: pipe with
+    over its own pair of devices (Lerat et al. 2022 Table 2, the Lerat et al. entry Figure 1). local: pipe with
     engine=torch runs one process per device: ``processes`` pipelines of two processes each."""
 
     name: str = "hybrid"

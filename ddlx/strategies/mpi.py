@@ -1,5 +1,5 @@
 """Ranks started by ``mpirun`` (or SLURM), gradients averaged across them, each rank running a
-``local`` strategy on its own devices (source 003, section 2.6)."""
+``local`` strategy on its own devices (the Lerat et al. entry, section 2.6)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,7 +21,7 @@ from .split import cut_point
 @dataclass
 class MpiConfig:
     """Ranks started by mpirun, gradients averaged across them, each running a ``local`` strategy
-    (source 003, section 2.6):  mpirun -np 2 python train.py strategy=mpi strategy.local=threads.
+    (the Lerat et al. entry, section 2.6):  mpirun -np 2 python train.py strategy=mpi strategy.local=threads.
     local: pipe with engine=torch runs one rank per stage: pipelines of two consecutive ranks
     (on one node), mpirun -np 4 gives two of them."""
 

@@ -1,5 +1,5 @@
 """A pipeline: the batch in ``chunks`` micro-batches flowing through stages on several devices
-(source 004, chapter 6). Two engines: fairscale's ``Pipe`` (GPipe in one process, the design's
+(Jansen's thesis, chapter 6). Two engines: fairscale's ``Pipe`` (GPipe in one process, the design's
 original; fairscale is unmaintained upstream) and PyTorch's ``torch.distributed.pipelining``
 (one process per device, under GPipe, 1F1B, interleaved 1F1B or zero-bubble schedules)."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The model cut at a named cut point over two devices, no pipelining (source 003, section 2.4)."""
+"""The model cut at a named cut point over two devices, no pipelining (the Lerat et al. entry, section 2.4)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,7 +13,7 @@ from .spec import Setup, StrategyPlan, StrategySpec, accelerator_of, refuse_comp
 @dataclass
 class SplitConfig:
     """The model cut at ``cut_point`` (null: the paper's split point) over two devices, no
-    pipelining (source 003, section 2.4). devices: auto = two GPUs when there are, else [cpu, cpu]."""
+    pipelining (the Lerat et al. entry, section 2.4). devices: auto = two GPUs when there are, else [cpu, cpu]."""
 
     name: str = "split"
     devices: Any = "auto"

@@ -1,5 +1,5 @@
 """One process, each batch split into ``threads`` sub-batches trained by ``threads`` threads on
-shared weights; gradients summed under autograd's lock (source 003, section 2.5)."""
+shared weights; gradients summed under autograd's lock (the Lerat et al. entry, section 2.5)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,7 +19,7 @@ from .spec import Setup, StrategyPlan, StrategySpec, require_cpu, warn_oversubsc
 @dataclass
 class ThreadsConfig:
     """One process: each batch split into ``threads`` sub-batches trained by ``threads`` threads on
-    shared weights (source 003, section 2.5)."""
+    shared weights (the Lerat et al. entry, section 2.5)."""
 
     name: str = "threads"
     threads: int = knob(2, low=1)

@@ -35,6 +35,9 @@ class Job:
 
 
 BATCH_PER = ("global", "worker")
+# What speedups are over: the sequential strategy, on one core of a CPU (threads=1) or one GPU.
+BASELINE = "sequential"
+CPU_BASELINE_SETUP = f"{BASELINE} threads=1"
 CACHE_CHOICES = ("auto", "none")  # data.cache (ddlx.data.cache)
 CACHE_SHARE_OF_RAM = 0.25  # data.cache=auto: what the decoded images may take of a machine's available RAM
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .allocator import SYSTEM
-from .job import FP32, Job, precision_of
+from .job import BASELINE, CPU_BASELINE_SETUP, FP32, Job, precision_of
 
 if TYPE_CHECKING:  # a type only: the record layer does not import the predictor's
     from .predict.hardware import HardwareSpec
@@ -19,7 +19,7 @@ WORKLOAD_PARAMS = (
     "model.name", "data.name", "data.image_size", "data.batch_size", "data.num_images",
     "data.num_workers", "data.root", "trainer.limit_train_batches",
 )
-BASELINE_LABEL = {"cpu": "sequential threads=1 (one core)", "gpu": "sequential (one GPU)"}
+BASELINE_LABEL = {"cpu": f"{CPU_BASELINE_SETUP} (one core)", "gpu": f"{BASELINE} (one GPU)"}
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ class MeasuredRun:
 
     @property
     def is_baseline(self) -> bool:
-        return self.strategy == "sequential" and (self.device != "cpu" or self.setup == "sequential threads=1")
+        return self.strategy == BASELINE and (self.device != "cpu" or self.setup == CPU_BASELINE_SETUP)
 
 
 # What tells apart workloads whose short labels (model/data, size, batch) coincide.

@@ -8,6 +8,7 @@ import importlib
 import pkgutil
 
 from ..errors import ConfigError
+from ..job import BASELINE
 from .spec import Setup, StrategyPlan, StrategySpec
 
 
@@ -19,8 +20,7 @@ def _discover() -> dict[str, StrategySpec]:
 
 
 STRATEGIES: dict[str, StrategySpec] = _discover()
-# The one-device strategy every speedup is measured against (T_seq), never calibrated.
-BASELINE = "sequential"
+# BASELINE (ddlx.job): the one-device strategy every speedup is measured against (T_seq), never calibrated.
 
 
 def available_strategies() -> list[str]:

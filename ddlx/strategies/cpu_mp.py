@@ -15,9 +15,8 @@ from ..predict.costs import (
     weight_traffic_s,
 )
 from ..predict.perf_models import cpu_mp_s, split_exchange_s
-from .spec import Setup, StrategyPlan, StrategySpec, no_loss_scaling, require_cpu, warn_oversubscription
+from .spec import TIMEOUT_S, Setup, StrategyPlan, StrategySpec, no_loss_scaling, require_cpu, warn_oversubscription
 
-TIMEOUT_S = 300.0  # a rank that waits longer than this for the others fails instead of hanging
 SPLIT_LINEAR = ("auto", "never")
 
 

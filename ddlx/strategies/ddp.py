@@ -22,8 +22,7 @@ from ..predict.costs import (
     weight_traffic_s,
 )
 from ..predict.perf_models import data_parallel_s, exposed_allreduce_s
-from .cpu_mp import TIMEOUT_S
-from .spec import Setup, StrategyPlan, StrategySpec, recompute_knob, warn_oversubscription, with_recompute
+from .spec import TIMEOUT_S, Setup, StrategyPlan, StrategySpec, recompute_knob, warn_oversubscription, with_recompute
 
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 

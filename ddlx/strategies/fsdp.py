@@ -22,8 +22,7 @@ from ..predict.costs import (
     weight_traffic_s,
 )
 from ..predict.perf_models import data_parallel_s, exposed_sharded_s
-from .cpu_mp import TIMEOUT_S
-from .spec import Setup, StrategyPlan, StrategySpec, no_loss_scaling, recompute_knob, warn_oversubscription, with_recompute
+from .spec import TIMEOUT_S, Setup, StrategyPlan, StrategySpec, no_loss_scaling, recompute_knob, warn_oversubscription, with_recompute
 
 SHARDINGS = ("full", "grad_op", "none", "hybrid")
 # Ring volume per step against DDP's allreduce (2(W-1)/W of the gradients): full gathers the

@@ -9,13 +9,12 @@ from typing import Any, Optional
 from ..knobs import knob
 from ..predict.costs import DEFAULT_BUCKET_MB, cost, cut_mb, link, memory_need
 from ..predict.perf_models import hybrid_s, split_s
-from .cpu_mp import TIMEOUT_S
 from .mpi import device_pairs, local_parallelizer
 from ..parallel.schedules import SCHEDULES
 from .pipe import (ENGINES, PIPE_CHECKPOINT, engine_refused_precisions, local_torch_pipeline,
                    pipelines_candidates, pipelines_cost,
                    pipelines_memory, torch_pipeline, torch_pipeline_knobs)
-from .spec import Setup, StrategyPlan, StrategySpec, accelerator_of, compile_by_layers_or_refuse, refuse_compile, warn_oversubscription
+from .spec import TIMEOUT_S, Setup, StrategyPlan, StrategySpec, accelerator_of, compile_by_layers_or_refuse, refuse_compile, warn_oversubscription
 from .split import halves_bytes
 
 

@@ -8,13 +8,12 @@ from typing import Any, Optional
 
 from ..errors import ConfigError
 from ..knobs import knob
-from .cpu_mp import TIMEOUT_S
 from .ddp import data_parallel_cost, data_parallel_memory
 from ..parallel.schedules import SCHEDULES
 from .pipe import (ENGINES, PIPE_CHECKPOINT, engine_refused_precisions, local_torch_pipeline, pipe_knobs, pipelines_candidates,
                    pipelines_cost, pipelines_memory, torch_pipeline, torch_pipeline_knobs)
 from ..compiling import WHOLE_MODEL
-from .spec import Setup, StrategyPlan, StrategySpec, compile_by_layers_or_refuse, refuse_compile
+from .spec import TIMEOUT_S, Setup, StrategyPlan, StrategySpec, compile_by_layers_or_refuse, refuse_compile
 from .split import cut_point
 
 

@@ -29,8 +29,7 @@ from ..predict.costs import (
 )
 from ..parallel.schedules import SCHEDULES, bubble_steps, in_flight, micro_batches, stage_owners, stages_of
 from ..predict.perf_models import Link, gpipe_comm_s, gpipe_compute_s, pipeline_schedule_s, ring_allreduce_s
-from .cpu_mp import TIMEOUT_S
-from .spec import Setup, StrategyPlan, StrategySpec, accelerator_of, compile_by_layers_or_refuse
+from .spec import TIMEOUT_S, Setup, StrategyPlan, StrategySpec, accelerator_of, compile_by_layers_or_refuse
 
 PIPE_CHECKPOINT = ("never", "except_last", "always")
 ENGINES = ("fairscale", "torch")

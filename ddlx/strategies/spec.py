@@ -27,6 +27,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# A rank that waits longer than this for the others fails instead of hanging (every multi-process spec's default).
+TIMEOUT_S = 300.0
+
 
 @dataclass
 class StrategyPlan:

@@ -1,0 +1,86 @@
+"""What every registered strategy owes the rest of ddlx, checked for each spec the registry finds
+(a new strategy file is checked without a line here): it plans on a meta-device model, the tags
+of its plan read back to the setup it was asked for, its candidates come out for every described
+machine, and each candidate's predicted time and memory are finite."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from ddlx.cli import register_config
+from ddlx.errors import ConfigError
+from ddlx.job import Job
+from ddlx.predict.gpu_reference import DEFAULT_HW_DIR
+from ddlx.predict.hardware import hw_file
+from ddlx.predict.prediction import Predictor
+from ddlx.run import layered_model_meta
+from ddlx.strategies import STRATEGIES, build_strategy
+from ddlx.tracking import flatten_config
+
+ROOT = Path(__file__).resolve().parents[1]
+HW_FILES = sorted(p.stem for p in DEFAULT_HW_DIR.glob("*.yaml") if p.stem != "schema")
+JOB = Job("resnet18", "firesmall", 3, 3, 32, 32, 640)
+NAMES = sorted(STRATEGIES)
+
+
+def composed(overrides: list[str]):
+    register_config(ROOT)
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose(config_name="train", overrides=["model=resnet18", "data.image_size=32", "data.batch_size=32",
+                                                       "data.num_images=640", *overrides])
+
+
+def test_the_registry_finds_every_strategy_file():
+    files = {p.stem for p in (ROOT / "ddlx" / "strategies").glob("*.py")} - {"__init__", "spec"}
+    found = {type(spec).__module__.rsplit(".", 1)[-1] for spec in STRATEGIES.values()}
+    assert found == files
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_candidates_on_every_described_machine_have_a_finite_time_and_memory(name):
+    spec, predicted = STRATEGIES[name], 0
+    for hw_name in HW_FILES:
+        hw = hw_file(hw_name, DEFAULT_HW_DIR)
+        setups = [s for s in spec.candidates(hw, JOB) if spec.accepts(s, JOB)]
+        assert all(s.strategy == name for s in setups)
+        for p in Predictor(hw, []).recommend(JOB, setups=setups).predictions:
+            assert math.isfinite(p.epoch_s) and p.epoch_s > 0, (hw_name, p.setup.label)
+            assert math.isfinite(p.memory.per_device_gb) and p.memory.per_device_gb > 0, (hw_name, p.setup.label)
+            predicted += 1
+    assert predicted, f"strategy={name} is a candidate on none of {HW_FILES}"
+
+
+def planned(name: str, overrides: list[str]):
+    """(the plan on this CPU, the setup its tags read back to), or None where it is refused by name."""
+    cfg = composed(overrides)
+    try:
+        plan = build_strategy(cfg.strategy, "cpu", layered_model_meta(cfg), cfg.data)
+    except ConfigError as err:  # GPUs or more cores than here: refused by name, before any work
+        assert name in str(err), str(err)
+        return None
+    params = flatten_config(OmegaConf.to_container(cfg, resolve=True))
+    return plan, STRATEGIES[name].setup_of_run(params, plan.tags)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_plan_s_tags_read_back_to_the_setup_it_was_asked_for(name):
+    """Its default, and its candidates on CPU machines that start without a launcher (mpirun and
+    srun set what they start, e.g. mpi's ranks, which a plan here cannot see)."""
+    spec = STRATEGIES[name]
+    default = planned(name, [f"strategy={name}"])
+    setups = [default[1]] if default else []
+    for hw_name in ("cpu_2core_cluster", "local"):
+        hw = hw_file(hw_name, DEFAULT_HW_DIR)
+        setups += [s for s in spec.candidates(hw, JOB) if not spec.launcher(s, hw)]
+    read_back = 0
+    for setup in dict.fromkeys(setups):
+        again = planned(name, setup.overrides.split())
+        if again is not None:
+            assert again[1] == setup, (setup.overrides, again[0].tags)
+            read_back += 1
+    if name != "ddp_nccl":  # NCCL: GPUs only
+        assert read_back, f"no setup of strategy={name} planned on this CPU"

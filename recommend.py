@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 
 from ddlx.cli import register_config, report_config_errors
 from ddlx.config_check import check_command_line, check_recommend_job
-from ddlx.predict.hardware import HardwareSpec
+from ddlx.costmodel.hardware import HardwareSpec
 
 ROOT = Path(__file__).resolve().parent
 register_config(ROOT)

@@ -72,7 +72,7 @@ def data_config(args: argparse.Namespace, workers: int, cache: str):
 
 def delivery(args: argparse.Namespace, workers: int, cache: str) -> tuple[float, float]:
     """(seconds to the first batch, images/s over the following batches, each copied to the device)."""
-    from ddlx.run import build_datamodule
+    from ddlx.data.datamodule import build_datamodule
 
     device = torch.device(args.device)
     dm = build_datamodule(data_config(args, workers, cache))

@@ -3,7 +3,7 @@
     python benchmarks/gpu_layers.py --out layers.csv --memory-out memory.csv
     python benchmarks/gpu_layers.py --models resnet50 --batches 32 --precisions bf16-mixed --device cpu  # a dry run
 
-What the GPU time model (:mod:`ddlx.predict.gpu_time`) predicts, measured: for every network,
+What the GPU time model (:mod:`ddlx.costmodel.gpu_time`) predicts, measured: for every network,
 batch size and precision, PyTorch's defaults otherwise (NCHW, ``cudnn.benchmark`` off, TF32
 convolutions and fp32 matrix products in fp32; autocast under ``*-mixed``, a gradient scaler
 under ``16-mixed``), SGD with momentum as ddlx's module builds it.
@@ -17,7 +17,7 @@ under ``16-mixed``), SGD with momentum as ddlx's module builds it.
   for this pass only (a hook on a tensor modified in place would time the wrong node).
 - **memory**: ``torch.cuda.max_memory_allocated`` over one training step after the first (the
   momentum buffers exist, the gradients were set to None by zero_grad), with the allocated bytes
-  before it (weights and optimizer state); what :func:`ddlx.predict.memory.estimate_training_memory`
+  before it (weights and optimizer state); what :func:`ddlx.costmodel.memory.estimate_training_memory`
   predicts is compared with it by ``studies/gpu_calibration.py``, not here, so this script needs a
   GPU and nothing of the predictor.
 

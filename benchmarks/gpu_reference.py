@@ -3,7 +3,7 @@
     python benchmarks/gpu_reference.py              # fitted to all, and each figure left out in turn (~5 min)
     python benchmarks/gpu_reference.py --no-loo     # the fit only
 
-Prints the fitted parameters, then a row per published figure (ddlx/predict/reference/
+Prints the fitted parameters, then a row per published figure (ddlx/costmodel/reference/
 gpu_training_throughput.csv): gpu | model | precision | batch | predicted | published | error
 (fitted to all) | leave-one-out | source; the figures left out of the fit, with why, last.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ddlx.predict.gpu_reference import (  # noqa: E402
+from ddlx.costmodel.gpu_reference import (  # noqa: E402
     DEFAULT_HW_DIR,
     arrays_of,
     fit,
@@ -26,7 +26,7 @@ from ddlx.predict.gpu_reference import (  # noqa: E402
     load_reference,
     predicted_images_per_s,
 )
-from ddlx.predict.hardware import hw_file  # noqa: E402
+from ddlx.costmodel.hardware import hw_file  # noqa: E402
 
 
 def summary(errors: list[float]) -> str:

@@ -36,7 +36,7 @@ from hydra.core.config_store import ConfigStore  # noqa: E402
 from ddlx.cli import register_config  # noqa: E402
 from ddlx.job import Batches, Job  # noqa: E402
 from ddlx.predict.cli import hardware, job_from_config  # noqa: E402
-from ddlx.predict.hardware import HardwareSpec  # noqa: E402
+from ddlx.costmodel.hardware import HardwareSpec  # noqa: E402
 from ddlx.predict.prediction import Prediction, Predictor  # noqa: E402
 from ddlx.strategies import Setup  # noqa: E402
 

@@ -70,3 +70,11 @@ class Batches:
         stated = self.stated(strategy) or job.batch_size
         batch = stated * processes if self.per == "worker" else stated
         return job if batch == job.batch_size else replace(job, batch_size=batch)
+
+
+def batch_split_problems(batch_size: int, data_parallel: int) -> list[str]:
+    """``data.batch_size`` (the global batch) over ``data_parallel`` processes, each an equal share."""
+    if batch_size % data_parallel == 0:
+        return []
+    return [f"data.batch_size={batch_size} is the global batch and must split evenly over the {data_parallel} "
+            f"processes of this strategy; use a multiple of {data_parallel}"]

@@ -15,6 +15,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from .errors import ConfigError
+from .job import batch_split_problems
 from .strategies import STRATEGIES
 
 
@@ -45,14 +46,6 @@ def consistency_problems(cfg: DictConfig) -> list[str]:
         except ConfigError as err:
             problems.append(str(err))
     return problems
-
-
-def batch_split_problems(batch_size: int, data_parallel: int) -> list[str]:
-    """``data.batch_size`` (the global batch) over ``data_parallel`` processes, each an equal share."""
-    if batch_size % data_parallel == 0:
-        return []
-    return [f"data.batch_size={batch_size} is the global batch and must split evenly over the {data_parallel} "
-            f"processes of this strategy; use a multiple of {data_parallel}"]
 
 
 def path_problems(cfg: DictConfig) -> list[str]:

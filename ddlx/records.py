@@ -12,7 +12,7 @@ from .allocator import SYSTEM
 from .job import BASELINE, CPU_BASELINE_SETUP, FP32, Job, precision_of
 
 if TYPE_CHECKING:  # a type only: the record layer does not import the predictor's
-    from .predict.hardware import HardwareSpec
+    from .costmodel.hardware import HardwareSpec
 
 # The workload: runs that differ in any of these are not comparable.
 WORKLOAD_PARAMS = (

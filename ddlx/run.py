@@ -29,7 +29,7 @@ from .checkpoints import (
 from .config import TrainerConfig
 from .config_check import check_config
 from .console import EpochLines, RunSummary, is_terminal, silence_known_noise
-from .data import ImageFolderDataModule
+from .data.datamodule import build_datamodule
 from .data.folder import complete_data_config
 from .errors import ConfigError, Stopped
 from .job import FP32, precision_of
@@ -48,9 +48,8 @@ from .parallel.launch import (
 )
 from .parallel.network import stages_run
 from .parallel.same_job import SameJobOnEveryRank
-from .predict.memory import GIB, estimate_training_memory
-from .predict.numerics import CPU_FP16, PRECISION_NUMERICS
-from .preflight import batch_split_problems
+from .costmodel.memory import GIB, estimate_training_memory
+from .costmodel.numerics import CPU_FP16, PRECISION_NUMERICS
 from .preflight import check_job as check_job_before_torch
 from .records import run_name
 from .slurm import run_tags as slurm_run_tags
@@ -80,17 +79,6 @@ log = logging.getLogger(__name__)
 MEMORY_HEADROOM = 0.85
 
 
-def build_datamodule(data_cfg: DictConfig, data_parallel: int = 1) -> ImageFolderDataModule:
-    """The datamodule for one process: ``data.batch_size`` is the global batch, split evenly."""
-    kwargs = OmegaConf.to_container(data_cfg, resolve=True)
-    kwargs.pop("batch_per", None)  # made global before (batch_of_workers)
-    problems = batch_split_problems(kwargs["batch_size"], data_parallel)  # mpi's ranks: known only now
-    if problems:
-        raise ConfigError(problems[0])
-    kwargs["batch_size"] //= data_parallel
-    return ImageFolderDataModule(**kwargs)
-
-
 def available_memory_bytes(accelerator: str) -> tuple[int, str]:
     if accelerator in ("gpu", "cuda") and torch.cuda.is_available():
         free, _ = torch.cuda.mem_get_info()
@@ -113,7 +101,7 @@ def check_memory(cfg: DictConfig, data_parallel: int = 1, replicas: int = 1, rec
     need = estimate.total_bytes * replicas
     have, what = available_memory_bytes(cfg.trainer.accelerator)
     if what.endswith("on cuda:0"):  # a GPU: its libraries' workspaces beside what is counted
-        from .predict.gpu_measured import gpu_working_memory
+        from .costmodel.gpu_measured import gpu_working_memory
 
         need += gpu_working_memory()[0] * replicas
     if need > MEMORY_HEADROOM * have:
@@ -310,7 +298,7 @@ def fit(cfg: DictConfig, trainer: pl.Trainer, module: ClassifierModule, datamodu
 
 def forward_gflops(cfg: DictConfig) -> float:
     """The model's forward FLOPs per sample, counted on the meta device (and kept on disk)."""
-    from .predict.profile import profile_model
+    from .costmodel.profile import profile_model
 
     profile = profile_model(cfg.model.name, cfg.data.num_classes, cfg.data.channels, cfg.data.image_size)
     return profile.forward_flops_per_sample / 1e9

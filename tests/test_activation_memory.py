@@ -13,8 +13,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ddlx.models import build_model
 from ddlx.models.layered import blocks_between
 from ddlx.parallel.recompute import recompute_blocks
-from ddlx.predict.memory import estimate_training_memory
-from ddlx.predict.profile import profile_model
+from ddlx.costmodel.memory import estimate_training_memory
+from ddlx.costmodel.profile import profile_model
 
 NETWORKS = ("alexnet", "vgg11", "vgg16", "resnet18", "resnet50", "resnet152", "mobilenet_v2")
 BATCH = 3  # neither of the profile's own counting batches

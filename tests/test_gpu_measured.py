@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ddlx.predict.costs import memory_need
-from ddlx.predict.gpu_measured import (
+from ddlx.costmodel.costs import memory_need
+from ddlx.costmodel.gpu_measured import (
     arrays_of,
     gpu_working_memory,
     leave_one_network_out,
@@ -22,8 +22,8 @@ from ddlx.predict.gpu_measured import (
     predicted_step_s,
     working_memory_residuals,
 )
-from ddlx.predict.gpu_reference import DEFAULT_HW_DIR
-from ddlx.predict.hardware import GB, hw_file
+from ddlx.costmodel.gpu_reference import DEFAULT_HW_DIR
+from ddlx.costmodel.hardware import GB, hw_file
 
 ROOT = Path(__file__).resolve().parents[1]
 H200 = "NVIDIA H200"

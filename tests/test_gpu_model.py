@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 from conftest import CONF_DIR
 
-from ddlx.predict.gpu_reference import (
+from ddlx.costmodel.gpu_reference import (
     DEFAULT_HW_DIR,
     fit,
     fitted_model,
@@ -17,9 +17,9 @@ from ddlx.predict.gpu_reference import (
     load_reference,
     predicted_images_per_s,
 )
-from ddlx.predict.gpu_time import BOUNDS, step_time
-from ddlx.predict.hardware import hw_file
-from ddlx.predict.kernels import kernel_profile
+from ddlx.costmodel.gpu_time import BOUNDS, step_time
+from ddlx.costmodel.hardware import hw_file
+from ddlx.costmodel.kernels import kernel_profile
 
 
 def test_a_step_s_kernels_are_traced_per_layer_and_pass():

@@ -12,7 +12,8 @@ from PIL import Image
 
 from ddlx.data.folder import complete_data_config
 from ddlx.errors import ConfigError
-from ddlx.run import build_datamodule, train
+from ddlx.data.datamodule import build_datamodule
+from ddlx.run import train
 
 datasets = pytest.importorskip("sklearn.datasets", reason="scikit-learn ships the real digit images (pip install -e .[dev])")
 

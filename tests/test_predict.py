@@ -19,13 +19,13 @@ from omegaconf import OmegaConf
 
 from ddlx.errors import ConfigError
 from ddlx.job import Batches, Job
-from ddlx.predict import perf_models as pm
+from ddlx.costmodel import perf_models as pm
 from ddlx.predict.calibration import Calibration
 from ddlx.predict.cli import hardware, load_hw_file
 from ddlx.predict.cli import run as run_recommend
-from ddlx.predict.hardware import GB, HardwareSpec, LinkSpec
+from ddlx.costmodel.hardware import GB, HardwareSpec, LinkSpec
 from ddlx.predict.prediction import Predictor
-from ddlx.predict.profile import profile_model
+from ddlx.costmodel.profile import profile_model
 from ddlx.predict.setups import (
     SequentialTime,
     Setup,
@@ -130,7 +130,7 @@ def test_profile_counts_torchvisions_parameters_and_3x_forward_flops():
 
 
 def test_a_profile_is_kept_on_disk_read_back_equal_and_counted_again_when_unreadable(tmp_path, monkeypatch):
-    from ddlx.predict import profile
+    from ddlx.costmodel import profile
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     profile.profile_model.cache_clear()
@@ -161,7 +161,7 @@ def test_a_steps_tensors_scale_with_the_batch_and_those_of_32_mib_are_mapped_afr
     """ResNet18 at 128 px: its first conv's 64 x 64 x 64 maps reach 32 MiB at 32 samples, not at
     16 (the conv and batch-norm outputs forward, three gradients of that size backward). AlexNet's
     first classifier weight (9216 x 4096) gets a 151 MB gradient every step whatever the batch."""
-    from ddlx.predict.profile import mapped_bytes, step_allocations
+    from ddlx.costmodel.profile import mapped_bytes, step_allocations
 
     ceiling = 32 * 2**20
     assert mapped_bytes("resnet18", 3, 3, 128, 16, ceiling) == 0
@@ -172,7 +172,7 @@ def test_a_steps_tensors_scale_with_the_batch_and_those_of_32_mib_are_mapped_afr
 
 def test_the_allocator_advice_names_what_glibc_maps_afresh_for_the_recommended_setup(monkeypatch):
     from ddlx.predict.prediction import allocator_advice
-    from ddlx.predict.profile import mapped_bytes
+    from ddlx.costmodel.profile import mapped_bytes
     from ddlx.predict.setups import worker_batch
 
     job = Job("mobilenet_v2", "firesmall", 3, 3, 192, 32, 320)
@@ -601,7 +601,7 @@ def test_local_is_detected():
 
 
 def test_local_rates_are_timed_once_per_machine(tmp_path, monkeypatch):
-    from ddlx.predict import hardware as hw_module
+    from ddlx.costmodel import hardware as hw_module
 
     def rates(value):
         return lambda spec: {k: {"bf16": value} if k == "peak_tflops_by_type" else value
@@ -1032,7 +1032,7 @@ def test_a_precision_sets_the_units_the_gpu_model_runs_it_on():
 
 def test_16_mixed_is_not_predicted_on_cpus():
     """Lightning trains it there as bf16-mixed (tests/test_precision.py): the recommender says so."""
-    from ddlx.predict.numerics import numerics_on
+    from ddlx.costmodel.numerics import numerics_on
 
     assert numerics_on("16-mixed", "gpu").compute == "fp16" and numerics_on("bf16-mixed", "cpu").compute == "bf16"
     with pytest.raises(ConfigError, match=r"trainer.precision=16 on a CPU machine: .*trainer.precision=bf16-mixed"):
@@ -1055,7 +1055,7 @@ def test_an_efficiency_is_calibrated_against_the_peak_of_its_runs_precision():
 
 
 def test_a_precision_sets_the_bytes_of_weights_gradients_and_activations():
-    from ddlx.predict.numerics import numerics_of
+    from ddlx.costmodel.numerics import numerics_of
 
     fp32 = profile_model("vgg11", 2, 3, 64)
     layers = sum(layer.activation_bytes for layer in fp32.layers)
@@ -1072,7 +1072,7 @@ def test_a_precision_sets_the_bytes_of_weights_gradients_and_activations():
     assert double.state_bytes(10) == 10 * 3 * 8 and double.activation_bytes_per_sample == 2 * fp32.activation_bytes_per_sample
     hw, job = _compose_hw_spec("titanrtx_4x"), Job("vgg11", "firesmall", 2, 3, 64, 32, 640)
     ddp = Setup("ddp_nccl", (("processes", 4),))
-    from ddlx.predict.gpu_measured import gpu_working_memory
+    from ddlx.costmodel.gpu_measured import gpu_working_memory
 
     working = gpu_working_memory()[0] / GB  # the libraries' workspaces: the same in every precision
     per_device = {p: memory_need(ddp, replace(job, precision=p), hw, fp32.at(numerics_of(p))).per_device_gb - working

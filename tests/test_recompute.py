@@ -13,7 +13,7 @@ from ddlx.job import Job
 from ddlx.models import build_model
 from ddlx.parallel.recompute import recompute_at_cut_points
 from ddlx.predict.cli import hardware, load_hw_file
-from ddlx.predict.profile import profile_model
+from ddlx.costmodel.profile import profile_model
 from ddlx.predict.setups import SequentialTime, Setup, candidates, memory_need, model_cost
 
 

@@ -14,8 +14,8 @@ from omegaconf import OmegaConf
 from ddlx.cli import register_config
 from ddlx.errors import ConfigError
 from ddlx.job import Job
-from ddlx.predict.gpu_reference import DEFAULT_HW_DIR
-from ddlx.predict.hardware import hw_file
+from ddlx.costmodel.gpu_reference import DEFAULT_HW_DIR
+from ddlx.costmodel.hardware import hw_file
 from ddlx.predict.prediction import Predictor
 from ddlx.run import layered_model_meta
 from ddlx.strategies import STRATEGIES, build_strategy

@@ -14,7 +14,7 @@ from conftest import PROJECT_DIR, TINY, compose_config, runs, subprocess_env
 from ddlx import run as run_module
 from ddlx.errors import ConfigError
 from ddlx.models import ARCHITECTURES
-from ddlx.predict.memory import GIB
+from ddlx.costmodel.memory import GIB
 from ddlx.run import check_memory, train
 
 EPOCH_METRICS = {"train_loss", "train_acc", "val_loss", "val_acc", "epoch_time_s", "samples_per_s",

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from ..allocator import release_free_heap
 from ..errors import ConfigError
+from ..job import batch_split_problems
 from .folder import scan_imagefolder
 from .synthetic import SyntheticSpec, ensure_synthetic_imagefolder
 from .cache import CACHE_CHOICES, keep_decoded
@@ -388,3 +389,17 @@ class ImageFolderDataModule(pl.LightningDataModule):
     def val_dataloader(self) -> DataLoader | list:
         # data.val_fraction=0: no validation loop (Lightning skips an empty list), an epoch is all the images
         return self._loader(self.val_set, shuffle=False) if len(self.val_set) else []
+
+
+def build_datamodule(data_cfg, data_parallel: int = 1) -> ImageFolderDataModule:
+    """The datamodule for one process from the ``data`` config (a mapping or an OmegaConf node):
+    ``data.batch_size`` is the global batch, split evenly."""
+    from omegaconf import OmegaConf
+
+    kwargs = dict(data_cfg) if isinstance(data_cfg, dict) else OmegaConf.to_container(data_cfg, resolve=True)
+    kwargs.pop("batch_per", None)  # made global before (batch_of_workers)
+    problems = batch_split_problems(kwargs["batch_size"], data_parallel)  # mpi's ranks: known only now
+    if problems:
+        raise ConfigError(problems[0])
+    kwargs["batch_size"] //= data_parallel
+    return ImageFolderDataModule(**kwargs)

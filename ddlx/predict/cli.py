@@ -19,7 +19,7 @@ from ..models import check_request
 from ..records import left_out
 from ..strategies import BASELINE
 from ..tracking import check_tracking_uri, load_runs, log_result_run, store_exists
-from .hardware import GB, HardwareSpec, detect_local, load_hw_file, machine_identity, validate
+from ..costmodel.hardware import GB, HardwareSpec, detect_local, load_hw_file, machine_identity, validate
 from .kept import forget, kept
 from .machines import compare
 from .prediction import Predictor, Recommendation, data_config_of_job
@@ -32,7 +32,7 @@ from .render import (
     validation_plot,
     validation_text,
 )
-from .numerics import numerics_of, numerics_on
+from ..costmodel.numerics import numerics_of, numerics_on
 from .tseq import ProbedBatch, probe_batches, probe_loading
 from .validation import group_errors, pick_figures
 from .validation import validate as leave_one_out
@@ -43,7 +43,7 @@ OUTPUTS = ("table", "json")
 
 def hardware(cfg_hw: DictConfig, detected_dir: Path | None = None, refresh: bool = False) -> HardwareSpec:
     """The typed, checked description: unknown keys and missing values are named. ``detected_dir``
-    keeps hw=local's timed rates per machine (:func:`~ddlx.predict.hardware.detect_local`)."""
+    keeps hw=local's timed rates per machine (:func:`~ddlx.costmodel.hardware.detect_local`)."""
     from dataclasses import fields
 
     from omegaconf.errors import MissingMandatoryValue

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ..job import Job
 from ..records import MeasuredRun, not_measured, on_hardware, speed_knobs_set, unmodelled
-from .hardware import HardwareSpec
+from ..costmodel.hardware import HardwareSpec
 
 
 @dataclass(frozen=True)

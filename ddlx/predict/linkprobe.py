@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .hardware import HardwareSpec
+from ..costmodel.hardware import HardwareSpec
 
 SIZES_BYTES = (4, 64 * 2**10, 2**20, 8 * 2**20, 32 * 2**20)
 

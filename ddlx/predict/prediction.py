@@ -20,9 +20,9 @@ from ..errors import ConfigError
 from ..strategies import BASELINE, spec_of
 from .calibration import Calibration, fit_group_calibrations, workload_ratios
 from .compile_gain import CompileGain, measured_gain
-from .hardware import HardwareSpec
-from .numerics import numerics_of
-from .profile import ModelProfile, mapped_bytes, profile_model
+from ..costmodel.hardware import HardwareSpec
+from ..costmodel.numerics import numerics_of
+from ..costmodel.profile import ModelProfile, mapped_bytes, profile_model
 from .setups import (
     Cost,
     MemoryNeed,

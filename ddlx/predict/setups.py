@@ -8,9 +8,9 @@ import math
 from ..errors import ConfigError
 from ..job import Batches, Job
 from ..strategies import STRATEGIES, Setup, spec_of
-from .costs import Cost, MemoryNeed, SequentialTime, weight_seconds
-from .hardware import HardwareSpec
-from .profile import ModelProfile
+from ..costmodel.costs import Cost, MemoryNeed, SequentialTime, weight_seconds
+from ..costmodel.hardware import HardwareSpec
+from ..costmodel.profile import ModelProfile
 
 __all__ = ["Cost", "MemoryNeed", "SequentialTime", "Setup", "calibration_group", "candidates", "check_tries", "loader_bound_s",
            "memory_need", "model_batch_s", "model_cost", "setup_of_run", "splits_batch", "training_processes",

@@ -31,9 +31,9 @@ from ..records import (
     usable,
 )
 from ..strategies import BASELINE
-from .hardware import HardwareSpec, intra_op_threads
-from .numerics import numerics_of
-from .profile import ModelProfile
+from ..costmodel.hardware import HardwareSpec, intra_op_threads
+from ..costmodel.numerics import numerics_of
+from ..costmodel.profile import ModelProfile
 from .setups import SequentialTime, calibration_group, setup_of_run, weight_seconds
 
 # Fraction of the peak a training step reaches when no run calibrates it: GPU convolution nets
@@ -126,10 +126,10 @@ def from_gpu_model(job: Job, hw: HardwareSpec, hw_dir=None) -> SequentialTime | 
     """The per-layer GPU model's step at the job's batch (None where it has none: fp64, a
     format other than fp32 and the 2-byte ones): its optimizer step is the weight traffic, the
     rest is shared out per sample."""
-    from .gpu_measured import measured_fit
-    from .gpu_reference import DEFAULT_HW_DIR, fitted_model
-    from .gpu_time import step_time
-    from .kernels import kernel_profile
+    from ..costmodel.gpu_measured import measured_fit
+    from ..costmodel.gpu_reference import DEFAULT_HW_DIR, fitted_model
+    from ..costmodel.gpu_time import step_time
+    from ..costmodel.kernels import kernel_profile
 
     numerics = numerics_of(job.precision)
     if hw.device_kind != "gpu" or numerics.activation_bytes not in (2, 4) or numerics.compute == "fp64":
@@ -211,7 +211,7 @@ def probe_batches(cfg_data, model: str, threads: int = 1, max_seconds: float = 3
 
         from ..models import build_model
         from ..module import ClassifierModule
-        from ..run import build_datamodule
+        from ..data.datamodule import build_datamodule
 
         dm = build_datamodule(probe_data(cfg_data, n + 2))
         dm.prepare_data()
@@ -264,7 +264,7 @@ def probe_loading(cfg_data, max_seconds: float = 30.0) -> Callable[[], float]:
     def run() -> float:
         from omegaconf import OmegaConf
 
-        from ..run import build_datamodule
+        from ..data.datamodule import build_datamodule
 
         dm = build_datamodule(OmegaConf.merge(probe_data(cfg_data, 6, min(cfg_data.batch_size, LOADING_PROBE_BATCH)),
                                               {"num_workers": 0}))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..knobs import knob
-from ..predict.costs import (
+from ..costmodel.costs import (
     REPLICA_SHARE,
     cost,
     link,
@@ -14,7 +14,7 @@ from ..predict.costs import (
     replica_bytes,
     weight_traffic_s,
 )
-from ..predict.perf_models import cpu_mp_s, split_exchange_s
+from ..costmodel.perf_models import cpu_mp_s, split_exchange_s
 from .spec import TIMEOUT_S, Setup, StrategyPlan, StrategySpec, no_loss_scaling, require_cpu, warn_oversubscription
 
 SPLIT_LINEAR = ("auto", "never")

@@ -9,7 +9,7 @@ from omegaconf import MISSING
 
 from ..errors import ConfigError
 from ..knobs import knob
-from ..predict.costs import (
+from ..costmodel.costs import (
     DEFAULT_BUCKET_MB,
     RECOMPUTE,
     computing_at_once,
@@ -21,7 +21,7 @@ from ..predict.costs import (
     ring,
     weight_traffic_s,
 )
-from ..predict.perf_models import data_parallel_s, exposed_allreduce_s
+from ..costmodel.perf_models import data_parallel_s, exposed_allreduce_s
 from .spec import TIMEOUT_S, Setup, StrategyPlan, StrategySpec, recompute_knob, warn_oversubscription, with_recompute
 
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")

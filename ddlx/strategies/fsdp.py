@@ -8,7 +8,7 @@ from typing import Optional
 from ..compiling import EACH_LAYER
 from ..errors import ConfigError
 from ..knobs import knob
-from ..predict.costs import (
+from ..costmodel.costs import (
     RECOMPUTE,
     computing_at_once,
     cost,
@@ -21,7 +21,7 @@ from ..predict.costs import (
     ring,
     weight_traffic_s,
 )
-from ..predict.perf_models import data_parallel_s, exposed_sharded_s
+from ..costmodel.perf_models import data_parallel_s, exposed_sharded_s
 from .spec import TIMEOUT_S, Setup, StrategyPlan, StrategySpec, no_loss_scaling, recompute_knob, warn_oversubscription, with_recompute
 
 SHARDINGS = ("full", "grad_op", "none", "hybrid")

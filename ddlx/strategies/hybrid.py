@@ -7,8 +7,8 @@ from datetime import timedelta
 from typing import Any, Optional
 
 from ..knobs import knob
-from ..predict.costs import DEFAULT_BUCKET_MB, cost, cut_mb, link, memory_need
-from ..predict.perf_models import hybrid_s, split_s
+from ..costmodel.costs import DEFAULT_BUCKET_MB, cost, cut_mb, link, memory_need
+from ..costmodel.perf_models import hybrid_s, split_s
 from .mpi import device_pairs, local_parallelizer
 from ..parallel.schedules import SCHEDULES
 from .pipe import (ENGINES, PIPE_CHECKPOINT, engine_refused_precisions, local_torch_pipeline,

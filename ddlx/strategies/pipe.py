@@ -11,7 +11,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..knobs import knob
-from ..predict.costs import (
+from ..costmodel.costs import (
     DEFAULT_BUCKET_MB,
     FORWARD_SHARE,
     RECOMPUTE,
@@ -28,7 +28,7 @@ from ..predict.costs import (
     weight_traffic_s,
 )
 from ..parallel.schedules import SCHEDULES, bubble_steps, in_flight, micro_batches, stage_owners, stages_of
-from ..predict.perf_models import Link, gpipe_comm_s, gpipe_compute_s, pipeline_schedule_s, ring_allreduce_s
+from ..costmodel.perf_models import Link, gpipe_comm_s, gpipe_compute_s, pipeline_schedule_s, ring_allreduce_s
 from .spec import TIMEOUT_S, Setup, StrategyPlan, StrategySpec, accelerator_of, compile_by_layers_or_refuse
 
 PIPE_CHECKPOINT = ("never", "except_last", "always")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..knobs import knob
-from ..predict.costs import cost, memory_need, replica_bytes, weight_traffic_s
+from ..costmodel.costs import cost, memory_need, replica_bytes, weight_traffic_s
 from .spec import Setup, StrategyPlan, StrategySpec, warn_oversubscription
 
 

@@ -3,8 +3,8 @@
 Each ``ddlx/strategies/<name>.py`` defines the spec of its strategy (``SPECS``): its knobs (a
 dataclass: the schema of the ``strategy`` option of that name), how it builds the Trainer's
 arguments, how its setup is read back from a run, its candidate setups on a described machine,
-and its time and memory models (built from :mod:`ddlx.predict.costs` and
-:mod:`ddlx.predict.perf_models`). Nothing outside a spec switches on a strategy's name.
+and its time and memory models (built from :mod:`ddlx.costmodel.costs` and
+:mod:`ddlx.costmodel.perf_models`). Nothing outside a spec switches on a strategy's name.
 
 Nothing here imports torch at import time: the specs are read when the config is composed.
 """
@@ -21,9 +21,9 @@ from ..errors import ConfigError
 if TYPE_CHECKING:
     from ..job import Job
     from ..models import LayeredModel
-    from ..predict.costs import Cost, MemoryNeed, SequentialTime
-    from ..predict.hardware import HardwareSpec
-    from ..predict.profile import ModelProfile
+    from ..costmodel.costs import Cost, MemoryNeed, SequentialTime
+    from ..costmodel.hardware import HardwareSpec
+    from ..costmodel.profile import ModelProfile
 
 log = logging.getLogger(__name__)
 

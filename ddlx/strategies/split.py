@@ -5,8 +5,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..errors import ConfigError
-from ..predict.costs import cost, cut_mb, link, memory_need, stage_bytes
-from ..predict.perf_models import split_s
+from ..costmodel.costs import cost, cut_mb, link, memory_need, stage_bytes
+from ..costmodel.perf_models import split_s
 from .spec import Setup, StrategyPlan, StrategySpec, accelerator_of, refuse_compile
 
 

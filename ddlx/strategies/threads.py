@@ -5,14 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..knobs import knob
-from ..predict.costs import (
+from ..costmodel.costs import (
     REPLICA_SHARE,
     cost,
     memory_need,
     replica_bytes,
     weight_traffic_s,
 )
-from ..predict.perf_models import threads_s
+from ..costmodel.perf_models import threads_s
 from .spec import Setup, StrategyPlan, StrategySpec, require_cpu, warn_oversubscription
 
 

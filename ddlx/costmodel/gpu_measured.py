@@ -129,7 +129,7 @@ def measured_fit(hw: HardwareSpec) -> MeasuredFit | None:
 
         kept = kept_fit("gpu-measured", [path], compute, also=json.dumps(asdict(hw), sort_keys=True, default=str))
         return MeasuredFit(GpuParams.of(kept["params"]), hw.device_name, len(steps), sum(len(s.forward_s) for s in steps),
-                           f"ddlx/predict/reference/{path.name}")
+                           f"ddlx/costmodel/reference/{path.name}")
     return None
 
 
@@ -181,5 +181,5 @@ def gpu_working_memory() -> tuple[int, str]:
         return {"bytes": int(np.median(excess)), "peaks": len(excess)}
 
     kept = kept_fit("gpu-working-memory", [*files, here / "memory.py", here / "profile.py", here / "numerics.py"], compute)
-    names = ", ".join(f"ddlx/predict/reference/{p.name}" for p in files)
+    names = ", ".join(f"ddlx/costmodel/reference/{p.name}" for p in files)
     return kept["bytes"], f"the median excess of {kept['peaks']} measured peaks over the counted memory ({names})"

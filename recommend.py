@@ -13,7 +13,7 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
-from ddlx.cli import register_config, report_config_errors
+from ddlx.entry import register_config, report_config_errors
 from ddlx.config_check import check_command_line, check_recommend_job
 from ddlx.costmodel.hardware import HardwareSpec
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from ddlx.cli import (
+from ddlx.entry import (
     exit_if_jobs_refused,
     hydra_job_tags,
     register_config,

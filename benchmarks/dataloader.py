@@ -57,7 +57,7 @@ def parse_args() -> argparse.Namespace:
 def data_config(args: argparse.Namespace, workers: int, cache: str):
     from hydra import compose, initialize_config_dir
 
-    from ddlx.cli import register_config
+    from ddlx.entry import register_config
 
     register_config(ROOT)
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):

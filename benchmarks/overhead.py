@@ -58,7 +58,7 @@ def compose(model: str, args: argparse.Namespace, root: Path, monitor: bool, *ex
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from ddlx.cli import register_config
+    from ddlx.entry import register_config
 
     register_config(ROOT)
     overrides = [

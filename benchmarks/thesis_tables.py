@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 from hydra import compose, initialize_config_dir  # noqa: E402
 from hydra.core.config_store import ConfigStore  # noqa: E402
 
-from ddlx.cli import register_config  # noqa: E402
+from ddlx.entry import register_config  # noqa: E402
 from ddlx.job import Batches, Job  # noqa: E402
 from ddlx.predict.cli import hardware, job_from_config  # noqa: E402
 from ddlx.costmodel.hardware import HardwareSpec  # noqa: E402

@@ -12,7 +12,7 @@ import sys
 
 from omegaconf import OmegaConf
 
-from .cli import report_config_errors
+from .entry import report_config_errors
 from .errors import Stopped
 from .process import PARENT_ENV, end_with_parent
 

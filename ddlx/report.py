@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from .measure import report
+from .measure import speedup_table as report
 from .tracking import check_tracking_uri, load_runs, log_result_run
 from .ui import compare_page, open_command, run_page
 

@@ -9,7 +9,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from ddlx.cli import register_config
+from ddlx.entry import register_config
 
 PROJECT_DIR = Path(__file__).resolve().parents[1]
 CONF_DIR = PROJECT_DIR / "conf"

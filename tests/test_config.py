@@ -61,7 +61,7 @@ def test_a_bad_value_is_named_with_the_fix_before_anything_loads(override, key, 
 def test_what_the_config_and_the_machine_tell_is_checked_before_torch_loads():
     """The checks that need no model, data or device answer without importing torch (train.py
     then exits; ddlx.run.train checks the same for its callers)."""
-    code = ("import sys\nfrom pathlib import Path\nfrom ddlx.cli import register_config\n"
+    code = ("import sys\nfrom pathlib import Path\nfrom ddlx.entry import register_config\n"
             "from ddlx.config_check import check_command_line\nregister_config(Path(sys.argv[1]))\n"
             "try:\n    check_command_line(sys.argv[2:], Path(sys.argv[1]) / 'conf', 'train')\n"
             "except SystemExit as stop:\n    print('exit', stop.code, 'torch' in sys.modules, 'mlflow' in sys.modules)\n")

@@ -35,7 +35,7 @@ from ddlx.predict.setups import (
     model_cost,
     setup_of_run,
 )
-from ddlx.predict.tseq import ProbedBatch
+from ddlx.predict.sequential_time import ProbedBatch
 from ddlx.predict.validation import ValidationRow, pick, validate
 from ddlx.records import MeasuredRun, job_of_run, workload_of
 
@@ -859,7 +859,7 @@ def test_a_probe_keeps_the_loading_apart():
     """A probe splits its batches' loading from their compute, as the runs' data_wait_s does:
     threads loads every sample in one thread, cpu_mp's processes half each, so a probe that
     folded the loading into compute would credit threads with splitting it."""
-    from ddlx.predict.tseq import from_probe
+    from ddlx.predict.sequential_time import from_probe
 
     hw, profile = _hw(), profile_model("mobilenet_v2", 3, 3, 64)
     job = Job("mobilenet_v2", "firesmall", 3, 3, 64, 32, 320)
@@ -1040,7 +1040,7 @@ def test_16_mixed_is_not_predicted_on_cpus():
 
 
 def test_an_efficiency_is_calibrated_against_the_peak_of_its_runs_precision():
-    from ddlx.predict.tseq import efficiency_from_runs, from_flops
+    from ddlx.predict.sequential_time import efficiency_from_runs, from_flops
 
     hw = _hw(peak_tflops_by_type={"bf16": 0.4})
     half = [replace(r, workload=replace(r.workload, precision="bf16-mixed")) for r in _consistent_runs(hw)]

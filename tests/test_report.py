@@ -8,7 +8,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from ddlx import report as cli
-from ddlx.measure import report
+from ddlx.measure import speedup_table as report
 from ddlx.tracking import load_runs
 
 WORKLOAD = {"model.name": "alexnet", "data.name": "firesmall", "data.image_size": "64", "data.batch_size": "32",

@@ -160,7 +160,7 @@ def test_errors_before_and_after_the_run_opens_and_runs_without_a_step(tiny_conf
     train(tiny_config("trainer.fast_dev_run=true"), tmp_path / "smoke")
     smoke = next(r for r in runs(tracking_uri) if r.info.run_id != failed.info.run_id)
     assert smoke.info.status == "FINISHED" and smoke.data.tags["measured"] == "false"
-    from ddlx.measure.report import build_report
+    from ddlx.measure.speedup_table import build_report
     from ddlx.tracking import load_runs
 
     report = build_report(load_runs(tracking_uri, ["ddlx"]))
@@ -468,7 +468,7 @@ def test_a_stop_signal_to_the_process_group_during_validation_exits_at_once(tmp_
 
 
 def test_a_refused_checkpoint_write_is_one_line_and_a_failed_run(capsys):
-    from ddlx.cli import run_training_job
+    from ddlx.entry import run_training_job
     from ddlx.errors import CheckpointNotWritten
 
     def refused():

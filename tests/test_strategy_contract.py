@@ -11,7 +11,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from ddlx.cli import register_config
+from ddlx.entry import register_config
 from ddlx.errors import ConfigError
 from ddlx.job import Job
 from ddlx.costmodel.gpu_reference import DEFAULT_HW_DIR

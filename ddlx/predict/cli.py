@@ -20,7 +20,7 @@ from ..records import left_out
 from ..strategies import BASELINE
 from ..tracking import check_tracking_uri, load_runs, log_result_run, store_exists
 from ..costmodel.hardware import GB, HardwareSpec, detect_local, load_hw_file, machine_identity, validate
-from .kept import forget, kept
+from .kept_probes import forget, kept
 from .machines import compare
 from .prediction import Predictor, Recommendation, data_config_of_job
 from .setups import check_tries
@@ -33,7 +33,7 @@ from .render import (
     validation_text,
 )
 from ..costmodel.numerics import numerics_of, numerics_on
-from .tseq import ProbedBatch, probe_batches, probe_loading
+from .sequential_time import ProbedBatch, probe_batches, probe_loading
 from .validation import group_errors, pick_figures
 from .validation import validate as leave_one_out
 
@@ -204,7 +204,7 @@ def close_call_errors(unprobed: Predictor, cpu_allocator: str, rec: Recommendati
 
 def kept_probes(cfg: DictConfig, runs, local: HardwareSpec, detected_dir: Path | None):
     """The training and loading probes of a job, each timed once per machine and what its time
-    depends on, and kept in ``detected_dir`` (:mod:`.kept`): asked twice, a question gets the
+    depends on, and kept in ``detected_dir`` (:mod:`.kept_probes`): asked twice, a question gets the
     same answer."""
     machine = machine_identity(local)
 

@@ -38,7 +38,7 @@ from .setups import (
     worker_batch,
     workers_to_keep_up,
 )
-from .tseq import ProbedBatch, efficiency_from_runs, from_flops, from_gpu_model, from_probe, from_runs
+from .sequential_time import ProbedBatch, efficiency_from_runs, from_flops, from_gpu_model, from_probe, from_runs
 
 Probe = Callable[[Job], Callable[[int], list[ProbedBatch]]]
 LoadingProbe = Callable[[Job], Callable[[], float]]

@@ -47,7 +47,7 @@ def main() -> None:
     from ddlx.predict.prediction import Predictor, data_config_of_job
     from ddlx.predict.validation import ValidationRow, pick, pick_figures
     from ddlx.predict.setups import calibration_group, setup_of_run
-    from ddlx.predict.tseq import probe_batches
+    from ddlx.predict.sequential_time import probe_batches
 
     held = {tuple(w.split(":")) for w in args.workloads}
     allocator = resolve_allocator(args.cpu_allocator)

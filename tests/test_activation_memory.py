@@ -92,6 +92,7 @@ def test_the_counted_activations_are_what_autograd_saves(arch, size, precision):
     assert abs(estimate.activations_bytes / kept - 1) <= TOLERANCE, (estimate.activations_bytes, kept)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("arch", NETWORKS)
 def test_recomputed_blocks_keep_only_their_inputs(arch):
     """With activation checkpointing at the cut points a forward keeps each block's input;

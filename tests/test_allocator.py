@@ -67,6 +67,7 @@ def test_auto_under_a_malloc_ddlx_cannot_name_is_refused(monkeypatch):
         resolve_allocator("auto")
 
 
+@pytest.mark.integration
 def test_a_python_whose_executable_defines_malloc_runs_on_the_library_behind_it(monkeypatch):
     """uv's standalone Pythons (the GPU machines' image) are non-PIE executables that define malloc
     at their own PLT entry: dladdr names the executable, the calls reach the C library (or the
@@ -83,6 +84,7 @@ def test_a_python_whose_executable_defines_malloc_runs_on_the_library_behind_it(
     assert resolve_allocator("auto") == "keep_freed"
 
 
+@pytest.mark.integration
 def test_a_named_malloc_replacement_must_be_the_one_preloaded():
     assert replacement_of(malloc_library()) is None, "this test process runs with the C library's malloc"
     with pytest.raises(ConfigError, match=r"cpu_allocator=jemalloc, but malloc in this process comes from .*: start it with "
@@ -101,6 +103,7 @@ def test_a_replacements_tuning_in_the_environment_is_refused(monkeypatch):
     check_allocator("system")  # glibc does not read it
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(ctypes.util.find_library("jemalloc") is None,
                     reason="needs jemalloc to preload (Debian: apt-get install libjemalloc2, as the README's setup does)")
 def test_under_a_preloaded_jemalloc_only_its_name_is_accepted():
@@ -135,6 +138,7 @@ def _has_mallinfo2() -> bool:
         return False
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(not _has_mallinfo2(), reason="needs glibc 2.33+ (mallinfo2) to count the mapped blocks")
 def test_keep_freed_serves_large_blocks_from_the_heap_here_and_in_the_processes_it_starts():
     """Under glibc's default a 64 MiB block gets its own mapping (and is unmapped on free);

@@ -83,6 +83,7 @@ def test_compiled_forward_keeps_the_state_dict_and_hooks_outside():
     assert list(whole.state_dict()) == keys
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("strategy, key", [
     (["strategy=pipe"], "strategy.engine=torch"),
     (["strategy=split"], "strategy=pipe strategy.engine=torch"),

@@ -24,6 +24,7 @@ def train_py(*overrides: str, multirun: bool = False, script: str = "train.py") 
     return proc, time.monotonic() - start
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("override,key,expected", [
     ("seed=abc", r"seed=abc", r"an integer, e.g. seed=42"),
     ("data.image_size=abc", r"data.image_size=abc", r"an integer"),
@@ -58,6 +59,7 @@ def test_a_bad_value_is_named_with_the_fix_before_anything_loads(override, key, 
     assert seconds < 20, "reported before torch, Lightning and MLflow load (about a second on a quiet machine)"
 
 
+@pytest.mark.integration
 def test_what_the_config_and_the_machine_tell_is_checked_before_torch_loads():
     """The checks that need no model, data or device answer without importing torch (train.py
     then exits; ddlx.run.train checks the same for its callers)."""
@@ -71,6 +73,7 @@ def test_what_the_config_and_the_machine_tell_is_checked_before_torch_loads():
         assert proc.stdout.split() == ["exit", "2", "False", "False"], (overrides, proc.stdout, proc.stderr[-2000:])
 
 
+@pytest.mark.integration
 def test_recommend_names_an_unknown_machine_or_model_with_the_options(tmp_path):
     for override, expected in (("hw=nosuch", r"hw=nosuch is not an option of hw.*expected one of .*titanrtx_4x"),
                                ("model=nosuch", r"model=nosuch is not an option of model.*expected one of .*vgg16"),
@@ -81,6 +84,7 @@ def test_recommend_names_an_unknown_machine_or_model_with_the_options(tmp_path):
         assert "schema" not in proc.stderr.split("expected one of")[-1], "the schema is no option"
 
 
+@pytest.mark.integration
 def test_every_job_of_a_sweep_is_checked_before_the_first_runs(tmp_path):
     proc, _ = train_py(f"paths.root={tmp_path}", "strategy=sequential,cpu_mp", "strategy.threads=2", multirun=True)
     assert proc.returncode == 2, proc.stderr[-2000:]
@@ -89,6 +93,7 @@ def test_every_job_of_a_sweep_is_checked_before_the_first_runs(tmp_path):
     assert not (tmp_path / "multirun").exists() and not (tmp_path / "mlflow.db").exists(), "no job ran"
 
 
+@pytest.mark.integration
 def test_the_schema_types_and_bounds_every_strategys_knobs():
     with pytest.raises(ConfigError, match=r"strategy.processes=0: expected a value >= 1"):
         check_config(compose_config(["strategy=cpu_mp", "strategy.processes=0"]))
@@ -102,6 +107,7 @@ def test_the_schema_types_and_bounds_every_strategys_knobs():
         check_config(compose_config([f"strategy={name}"]))  # every default is within its bounds
 
 
+@pytest.mark.integration
 def test_a_config_edited_after_composing_is_checked_again():
     """train() checks what it is given (a rank's config file, an API caller's edits)."""
     from omegaconf import OmegaConf
@@ -112,6 +118,7 @@ def test_a_config_edited_after_composing_is_checked_again():
         check_config(cfg)
 
 
+@pytest.mark.integration
 def test_every_trainer_argument_can_be_set_and_the_schema_follows_lightning():
     import pytorch_lightning as pl
 

@@ -263,6 +263,7 @@ WORKER_KEEPS_FREED_HEAP = textwrap.dedent("""
 """)
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(not sys.platform.startswith("linux") or not keep_freed_possible(), reason="glibc's heap on Linux")
 def test_loader_workers_do_not_keep_the_training_process_freed_heap():
     def held_mb(kind: str) -> int:

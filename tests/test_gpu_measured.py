@@ -73,6 +73,7 @@ def test_an_h200_is_predicted_from_its_own_measured_layers_and_says_so():
     assert statistics.median(abs(e) for e in errors) < 0.15  # 12.7% when fitted
 
 
+@pytest.mark.integration
 def test_recommend_on_the_measured_gpu_names_its_basis(tmp_path):
     out = subprocess.run([sys.executable, str(ROOT / "recommend.py"), "hw=h200_1x", "model=resnet18", "data=cifar10",
                           f"paths.root={tmp_path}"], capture_output=True, text=True, cwd=ROOT,
@@ -90,6 +91,7 @@ def test_leave_one_network_out_on_the_h200():
     assert statistics.median(abs(e) for e in errors) < 0.17
 
 
+@pytest.mark.integration
 def test_the_layer_benchmark_runs_without_a_gpu(tmp_path):
     """benchmarks/gpu_layers.py's dry run on the CPU: a row per layer, forward and backward timed."""
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_layers.py"), "--device", "cpu", "--models",

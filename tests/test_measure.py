@@ -36,6 +36,7 @@ def data_dir_module(tmp_path_factory):
     return tmp_path_factory.mktemp("measure-data")
 
 
+@pytest.mark.integration
 def test_epoch_time_splits_into_data_wait_and_compute(measured_run):
     client, run = measured_run
     history = {name: [m.value for m in client.get_metric_history(run.info.run_id, name)]
@@ -48,6 +49,7 @@ def test_epoch_time_splits_into_data_wait_and_compute(measured_run):
         assert history["samples_per_s"][epoch] == pytest.approx(16 / history["epoch_time_s"][epoch], rel=1e-5)
 
 
+@pytest.mark.integration
 def test_mean_epoch_time_leaves_out_the_warm_up_epoch(measured_run):
     client, run = measured_run
     epochs = [m.value for m in client.get_metric_history(run.info.run_id, "epoch_time_s")]
@@ -55,6 +57,7 @@ def test_mean_epoch_time_leaves_out_the_warm_up_epoch(measured_run):
     assert run.data.metrics["measured_epochs"] == 1
 
 
+@pytest.mark.integration
 def test_monitor_logs_series_against_time_and_a_plot(measured_run):
     client, run = measured_run
     cpu = client.get_metric_history(run.info.run_id, "cpu_percent")
@@ -75,6 +78,7 @@ def test_monitor_logs_series_against_time_and_a_plot(measured_run):
     assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.integration
 def test_run_is_tagged_with_its_machine_and_device_kind(measured_run):
     _, run = measured_run
     tags = run.data.tags
@@ -82,6 +86,7 @@ def test_run_is_tagged_with_its_machine_and_device_kind(measured_run):
     assert tags["host"] and int(tags["cpu_cores"]) >= 1
 
 
+@pytest.mark.integration
 def test_sampler_counts_the_whole_process_tree():
     """Child processes (ranks, loader workers) are in the figures, not only the sampling process."""
     busy = "import time\nend = time.time() + 3\nwhile time.time() < end: pass"
@@ -116,11 +121,13 @@ def test_timer_summary_means_the_epochs_after_warm_up():
     assert timer.summary() == {"mean_epoch_time_s": 3.0, "mean_samples_per_s": 20.0, "measured_epochs": 2.0}
 
 
+@pytest.mark.integration
 def test_warm_up_that_leaves_no_epoch_is_refused(tiny_config):
     with pytest.raises(ConfigError, match=r"measure.warmup_epochs=1 with trainer.max_epochs=1"):
         train(tiny_config("measure.warmup_epochs=1"), "unused")
 
 
+@pytest.mark.integration
 def test_bad_monitor_interval_is_refused(tiny_config):
     with pytest.raises(ConfigError, match=r"measure.monitor_interval_s=0"):
         train(tiny_config("measure.monitor_interval_s=0"), "unused")
@@ -143,6 +150,7 @@ def test_the_resource_plot_names_its_run_marks_epochs_and_uses_the_metric_unit()
     assert overlapping_labels(fig, labels) == []
 
 
+@pytest.mark.integration
 def test_the_sampler_reads_pss_every_tenth_sample_and_scales_rss_in_between(monkeypatch):
     """A PSS reading walks the page tables (costly for big processes): between readings each
     process's RSS is scaled by its last PSS/RSS ratio."""
@@ -167,6 +175,7 @@ def test_the_sampler_reads_pss_every_tenth_sample_and_scales_rss_in_between(monk
     assert all(s.ram_mb == pytest.approx(first, rel=0.05) for s in sampler.series.samples), "RSS scaled in between"
 
 
+@pytest.mark.integration
 def test_cores_other_processes_keep_busy_are_found_and_a_run_on_them_says_so(tiny_config, tracking_uri, tmp_path,
                                                                              monkeypatch, caplog):
     """A neighbour (a process keeping one of this run's cores busy) is named before the run starts,

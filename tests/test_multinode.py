@@ -53,6 +53,7 @@ CASES = {
 }
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
 def test_mpi_across_hosts_matches_sequential(case, cluster, tmp_path, shared_data, sequential_weights):  # noqa: F811
     per_node, overrides = case
@@ -91,6 +92,7 @@ def test_torchrun_across_hosts_trains_ddp_with_a_rank_on_each(cluster, tmp_path,
     assert not any(cluster.pids(host) for host in cluster.hosts), "every rank and agent exited"
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("how", ["rank_crashed", pytest.param("node_lost", marks=pytest.mark.slow)])
 def test_a_rank_or_node_lost_mid_epoch_ends_every_rank_and_fails_the_run(how, cluster, tmp_path, shared_data):  # noqa: F811
     """rank_crashed: the second node's rank dies (its kernel closes its connections, its daemon

@@ -46,6 +46,7 @@ def test_layers_in_a_strategys_threads_compute_in_the_training_threads_autocast(
         forward.close()
 
 
+@pytest.mark.integration
 def test_16_mixed_on_cpu_is_refused_as_lightning_would_train_bf16(tiny_config):
     """Lightning trains 16-mixed on CPU as bf16-mixed, with a warning: the run would be recorded as
     16-mixed and calibrate the recommender's fp16 figures. Refused before any work, naming the fix."""
@@ -57,6 +58,7 @@ def test_16_mixed_on_cpu_is_refused_as_lightning_would_train_bf16(tiny_config):
         train(cfg, output_dir=cfg.paths.root)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("strategy, refuses", [(["strategy=cpu_mp"], True), (["strategy=fsdp"], True),
                                                (["strategy=pipe", "strategy.engine=torch"], True),
                                                (["strategy=pipe"], False), (["strategy=ddp_gloo"], False)])

@@ -32,6 +32,7 @@ def fork_server():
         os.waitpid(server.pid, 0)
 
 
+@pytest.mark.integration
 def test_a_forked_rank_reports_its_exit_as_a_started_one(capfd):
     with fork_server() as server:
         rank = server.spawn(["only-one-argument"], {**os.environ, "LOCAL_RANK": "1"})
@@ -40,6 +41,7 @@ def test_a_forked_rank_reports_its_exit_as_a_started_one(capfd):
     assert "usage: python -m ddlx.rank_worker" in capfd.readouterr().err
 
 
+@pytest.mark.integration
 def test_a_forked_rank_is_waited_for_and_killed_as_a_started_one(tmp_path):
     fifo = tmp_path / "config.yaml"
     os.mkfifo(fifo)  # the rank blocks reading its config
@@ -53,6 +55,7 @@ def test_a_forked_rank_is_waited_for_and_killed_as_a_started_one(tmp_path):
         assert rank.wait(timeout=30) == -9
 
 
+@pytest.mark.integration
 def test_train_py_forks_its_ranks_sharing_its_imports(tmp_path):
     """rank 1 of a cpu_mp run under train.py is forked by its server, a child of rank 0, and the
     memory torch, Lightning and MLflow took at import is shared with rank 0, not its own."""
@@ -81,6 +84,7 @@ def test_train_py_forks_its_ranks_sharing_its_imports(tmp_path):
         "rank 0 killed: the server and its ranks end with it"
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("overrides, forks", [
     (["strategy=sequential", "strategy.threads=2"], False),
     (["strategy=threads"], False),
@@ -99,6 +103,7 @@ def test_only_a_job_that_starts_ranks_has_a_server(overrides, forks):
     assert starts_ranks(compose_config(overrides).strategy) is forks
 
 
+@pytest.mark.integration
 def test_a_sweep_whose_first_job_starts_no_ranks_forks_no_server_later(monkeypatch):
     """By its second job the process has computed, and cannot fork one (its ranks would hang)."""
     monkeypatch.setattr(rank_fork, "_first_job_seen", False)

@@ -57,6 +57,7 @@ def test_speedups_over_the_one_core_baseline(store):
     assert alexnet["ddp_gloo processes=2 backend=gloo"].speedup == pytest.approx(1.5)
 
 
+@pytest.mark.integration
 def test_missing_baseline_is_named_with_the_command_that_measures_it(store):
     built = report.build_report(load_runs(store, ["ddlx"]))
     (vgg,) = [r for r in built.rows if r.workload.model == "vgg16"]

@@ -50,6 +50,7 @@ def _history(uri: str, run_id: str, metric: str) -> list[tuple[int, float]]:
     return [(m.step, m.value) for m in MlflowClient(uri).get_metric_history(run_id, metric)]
 
 
+@pytest.mark.integration
 def test_a_run_stopped_mid_epoch_resumes_into_the_same_run_as_if_never_stopped(tiny_config, tracking_uri, tmp_path,
                                                                                monkeypatch):
     """Ctrl-C at step 7 (epoch 3 of 3, after its first batch): a checkpoint of that step, the run
@@ -84,6 +85,7 @@ def test_a_run_stopped_mid_epoch_resumes_into_the_same_run_as_if_never_stopped(t
         assert torch.allclose(value, again[name], atol=1e-6), name
 
 
+@pytest.mark.integration
 def test_sigusr1_slurms_preemption_warning_checkpoints_and_stops(tiny_config, tracking_uri, tmp_path, monkeypatch):
     _with_signal_at(monkeypatch, step=1, signum=signal.SIGUSR1)
     with pytest.raises(Stopped) as stop:
@@ -93,6 +95,7 @@ def test_sigusr1_slurms_preemption_warning_checkpoints_and_stops(tiny_config, tr
     assert run.info.status == "KILLED" and "SIGUSR1" in run.data.tags["error"]
 
 
+@pytest.mark.integration
 def test_a_checkpoint_resumes_only_the_run_it_belongs_to(tiny_config, tracking_uri, tmp_path):
     job = ["model=resnet18", *FULL]
     train(tiny_config(*job), tmp_path / "a")
@@ -110,6 +113,7 @@ def test_a_checkpoint_resumes_only_the_run_it_belongs_to(tiny_config, tracking_u
         train(tiny_config(*job, f"ckpt_path={checkpoint}"), tmp_path / "d")
 
 
+@pytest.mark.integration
 def test_checkpoint_policies(tiny_config, tmp_path):
     """Default: one last.ckpt, resumable; weights only: the model alone, refused for resuming with
     the reason; keep_best adds the best by val_acc; none writes nothing."""
@@ -123,6 +127,7 @@ def test_checkpoint_policies(tiny_config, tmp_path):
     assert not (tmp_path / "none" / "checkpoints").exists()
 
 
+@pytest.mark.integration
 def test_a_checkpoint_write_cut_short_leaves_no_file_under_a_valid_name(tiny_config, tracking_uri, tmp_path):
     """The file system refuses the write past 20 MB (as a full disk would; Python ignores SIGXFSZ,
     so the write fails): the run is FAILED with the error, and no truncated checkpoint (nor its
@@ -142,6 +147,7 @@ def test_a_checkpoint_write_cut_short_leaves_no_file_under_a_valid_name(tiny_con
     assert not list((tmp_path / "run" / "checkpoints").iterdir()), "neither a truncated last.ckpt nor its partial file"
 
 
+@pytest.mark.integration
 def test_errors_before_and_after_the_run_opens_and_runs_without_a_step(tiny_config, tracking_uri, tmp_path,
                                                                           monkeypatch):
     """A value Lightning refuses when the Trainer is built: refused before any run is opened. An
@@ -232,6 +238,7 @@ def _sigterm_to_rank_0_of_a_ddp_run(tmp_path: Path) -> Path:
     return checkpoint
 
 
+@pytest.mark.integration
 def test_sigterm_to_rank_0_of_a_ddp_run_stops_every_rank_with_a_checkpoint(tmp_path):
     _sigterm_to_rank_0_of_a_ddp_run(tmp_path)
 
@@ -251,6 +258,7 @@ def _alive(processes) -> list:
     return [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
+@pytest.mark.integration
 def test_kill_9_of_rank_0_ends_every_process_closes_the_run_and_it_resumes_from_the_last_epoch_end(tmp_path):
     """kill -9 (the OOM killer, a lost shell) of rank 0 of a DDP run with loader workers: its
     other processes (the rank fork server, rank 1, every loader worker) end within 5 s; the run is
@@ -283,6 +291,7 @@ def test_kill_9_of_rank_0_ends_every_process_closes_the_run_and_it_resumes_from_
     assert run.info.status == "FINISHED" and run.data.tags["resumes"] == "1" and "ended without" in run.data.tags["previous_error"]
 
 
+@pytest.mark.integration
 def test_ddp_sweeps_started_at_once_each_get_their_own_folders_config_and_record(tmp_path):
     """Two sweeps of one DDP job each, with their own seeds and learning rates, started together
     against a store that does not exist yet: each is recorded with its own sweep_id and folder,
@@ -349,6 +358,7 @@ def test_a_slurm_job_stopped_with_a_checkpoint_is_resumed_only_once_slurm_requeu
     assert not weights_only.path.exists(), "nothing to resume from"
 
 
+@pytest.mark.integration
 def test_last_ckpt_is_rewritten_at_every_epoch_end_and_every_n_minutes_within_one(tiny_config, tmp_path, monkeypatch):
     """What a kill -9 can lose: at most the work since the last epoch's end, or since the last
     checkpoint.every_minutes within an epoch (a run started before one is killed resumes from it)."""
@@ -417,6 +427,7 @@ class SignalAt(pl.Callback):
             signal.raise_signal(signal.SIGTERM)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("point,status,step", [
     ("setup", "KILLED", None),            # before training: at once, nothing to keep
     ("training step", "KILLED", 1),       # after the step it came in, with its checkpoint
@@ -450,6 +461,7 @@ def test_a_stop_signal_at_any_point_ends_the_run_with_its_status_and_no_loader_w
     assert not loaders, "the loader workers ended with the run (multiprocessing would wait for them at exit)"
 
 
+@pytest.mark.integration
 def test_a_stop_signal_to_the_process_group_during_validation_exits_at_once(tmp_path):
     """Ctrl-C, timeout or a scheduler signal every process of the group: the loader workers leave
     it to the training process, which stops after that validation with a checkpoint and exits
@@ -467,6 +479,7 @@ def test_a_stop_signal_to_the_process_group_during_validation_exits_at_once(tmp_
     assert re.search(r"ddlx: resume with: python train.py .*ckpt_path=\S+last.ckpt", proc.stderr)
 
 
+@pytest.mark.integration
 def test_a_refused_checkpoint_write_is_one_line_and_a_failed_run(capsys):
     from ddlx.entry import run_training_job
     from ddlx.errors import CheckpointNotWritten
@@ -481,6 +494,7 @@ def test_a_refused_checkpoint_write_is_one_line_and_a_failed_run(capsys):
     assert err.strip() == "ddlx: error: checkpoint /x/last.ckpt not written (No space left on device)"
 
 
+@pytest.mark.integration
 def test_a_process_ended_but_not_yet_reaped_is_gone():
     from ddlx.tracking import process_key
 
@@ -490,6 +504,7 @@ def test_a_process_ended_but_not_yet_reaped_is_gone():
     child.wait()
 
 
+@pytest.mark.integration
 def test_a_sweep_job_refused_for_its_data_is_a_failed_run(tiny_config, tracking_uri, tmp_path):
     """Refused while its folder is read (one class folder: no classifier), before its data has a
     name: still one FAILED run of the sweep, with the reason."""
@@ -502,6 +517,7 @@ def test_a_sweep_job_refused_for_its_data_is_a_failed_run(tiny_config, tracking_
     assert run.data.tags["sweep_id"] == "multirun/x"
 
 
+@pytest.mark.integration
 def test_a_run_that_is_not_mpi_leaves_mpi_alone(tiny_config, tmp_path, monkeypatch):
     """Lightning is handed its cluster environment, so it never asks mpi4py (which starts MPI and
     an OpenMPI orted); an error outside an MPI job ends the process without MPI_Abort's banner."""

@@ -195,6 +195,7 @@ def _broadcast(name):
     return holder[0]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("world", [2, 3])
 def test_split_rows_step_as_one_optimizer_on_the_whole_batch(world, tmp_path):
     """Each rank computes its block of rows of the split layers for the whole batch and steps

@@ -126,6 +126,7 @@ def test_srun_across_two_nodes_runs_hsdp_with_a_shard_group_per_node(  # noqa: F
     _assert_same_weights(final_weights(tmp_path), sequential_weights, exact=False)
 
 
+@pytest.mark.integration
 def test_a_rank_that_refuses_its_job_alone_ends_every_rank(slurm, tmp_path, shared_data):  # noqa: F811
     """One task cannot see the data (``data.root`` missing on its node): it refuses before joining
     MPI, and srun, unlike mpirun, leaves the other task waiting in MPI for it. The refusing rank
@@ -149,6 +150,7 @@ DDP_LAUNCHES = {
 }
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("launch", list(DDP_LAUNCHES.values()), ids=list(DDP_LAUNCHES))
 def test_ddp_under_sbatch_trains_with_all_its_processes(launch, slurm, tmp_path, shared_data, sequential_weights):  # noqa: F811
     """Lightning takes SLURM's tasks for the ranks: a one-task step with processes=2 used to train
@@ -165,6 +167,7 @@ def test_ddp_under_sbatch_trains_with_all_its_processes(launch, slurm, tmp_path,
     _assert_same_weights(final_weights(tmp_path), sequential_weights, exact=False)
 
 
+@pytest.mark.integration
 def test_srun_tasks_that_are_not_the_ranks_are_refused(slurm, tmp_path):
     proc = slurm.run("srun", "--ntasks=2", *TRAIN, f"paths.root={tmp_path}", "strategy=ddp_gloo", "strategy.processes=4",
                      *SAME_MATHS, check=False, timeout=120, env=slurm.env(subprocess_env()), cwd=tmp_path)
@@ -215,6 +218,7 @@ WARNED = {
 }
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("case", list(WARNED.values()), ids=list(WARNED))
 def test_a_job_warned_of_its_end_is_requeued_and_resumes_its_run(case, request, tmp_path, shared_data,  # noqa: F811
                                                                  uninterrupted_weights):
@@ -252,6 +256,7 @@ def _sweep(slurm: LocalSlurm, workdir: Path, *overrides: str) -> subprocess.Pope
                             stderr=subprocess.STDOUT, text=True)
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(_submitit_missing() is not None, reason=str(_submitit_missing()))
 def test_a_sweep_through_submitit_is_one_slurm_job_and_one_run_per_job(slurm, tmp_path, shared_data):  # noqa: F811
     sweep = _sweep(slurm, tmp_path, "hydra.launcher.cpus_per_task=1", f"paths.data_dir={shared_data}",

@@ -172,6 +172,7 @@ def split_layers(monkeypatch) -> list[tuple[int, int]]:
     return shapes
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
 def test_strategy_matches_sequential(case, tmp_path, shared_data, sequential_weights, recwarn, recomputations, meshes,
                                      split_layers):
@@ -195,6 +196,7 @@ def test_strategy_matches_sequential(case, tmp_path, shared_data, sequential_wei
     assert not [str(w.message) for w in recwarn if "sync_dist=True" in str(w.message)]
 
 
+@pytest.mark.integration
 def test_cpu_mp_resumes_with_its_optimizer_state(tmp_path, shared_data):
     """cpu_mp's ranks keep the optimizer state by slice; the checkpoint gathers it whole, and a
     run resumed from it ends with the weights of one that never stopped (momentum included)."""
@@ -212,6 +214,7 @@ def test_cpu_mp_resumes_with_its_optimizer_state(tmp_path, shared_data):
     _assert_same_weights(final_weights(tmp_path / "cut"), final_weights(tmp_path / "whole"), exact=True)
 
 
+@pytest.mark.integration
 def test_cpu_mp_accumulates_gradients_as_sequential_does(tmp_path, shared_data):
     """trainer.accumulate_grad_batches=2: the ranks reduce once per optimizer step, the gradients
     of both backward passes (reduced after each, the first pass's were counted wrongly)."""
@@ -223,6 +226,7 @@ def test_cpu_mp_accumulates_gradients_as_sequential_does(tmp_path, shared_data):
     _assert_same_weights(final_weights(tmp_path / "cpu_mp"), final_weights(tmp_path / "sequential"), exact=False)
 
 
+@pytest.mark.integration
 def test_torch_pipe_resumes_and_trains_a_smaller_last_batch(tmp_path, shared_data):
     """Each stage's weights and momentum are gathered into one checkpoint under the sequential
     model's names; a resumed run ends with the weights of a sequential run that never stopped, and
@@ -246,6 +250,7 @@ def test_torch_pipe_resumes_and_trains_a_smaller_last_batch(tmp_path, shared_dat
     _assert_no_process_left(tmp_path)
 
 
+@pytest.mark.integration
 def test_fsdp_checkpoint_resumes_under_sharding_with_the_sequential_maths(tmp_path, shared_data, recomputations):
     """FSDP's full state dict is saved under the sequential names and the optimizer's index keys;
     a run resumed from it (momentum resharded) ends with the weights of a sequential run that
@@ -269,6 +274,7 @@ def test_fsdp_checkpoint_resumes_under_sharding_with_the_sequential_maths(tmp_pa
     _assert_no_process_left(tmp_path)
 
 
+@pytest.mark.integration
 def test_cpu_mp_refuses_gradient_clipping_it_would_not_apply(tmp_path, shared_data):
     with pytest.raises(ConfigError, match=r"trainer.gradient_clip_val=1.0 with strategy=cpu_mp"):
         train_here(tmp_path, "strategy=cpu_mp", "strategy.processes=2", "trainer.gradient_clip_val=1.0",
@@ -304,6 +310,7 @@ MPI_CASES = {
 }
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("case", list(MPI_CASES.values()), ids=list(MPI_CASES))
 def test_mpi_matches_sequential(case, tmp_path, shared_data, sequential_weights):
     reason = _mpi_available()
@@ -350,6 +357,7 @@ def _assert_stages_recorded(workdir: Path, overrides: list[str]) -> None:
     assert given == "auto" or stages == ast.literal_eval(given)
 
 
+@pytest.mark.integration
 def test_sweep_with_ddp_gives_one_run_per_job_and_records_a_refused_job(tmp_path, shared_data):
     """Lightning re-launches ranks with sys.argv; ddlx starts them from the job's own config. A job
     refused before training (here: a batch that cannot fit in memory) is a FAILED run and the
@@ -383,6 +391,7 @@ KILLED_RANK = {  # a strategy's second process, killed mid-training (default sui
 }
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("strategy", list(KILLED_RANK.values()), ids=list(KILLED_RANK))
 def test_killed_rank_does_not_hang_the_others(strategy, tmp_path, shared_data):
     cmd = [sys.executable, str(PROJECT_DIR / "train.py"), f"paths.root={tmp_path}", f"paths.data_dir={shared_data}",
@@ -423,6 +432,7 @@ def _plan(*overrides: str):
     return build_strategy(cfg.strategy, cfg.trainer.accelerator, layered_model_meta(cfg), cfg.data)
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
 def test_absent_gpus_are_named_with_a_working_override():
     with pytest.raises(ConfigError, match=r"asks for devices \[cuda:0, cuda:1\].*this machine has: cpu.*strategy.devices=\[cpu,cpu\]"):
@@ -431,6 +441,7 @@ def test_absent_gpus_are_named_with_a_working_override():
         _plan("strategy=ddp_nccl")
 
 
+@pytest.mark.integration
 def test_pipe_knobs_are_checked():
     with pytest.raises(ConfigError, match=r"strategy.balance=\[3, 3\] .*summing to alexnet's 22 layers.*strategy.balance=\[10,12\]"):
         _plan("strategy=pipe", "strategy.balance=[3,3]")
@@ -468,6 +479,7 @@ LAUNCHED = {  # a cluster launcher started 4 ranks, 2 on each of 2 nodes (this p
 }
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("launcher", list(LAUNCHED))
 def test_ddp_and_fsdp_ranks_follow_the_nodes_a_launcher_started(launcher, monkeypatch):
     """Under srun or torchrun the job's ranks are the launcher's, placed over its nodes: Lightning
@@ -492,6 +504,7 @@ def test_ddp_and_fsdp_ranks_follow_the_nodes_a_launcher_started(launcher, monkey
         settle_cluster_environment(plan.trainer_kwargs, "cpu_mp")
 
 
+@pytest.mark.integration
 def test_indivisible_batches(tiny_config):
     """(Counts and choices of each knob are the schema's: tests/test_config.py.)"""
     from ddlx.run import train
@@ -501,6 +514,7 @@ def test_indivisible_batches(tiny_config):
         train(cfg, output_dir=cfg.paths.root)
 
 
+@pytest.mark.integration
 def test_more_processes_than_cores_warns(caplog):
     cores = len(os.sched_getaffinity(0))
     with caplog.at_level(logging.WARNING):

@@ -69,6 +69,7 @@ client.set_terminated(run.info.run_id, "FINISHED")
 """
 
 
+@pytest.mark.integration
 def test_writers_started_at_once_are_all_recorded_by_a_new_store_and_an_existing_one(tmp_path):
     """MLflow creates and migrates an SQLite store on first contact (without ddlx's lock, 3 of 4
     such writers crashed in each of 3 tries): four processes at once against a new store, then

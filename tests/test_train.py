@@ -30,6 +30,7 @@ def run_train_py(tmp_path, *overrides, timeout=300, multirun=False, env=None):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=subprocess_env() | (env or {}), cwd=tmp_path)
 
 
+@pytest.mark.integration
 def test_train_py_logs_one_mlflow_run(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     proc = run_train_py(tmp_path, "model=vgg16", "data=firesmall", "trainer.max_epochs=2")
@@ -79,18 +80,21 @@ def _assert_clear_error(proc, *keys):
 
 # A ConfigError is train.py's exit status 2 and one line, no traceback (checked through train.py
 # itself by the tests that call _assert_clear_error): these check the error and that it comes first.
+@pytest.mark.integration
 def test_missing_data_root_is_a_clear_error(tiny_config, tracking_uri, tmp_path):
     with pytest.raises(ConfigError, match=r"data.root=\S*nope.*data.root=null"):
         train(tiny_config(f"data.root={tmp_path}/nope"), output_dir=tmp_path / "run")
     assert runs(tracking_uri) == [], "nothing is logged for a run that never started"
 
 
+@pytest.mark.integration
 def test_too_small_image_is_a_clear_error(tiny_config, tracking_uri, tmp_path):
     with pytest.raises(ConfigError, match=r"image_size=8.*data.image_size >= 16"):
         train(tiny_config("data.image_size=8"), output_dir=tmp_path / "run")
     assert runs(tracking_uri) == [], "refused before a run was opened"
 
 
+@pytest.mark.integration
 def test_unreachable_tracking_server_fails_at_start(tiny_config, tmp_path):
     cfg = tiny_config("logger.tracking_uri=http://127.0.0.1:9", f"paths.data_dir={tmp_path}/fresh")
     start = time.monotonic()
@@ -100,6 +104,7 @@ def test_unreachable_tracking_server_fails_at_start(tiny_config, tmp_path):
     assert not (tmp_path / "fresh").exists(), "failed before preparing data"
 
 
+@pytest.mark.integration
 def test_a_sweep_stops_at_the_first_job_the_store_refuses(tmp_path):
     """No job of this sweep could be recorded (the store's folder does not exist): the first one
     says why and the sweep ends there, exit status 2, instead of refusing each job in turn."""
@@ -109,6 +114,7 @@ def test_a_sweep_stops_at_the_first_job_the_store_refuses(tmp_path):
     assert "#1 :" not in proc.stdout + proc.stderr, "the next job was not launched"
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("model", ARCHITECTURES)
 def test_every_model_trains(tiny_config, tracking_uri, model):
     metrics = train(tiny_config(f"model={model}", "data=cifar10", "data.num_images=24", "data.val_fraction=0.25"),
@@ -116,6 +122,7 @@ def test_every_model_trains(tiny_config, tracking_uri, model):
     assert EPOCH_METRICS <= set(metrics)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("data", DATASETS)
 def test_every_dataset_trains_at_its_own_size(tiny_config, data):
     native = compose_config([f"data={data}"]).data
@@ -129,6 +136,7 @@ def test_every_dataset_trains_at_its_own_size(tiny_config, data):
     assert (validated <= set(metrics)) == (native.val_fraction > 0), "validation only where the config holds images out"
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("model", ARCHITECTURES)
 @pytest.mark.parametrize("data", DATASETS)
 def test_memory_check_passes_or_names_a_batch_that_fits(monkeypatch, model, data):
@@ -146,6 +154,7 @@ def test_memory_check_passes_or_names_a_batch_that_fits(monkeypatch, model, data
         check_memory(cfg)
 
 
+@pytest.mark.integration
 def test_oversized_pair_is_refused_before_training(tiny_config, monkeypatch, tmp_path):
     monkeypatch.setattr(run_module, "available_memory_bytes", lambda accelerator: (16 * GIB, "available RAM"))
     cfg = tiny_config("model=resnet152", "data=highres", "data.image_size=512", "data.batch_size=32",
@@ -155,6 +164,7 @@ def test_oversized_pair_is_refused_before_training(tiny_config, monkeypatch, tmp
     assert not Path(cfg.paths.data_dir).exists(), "refused before writing any data"
 
 
+@pytest.mark.integration
 def test_learns_the_synthetic_classes(tiny_config):
     """On a small synthetic fire set, validation accuracy ends well above chance (1/3)."""
     cfg = tiny_config(

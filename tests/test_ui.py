@@ -59,6 +59,7 @@ def one_line_error(done: subprocess.CompletedProcess) -> str:
     return done.stderr
 
 
+@pytest.mark.integration
 def test_a_missing_store_is_refused_in_one_line(tmp_path):
     uri = f"sqlite:///{tmp_path / 'nothere.db'}"
     err = one_line_error(run_ui("--tracking-uri", uri))
@@ -66,6 +67,7 @@ def test_a_missing_store_is_refused_in_one_line(tmp_path):
     assert not (tmp_path / "nothere.db").exists(), "serving it would have created an empty store"
 
 
+@pytest.mark.integration
 def test_a_file_that_is_not_an_sqlite_database_is_refused_in_one_line(tmp_path):
     (tmp_path / "notes.db").write_text("not a database\n")
     err = one_line_error(run_ui("--tracking-uri", f"sqlite:///{tmp_path / 'notes.db'}"))

@@ -50,3 +50,9 @@ class Stopped(BaseException):
         kind = "checkpoint" if self.resumable else "checkpoint of the weights only"
         kept = f"; {kind} {self.checkpoint}" if self.checkpoint else "; no checkpoint written"
         return f"stopped by {self.signal_name}{where}{kept}"
+
+
+def missing_data_root(root) -> str:
+    return (f"data.root={root} does not exist. Point data.root at an ImageFolder (one sub-folder per class with "
+            f"its images), or set data.root=null to train on a synthetic stand-in that ddlx writes under "
+            f"data.synthetic_dir on first use")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from .errors import ConfigError
+from .errors import ConfigError, missing_data_root
 from .job import batch_split_problems
 from .strategies import STRATEGIES
 
@@ -57,12 +57,6 @@ def path_problems(cfg: DictConfig) -> list[str]:
         if problem:
             problems.append(problem)
     return problems
-
-
-def missing_data_root(root) -> str:
-    return (f"data.root={root} does not exist. Point data.root at an ImageFolder (one sub-folder per class with "
-            f"its images), or set data.root=null to train on a synthetic stand-in that ddlx writes under "
-            f"data.synthetic_dir on first use")
 
 
 def checkpoint_path_problem(path) -> str | None:

@@ -11,8 +11,7 @@ from pathlib import Path
 from PIL import Image, UnidentifiedImageError
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
-from ..errors import ConfigError
-from ..preflight import missing_data_root
+from ..errors import ConfigError, missing_data_root
 from .transforms import IMAGENET_MEAN, IMAGENET_STD
 
 log = logging.getLogger(__name__)

@@ -31,9 +31,7 @@ from torch.utils.data import DataLoader, TensorDataset
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from handloop import hand_written_epoch, sgd  # noqa: E402
-
-AUTOCAST = {"32-true": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+from handloop import AUTOCAST, hand_written_epoch, sgd  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:

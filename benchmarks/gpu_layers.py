@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from ddlx.models import ARCHITECTURES, build_model  # noqa: E402
+from handloop import AUTOCAST  # noqa: E402
 
 LAYER_FIELDS = ["device", "driver", "torch", "cuda", "model", "image_size", "batch", "precision", "layer", "name",
                 "forward_ms", "backward_ms", "step_ms", "optimizer_ms"]
@@ -103,7 +104,7 @@ class Step:
     def __init__(self, model: nn.Module, precision: str, device: torch.device) -> None:
         self.model, self.device = model, device
         self.optimizer = torch.optim.SGD(model.parameters(), lr=0.001, momentum=0.9)
-        self.dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
+        self.dtype = AUTOCAST[precision]
         self.scaler = torch.amp.GradScaler(device.type) if precision == "16-mixed" else None
         self.loss_fn = nn.CrossEntropyLoss()
 

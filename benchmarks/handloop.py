@@ -6,6 +6,9 @@ import time
 import torch
 from torch import nn
 
+# Lightning's mixed precisions as a hand-written loop's autocast dtype (None: fp32).
+AUTOCAST = {"32-true": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
 
 def hand_written_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimizer, device: torch.device | None = None,
                        autocast: torch.dtype | None = None) -> tuple[float, int]:

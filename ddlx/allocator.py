@@ -85,14 +85,13 @@ def _library_defining(symbol: str, within: str | None = None) -> str | None:
     """The file ``dladdr`` names for the address this process (or the library ``within`` and
     what it needs) resolves ``symbol`` to."""
     try:
-        process = ctypes.CDLL(within)
+        address = getattr(ctypes.CDLL(within), symbol)
         dladdr = ctypes.CDLL(None).dladdr
-        getattr(process, symbol)
     except (OSError, AttributeError, TypeError):
         return None
     dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(_DlInfo)]
     info = _DlInfo()
-    if not dladdr(ctypes.cast(getattr(process, symbol), ctypes.c_void_p), ctypes.byref(info)) or not info.dli_fname:
+    if not dladdr(ctypes.cast(address, ctypes.c_void_p), ctypes.byref(info)) or not info.dli_fname:
         return None
     return os.fsdecode(info.dli_fname)
 

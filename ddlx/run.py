@@ -79,8 +79,12 @@ log = logging.getLogger(__name__)
 MEMORY_HEADROOM = 0.85
 
 
+def on_gpu(accelerator: str) -> bool:
+    return accelerator in ("gpu", "cuda") and torch.cuda.is_available()
+
+
 def available_memory_bytes(accelerator: str) -> tuple[int, str]:
-    if accelerator in ("gpu", "cuda") and torch.cuda.is_available():
+    if on_gpu(accelerator):
         free, _ = torch.cuda.mem_get_info()
         return free, "free memory on cuda:0"
     return psutil.virtual_memory().available, "available RAM"
@@ -93,19 +97,22 @@ def check_memory(cfg: DictConfig, data_parallel: int = 1, replicas: int = 1, rec
     """
     data = cfg.data
     precision = precision_of(cfg.trainer.precision)
+    batch = max(1, data.batch_size // data_parallel)
     estimate, per_sample = estimate_training_memory(
-        cfg.model.name, data.num_classes, data.channels, data.image_size, max(1, data.batch_size // data_parallel),
+        cfg.model.name, data.num_classes, data.channels, data.image_size, batch,
         precision=precision if precision in PRECISION_NUMERICS else FP32,  # one it has no model of: as fp32
         recompute=recompute,
     )
-    need = estimate.total_bytes * replicas
-    have, what = available_memory_bytes(cfg.trainer.accelerator)
-    if what.endswith("on cuda:0"):  # a GPU: its libraries' workspaces beside what is counted
+    working = 0
+    if on_gpu(cfg.trainer.accelerator):  # its libraries' workspaces beside what is counted
         from .costmodel.gpu_measured import gpu_working_memory
 
-        need += gpu_working_memory()[0] * replicas
+        working = gpu_working_memory()[0]
+    need = (estimate.total_bytes + working) * replicas
+    have, what = available_memory_bytes(cfg.trainer.accelerator)
     if need > MEMORY_HEADROOM * have:
-        fixed = (estimate.total_bytes - estimate.activations_bytes) * replicas
+        per_sample += estimate.input_bytes / batch  # the fp32 batch autocast holds beside its cast
+        fixed = (estimate.total_bytes - estimate.activations_bytes - estimate.input_bytes + working) * replicas
         max_batch = int((MEMORY_HEADROOM * have - fixed) / (per_sample * replicas)) * data_parallel
         fix = f"lower data.batch_size to {max_batch} or less" if max_batch >= 1 else "use a smaller model or data.image_size"
         raise ConfigError(

@@ -126,7 +126,7 @@ def train_py(root: Path, overrides: list[str], log: Path, timeout: float):
                 f"paths.data_dir={root.parent / 'data'}"], log, timeout, cwd=root)
 
 
-def paths(args, budget: Budget, seconds: float) -> None:
+def paths(args, seconds: float) -> None:
     end = time.monotonic() + seconds
     log, table = args.out / "paths.log", args.out / "paths.csv"
     with open(table, "w", newline="") as f:
@@ -150,7 +150,8 @@ def kill_and_resume(args, log: Path, end: float) -> list[dict]:
     """SIGKILL to train.py in its second epoch (its first epoch's last.ckpt on disk), then ckpt_path=."""
     root = args.work / "kill"
     root.mkdir(parents=True, exist_ok=True)
-    job = [*SMALL, "strategy=sequential", "trainer.max_epochs=6", f"data.num_images={KILL_IMAGES}", "checkpoint.background=false"]
+    job = [*(o for o in SMALL if not o.startswith(("trainer.max_epochs=", "data.num_images="))), "strategy=sequential",
+           "trainer.max_epochs=6", f"data.num_images={KILL_IMAGES}", "checkpoint.background=false"]
     cmd = [sys.executable, str(PROJECT / "train.py"), *job, f"paths.root={root}", f"paths.data_dir={root.parent / 'data'}"]
     with open(log, "a") as out:
         out.write(f"\n$ {' '.join(cmd)}  (killed)\n")
@@ -184,14 +185,14 @@ def count_runs(root: Path) -> int:
     return len(load_runs(f"sqlite:///{root / 'mlflow.db'}", ["ddlx"]))
 
 
-def layers(args, budget: Budget, seconds: float) -> None:
+def layers(args, seconds: float) -> None:
     code, wall, tail = run([sys.executable, str(PROJECT / "benchmarks" / "gpu_layers.py"), "--out",
                             str(args.out / "layers.csv"), "--memory-out", str(args.out / "memory.csv")],
                            args.out / "checks.log", seconds)
     print(f"layers: exit {code} after {wall:.0f} s {tail if code else ''}", flush=True)
 
 
-def feed(args, budget: Budget, seconds: float) -> None:
+def feed(args, seconds: float) -> None:
     end = time.monotonic() + seconds
     out = args.out / "feed.txt"
     workers = max(1, (os.cpu_count() or 2) - 1)
@@ -220,7 +221,7 @@ def feed(args, budget: Budget, seconds: float) -> None:
                     f"mean_epoch_time_s {m.get('mean_epoch_time_s', float('nan')):.2f}\n")
 
 
-def overhead(args, budget: Budget, seconds: float) -> None:
+def overhead(args, seconds: float) -> None:
     code, wall, tail = run([sys.executable, str(PROJECT / "benchmarks" / "overhead.py"), "--models", "resnet50", "alexnet",
                             "--image-size", "224", "--batch-size", "128", "--device", "cuda", "--precision",
                             "bf16-mixed", "--steps", "20", "--rounds", "3"], args.out / "overhead.txt", seconds)
@@ -239,7 +240,7 @@ def main() -> None:
         seconds = budget.for_step(step)
         started = time.monotonic()
         try:
-            STEPS[step](args, budget, seconds)
+            STEPS[step](args, seconds)
         except Exception as err:  # noqa: BLE001 -- the next step still runs; the error is in the output
             print(f"{step}: {type(err).__name__}: {err}", flush=True)
         print(f"{step}: {time.monotonic() - started:.0f} s of {seconds:.0f} s", flush=True)

@@ -22,14 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .gpu_reference import kept_fit, minimize
-from .gpu_time import GpuParams, StepArrays, seconds, step_arrays
+from .gpu_reference import NUM_CLASSES, imagenet_step, kept_fit, minimize
+from .gpu_time import GpuParams, StepArrays, seconds
 from .hardware import HardwareSpec
-from .kernels import kernel_profile
-from .numerics import numerics_of
 
 REFERENCE_DIR = Path(__file__).resolve().parent / "reference"
-NUM_CLASSES = 1000  # benchmarks/gpu_layers.py's default, ImageNet's
 FLOOR_S = 1e-6  # a pass timed or predicted below this is taken as this (a Flatten runs no kernel)
 
 
@@ -76,9 +73,7 @@ def load_measured(path: Path) -> list[MeasuredStep]:
 
 
 def arrays_of(step: MeasuredStep, hw: HardwareSpec) -> StepArrays:
-    numerics = numerics_of(step.precision)
-    kernels = kernel_profile(step.model, NUM_CLASSES, 3, step.image_size, numerics.precision.endswith("-mixed"))
-    return step_arrays(kernels, step.batch, hw, numerics.compute, True)
+    return imagenet_step(step.model, step.image_size, step.batch, step.precision, hw)
 
 
 def predicted_step_s(arrays: StepArrays, params: GpuParams) -> float:

@@ -59,9 +59,15 @@ def load_reference(path: Path = REFERENCE) -> list[Figure]:
 
 
 def arrays_of(figure: Figure, hw: HardwareSpec) -> StepArrays:
-    mixed = numerics_of(figure.precision).precision.endswith("-mixed")
-    kernels = kernel_profile(figure.model, NUM_CLASSES, 3, figure.image_size, mixed)
-    return step_arrays(kernels, figure.batch, hw, numerics_of(figure.precision).compute, figure.optimizer_step)
+    return imagenet_step(figure.model, figure.image_size, figure.batch, figure.precision, hw, figure.optimizer_step)
+
+
+def imagenet_step(model: str, image_size: int, batch: int, precision: str, hw: HardwareSpec,
+                  optimizer: bool = True) -> StepArrays:
+    """The kernels of a training step of ``model`` on ImageNet's classes (RGB) at ``image_size``."""
+    numerics = numerics_of(precision)
+    kernels = kernel_profile(model, NUM_CLASSES, 3, image_size, numerics.precision.endswith("-mixed"))
+    return step_arrays(kernels, batch, hw, numerics.compute, optimizer)
 
 
 def predicted_images_per_s(step: StepArrays, batch: int, params: GpuParams) -> float:

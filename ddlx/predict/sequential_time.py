@@ -5,8 +5,10 @@
 2. probe: when the hardware is this machine, train a few batches here (the thesis' statistical
    model: per-batch time is stable within seconds, so extrapolate);
 3. measured at another batch, scaled per sample;
-4. on a GPU, the per-layer GPU model (:mod:`.gpu_time`: each kernel at its units' peak and the
-   memory's bandwidth) with its parameters fitted to published one-GPU training throughputs;
+4. on a GPU, the per-layer GPU model (:mod:`~ddlx.costmodel.gpu_time`: each kernel at its units'
+   peak and the memory's bandwidth) with its parameters fitted to the GPU's own measured layers
+   where a file holds them (:mod:`~ddlx.costmodel.gpu_measured`), else to published one-GPU
+   training throughputs;
 5. scaled: counted training FLOPs / (the device's peak x an efficiency calibrated from the
    measured baselines on hardware whose peak is known; a stated default when there are none).
 

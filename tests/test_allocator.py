@@ -67,7 +67,6 @@ def test_auto_under_a_malloc_ddlx_cannot_name_is_refused(monkeypatch):
         resolve_allocator("auto")
 
 
-@pytest.mark.integration
 def test_a_python_whose_executable_defines_malloc_runs_on_the_library_behind_it(monkeypatch):
     """uv's standalone Pythons (the GPU machines' image) are non-PIE executables that define malloc
     at their own PLT entry: dladdr names the executable, the calls reach the C library (or the

@@ -93,7 +93,6 @@ def test_every_job_of_a_sweep_is_checked_before_the_first_runs(tmp_path):
     assert not (tmp_path / "multirun").exists() and not (tmp_path / "mlflow.db").exists(), "no job ran"
 
 
-@pytest.mark.integration
 def test_the_schema_types_and_bounds_every_strategys_knobs():
     with pytest.raises(ConfigError, match=r"strategy.processes=0: expected a value >= 1"):
         check_config(compose_config(["strategy=cpu_mp", "strategy.processes=0"]))
@@ -107,7 +106,6 @@ def test_the_schema_types_and_bounds_every_strategys_knobs():
         check_config(compose_config([f"strategy={name}"]))  # every default is within its bounds
 
 
-@pytest.mark.integration
 def test_a_config_edited_after_composing_is_checked_again():
     """train() checks what it is given (a rank's config file, an API caller's edits)."""
     from omegaconf import OmegaConf
@@ -118,7 +116,6 @@ def test_a_config_edited_after_composing_is_checked_again():
         check_config(cfg)
 
 
-@pytest.mark.integration
 def test_every_trainer_argument_can_be_set_and_the_schema_follows_lightning():
     import pytorch_lightning as pl
 

@@ -47,7 +47,6 @@ def digits_dir(tmp_path_factory):
     return write_digits(tmp_path_factory.mktemp("imgs") / "digits")
 
 
-@pytest.mark.integration
 def test_the_folder_gives_classes_counts_channels_and_name(digits_dir, tiny_config):
     cfg = tiny_config("data=imagefolder", f"data.root={digits_dir}", "data.num_images=null")
     complete_data_config(cfg.data)
@@ -59,7 +58,6 @@ def test_the_folder_gives_classes_counts_channels_and_name(digits_dir, tiny_conf
     assert len(dm.train_set) + len(dm.val_set) == 1797  # every image, not an inherited count
 
 
-@pytest.mark.integration
 def test_grayscale_rgba_palette_and_cmyk_files_all_load(tmp_path, tiny_config):
     root = write_digits(tmp_path / "mixed", mixed_modes=True, per_class=30)
     cfg = tiny_config("data=imagefolder", f"data.root={root}", "data.num_images=null")
@@ -77,7 +75,6 @@ def test_grayscale_rgba_palette_and_cmyk_files_all_load(tmp_path, tiny_config):
     assert {"L", "RGB", "RGBA", "P", "CMYK"} <= seen
 
 
-@pytest.mark.integration
 def test_a_subset_says_how_many_of_how_many(digits_dir, tiny_config, caplog):
     cfg = tiny_config("data=imagefolder", f"data.root={digits_dir}", "data.num_images=100")
     complete_data_config(cfg.data)
@@ -86,14 +83,12 @@ def test_a_subset_says_how_many_of_how_many(digits_dir, tiny_config, caplog):
     assert "100 of the 1797 images" in caplog.text
 
 
-@pytest.mark.integration
 def test_a_named_dataset_on_another_folder_points_to_imagefolder(digits_dir, tiny_config):
     cfg = tiny_config("data=firesmall", f"data.root={digits_dir}")
     with pytest.raises(ConfigError, match=r"data=imagefolder data.root="):
         complete_data_config(cfg.data)
 
 
-@pytest.mark.integration
 def test_one_class_or_no_root_is_refused_with_the_fix(tmp_path, tiny_config):
     (tmp_path / "only" / "cats").mkdir(parents=True)
     Image.new("RGB", (8, 8)).save(tmp_path / "only" / "cats" / "a.png")

@@ -58,7 +58,6 @@ def test_16_mixed_on_cpu_is_refused_as_lightning_would_train_bf16(tiny_config):
         train(cfg, output_dir=cfg.paths.root)
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize("strategy, refuses", [(["strategy=cpu_mp"], True), (["strategy=fsdp"], True),
                                                (["strategy=pipe", "strategy.engine=torch"], True),
                                                (["strategy=pipe"], False), (["strategy=ddp_gloo"], False)])

@@ -170,7 +170,6 @@ def test_a_steps_tensors_scale_with_the_batch_and_those_of_32_mib_are_mapped_afr
     assert mapped_bytes("alexnet", 3, 3, 64, 1, ceiling) == mapped_bytes("alexnet", 3, 3, 64, 64, ceiling) >= 9216 * 4096 * 4
 
 
-@pytest.mark.integration
 def test_the_allocator_advice_names_what_glibc_maps_afresh_for_the_recommended_setup(monkeypatch):
     from ddlx.predict.prediction import allocator_advice
     from ddlx.costmodel.profile import mapped_bytes
@@ -502,14 +501,12 @@ def _compose_hw(*overrides: str):
     return _compose_recommend(*overrides).hw
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize("name", ["titanrtx_4x", "h100_1x", "v100_8x", "cpu_2core_cluster"])
 def test_every_described_machine_loads(name):
     spec = hardware(_compose_hw(f"hw={name}"))
     assert spec.name == name and spec.total_devices >= 1
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize("name", ["titanrtx_4x", "v100_8x", "cpu_2core_cluster"])
 def test_every_machine_with_two_devices_gets_torch_pipeline_setups_with_time_memory_and_basis(name):
     spec = hardware(_compose_hw(f"hw={name}"))
@@ -591,14 +588,12 @@ def test_pipeline_schedules_follow_their_papers():
     assert one_f_one_b.memory.per_device_gb < gpipe.memory.per_device_gb / 2, "4 micro-batches in flight at most, not 16"
 
 
-@pytest.mark.integration
 def test_titanrtx_links_follow_the_nvlink_pairs():
     spec = hardware(_compose_hw("hw=titanrtx_4x", "hw.nodes=2"))
     assert spec.link(0, 1).bandwidth_gb_s == 25.0 and spec.link(1, 2).bandwidth_gb_s == 10.0
     assert spec.link(3, 4) == spec.inter_node and spec.total_devices == 8
 
 
-@pytest.mark.integration
 def test_local_is_detected():
     spec = hardware(_compose_hw("hw=local"))
     assert spec.cores_per_node >= 1 and spec.ram_per_node_gb > 1 and spec.peak_tflops > 0 and spec.host
@@ -606,7 +601,6 @@ def test_local_is_detected():
         assert set(spec.peak_tflops_by_type) == {"fp64", "bf16", "fp16"} and min(spec.peak_tflops_by_type.values()) > 0
 
 
-@pytest.mark.integration
 def test_local_rates_are_timed_once_per_machine(tmp_path, monkeypatch):
     from ddlx.costmodel import hardware as hw_module
 
@@ -633,7 +627,6 @@ def test_local_rates_are_timed_once_per_machine(tmp_path, monkeypatch):
     assert hardware(_compose_hw("hw=local"), tmp_path).memory_bandwidth_gb_s == 3.0
 
 
-@pytest.mark.integration
 def test_bad_hw_configs_are_clear_errors():
     with pytest.raises(Exception, match="Could not override 'hw.bogus'"):
         _compose_hw("hw=titanrtx_4x", "hw.bogus=1")
@@ -713,7 +706,6 @@ def test_recommend_py_names_bad_values(tmp_path):
             run_recommend(cfg, tmp_path / "out", CONF_DIR / "hw")
 
 
-@pytest.mark.integration
 def test_link_probe_writes_a_loadable_hw_file(tmp_path):
     from ddlx.predict.linkprobe import fit_line, write_probed_hw
 
@@ -784,7 +776,6 @@ def _compose_hw_spec(name: str) -> HardwareSpec:
     return hardware(load_hw_file(CONF_DIR / "hw" / f"{name}.yaml"))
 
 
-@pytest.mark.integration
 def test_recommend_py_reproduces_the_thesis_out_of_memory_case(tmp_path, capsys):
     """ResNet-152 on Highres with Jansen's settings (32 per GPU; GPipe 48 in 12 micro-batches,
     recomputing as torchgpipe does): DDP keeping every activation and one GPU run out of memory,
@@ -929,7 +920,6 @@ def test_gpu_predictions_are_bound_by_the_data_loaders():
     assert "bound by data loading" not in cpu_rec.predictions[0].basis
 
 
-@pytest.mark.integration
 def test_a_held_out_workload_is_probed_with_its_own_runs_data(tiny_config):
     from ddlx.predict.cli import _probe_data
 
@@ -1108,7 +1098,6 @@ def test_setups_that_refuse_a_precision_are_not_candidates():
     assert refusing("bf16-mixed") and not refusing("16-mixed"), "16-mixed: loss scaling needs every rank's gradients"
 
 
-@pytest.mark.integration
 def test_bad_peaks_by_type_are_named():
     with pytest.raises(ConfigError, match=r"hw.peak_tflops_by_type.fp8=200.0 for hw=titanrtx_4x.*fp64, tf32, bf16, fp16"):
         hardware(_compose_hw("hw=titanrtx_4x", "+hw.peak_tflops_by_type.fp8=200"))
@@ -1193,7 +1182,6 @@ def test_one_question_compares_machines_and_names_the_cheapest_within_the_time(t
     assert none["cheapest"] is None and none["setups_within"] == 0
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize("override, key", [
     ("compare=[nosuch]", "compare"), ("compare=titanrtx_4x", "compare"), ("max_epoch_s=-3", "max_epoch_s"),
     ("hw.price_per_device_hour=2.0", "hw.price_basis"),

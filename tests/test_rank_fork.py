@@ -84,7 +84,6 @@ def test_train_py_forks_its_ranks_sharing_its_imports(tmp_path):
         "rank 0 killed: the server and its ranks end with it"
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize("overrides, forks", [
     (["strategy=sequential", "strategy.threads=2"], False),
     (["strategy=threads"], False),

@@ -432,7 +432,6 @@ def _plan(*overrides: str):
     return build_strategy(cfg.strategy, cfg.trainer.accelerator, layered_model_meta(cfg), cfg.data)
 
 
-@pytest.mark.integration
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
 def test_absent_gpus_are_named_with_a_working_override():
     with pytest.raises(ConfigError, match=r"asks for devices \[cuda:0, cuda:1\].*this machine has: cpu.*strategy.devices=\[cpu,cpu\]"):
@@ -441,7 +440,6 @@ def test_absent_gpus_are_named_with_a_working_override():
         _plan("strategy=ddp_nccl")
 
 
-@pytest.mark.integration
 def test_pipe_knobs_are_checked():
     with pytest.raises(ConfigError, match=r"strategy.balance=\[3, 3\] .*summing to alexnet's 22 layers.*strategy.balance=\[10,12\]"):
         _plan("strategy=pipe", "strategy.balance=[3,3]")
@@ -479,7 +477,6 @@ LAUNCHED = {  # a cluster launcher started 4 ranks, 2 on each of 2 nodes (this p
 }
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize("launcher", list(LAUNCHED))
 def test_ddp_and_fsdp_ranks_follow_the_nodes_a_launcher_started(launcher, monkeypatch):
     """Under srun or torchrun the job's ranks are the launcher's, placed over its nodes: Lightning
@@ -514,7 +511,6 @@ def test_indivisible_batches(tiny_config):
         train(cfg, output_dir=cfg.paths.root)
 
 
-@pytest.mark.integration
 def test_more_processes_than_cores_warns(caplog):
     cores = len(os.sched_getaffinity(0))
     with caplog.at_level(logging.WARNING):

@@ -66,7 +66,6 @@ def planned(name: str, overrides: list[str]):
     return plan, STRATEGIES[name].setup_of_run(params, plan.tags)
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize("name", NAMES)
 def test_a_plan_s_tags_read_back_to_the_setup_it_was_asked_for(name):
     """Its default, and its candidates on CPU machines that start without a launcher (mpirun and

@@ -136,7 +136,6 @@ def test_every_dataset_trains_at_its_own_size(tiny_config, data):
     assert (validated <= set(metrics)) == (native.val_fraction > 0), "validation only where the config holds images out"
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize("model", ARCHITECTURES)
 @pytest.mark.parametrize("data", DATASETS)
 def test_memory_check_passes_or_names_a_batch_that_fits(monkeypatch, model, data):

@@ -33,6 +33,7 @@ from ddlx.predict.setups import (
     memory_need,
     model_batch_s,
     model_cost,
+    overrides,
     setup_of_run,
 )
 from ddlx.predict.sequential_time import ProbedBatch
@@ -516,7 +517,7 @@ def test_every_machine_with_two_devices_gets_torch_pipeline_setups_with_time_mem
     for p in torch_pipes:
         assert p.epoch_s > 0 and p.memory.per_device_gb > 0 and p.basis
         stages = len(p.setup.get("devices")) if p.setup.strategy == "pipe" else 2  # hybrid, mpi: two-stage pipelines
-        assert "strategy.engine=torch" in p.setup.overrides and p.setup.get("chunks") >= stages
+        assert "strategy.engine=torch" in overrides(p.setup) and p.setup.get("chunks") >= stages
     # Data-parallel pipelines where a node has 4 devices (hybrid) or there are several nodes (mpi).
     expected = {"hybrid"} if spec.devices_per_node >= 4 else set()
     assert {p.setup.strategy for p in torch_pipes} - {"pipe"} == expected | ({"mpi"} if spec.nodes > 1 else set())

@@ -4,6 +4,7 @@ of its plan read back to the setup it was asked for, its candidates come out for
 machine, and each candidate's predicted time and memory are finite."""
 from __future__ import annotations
 
+import ast
 import math
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from ddlx.costmodel.hardware import hw_file
 from ddlx.predict.prediction import Predictor
 from ddlx.run import layered_model_meta
 from ddlx.strategies import STRATEGIES, build_strategy
+from ddlx.strategies.parts.replicas import ParallelDims
 from ddlx.tracking import flatten_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,6 +40,15 @@ def test_the_registry_finds_every_strategy_file():
     files = {p.stem for p in (ROOT / "ddlx" / "strategies").glob("*.py")} - {"__init__", "spec"}
     found = {type(spec).__module__.rsplit(".", 1)[-1] for spec in STRATEGIES.values()}
     assert found == files
+
+
+def test_no_strategy_file_imports_another():
+    """Composites compose the shared parts (ddlx/strategies/parts/), not each other's files."""
+    files = {p.stem for p in (ROOT / "ddlx" / "strategies").glob("*.py")} - {"__init__", "spec"}
+    for name in files:
+        tree = ast.parse((ROOT / "ddlx" / "strategies" / f"{name}.py").read_text())
+        imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 1}
+        assert not imported & files, (name, imported & files)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -66,6 +77,23 @@ def planned(name: str, overrides: list[str]):
     return plan, STRATEGIES[name].setup_of_run(params, plan.tags)
 
 
+def test_parallel_dims_name_what_does_not_divide():
+    dims = ParallelDims(8, 2, 4)
+    assert (dims.replicas, dims.replicas_per_node) == (4, 2)
+    with pytest.raises(ConfigError, match=r"strategy=mpi .* 3 on this node; start an even number"):
+        ParallelDims(6, 2, 3).check("mpi", "start an even number")
+
+
+def test_mpi_pipelines_on_an_odd_number_of_ranks_per_node_are_refused_with_the_launch_that_works(monkeypatch):
+    import ddlx.parallel.mpi as mpi
+
+    monkeypatch.setattr(mpi, "mpi_layout", lambda: (3, 3, 1))
+    monkeypatch.setattr(mpi, "set_rank_threads", lambda local_size: 1)
+    cfg = composed(["strategy=mpi", "strategy.local=pipe", "strategy.engine=torch"])
+    with pytest.raises(ConfigError, match=r"strategy=mpi .*mpirun -np 2 --map-by ppr:2:node"):
+        build_strategy(cfg.strategy, "cpu", layered_model_meta(cfg), cfg.data)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_a_plan_s_tags_read_back_to_the_setup_it_was_asked_for(name):
     """Its default, and its candidates on CPU machines that start without a launcher (mpirun and
@@ -78,9 +106,9 @@ def test_a_plan_s_tags_read_back_to_the_setup_it_was_asked_for(name):
         setups += [s for s in spec.candidates(hw, JOB) if not spec.launcher(s, hw)]
     read_back = 0
     for setup in dict.fromkeys(setups):
-        again = planned(name, setup.overrides.split())
+        again = planned(name, STRATEGIES[name].overrides(setup).split())
         if again is not None:
-            assert again[1] == setup, (setup.overrides, again[0].tags)
+            assert again[1] == setup, (STRATEGIES[name].overrides(setup), again[0].tags)
             read_back += 1
     if name != "ddp_nccl":  # NCCL: GPUs only
         assert read_back, f"no setup of strategy={name} planned on this CPU"

@@ -15,7 +15,6 @@ import os
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from functools import lru_cache
-from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode

@@ -25,7 +25,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from ..job import CACHE_CHOICES, CACHE_SHARE_OF_RAM, cache_outcome
+from ..job import CACHE_SHARE_OF_RAM, cache_outcome
 from ..parallel.shared_memory import SHM_DIR, shared_file
 
 log = logging.getLogger(__name__)

@@ -16,10 +16,10 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from ..allocator import release_free_heap
 from ..errors import ConfigError
-from ..job import batch_split_problems
+from ..job import CACHE_CHOICES, batch_split_problems
 from .folder import scan_imagefolder
 from .synthetic import SyntheticSpec, ensure_synthetic_imagefolder
-from .cache import CACHE_CHOICES, keep_decoded
+from .cache import keep_decoded
 from .transforms import ImageTransform, build_transform, flips
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ def train_command(rec: Recommendation, prediction: Prediction, job_overrides: li
     if rec.hw.device_kind != "cpu" and "trainer" not in dict(prediction.setup.knobs):
         parts["trainer"] = "trainer=gpu"  # fsdp, mpi and hybrid would train on the CPU under the default trainer
     launcher = spec_of(prediction.setup.strategy).launcher(prediction.setup, rec.hw)
-    return " ".join([*([launcher] if launcher else []), "python train.py", *parts.values(), prediction.setup.overrides])
+    return " ".join([*([launcher] if launcher else []), "python train.py", *parts.values(), spec_of(prediction.setup.strategy).overrides(prediction.setup)])
 
 
 def figure(value: float, calibrated: bool) -> str:

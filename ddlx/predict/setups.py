@@ -13,7 +13,7 @@ from ..costmodel.hardware import HardwareSpec
 from ..costmodel.profile import ModelProfile
 
 __all__ = ["Cost", "MemoryNeed", "SequentialTime", "Setup", "calibration_group", "candidates", "check_tries", "loader_bound_s",
-           "memory_need", "model_batch_s", "model_cost", "setup_of_run", "splits_batch", "training_processes",
+           "memory_need", "model_batch_s", "model_cost", "overrides", "setup_of_run", "splits_batch", "training_processes",
            "weight_seconds", "worker_batch"]
 
 
@@ -93,6 +93,11 @@ def calibration_group(setup: Setup) -> str:
     """Setups whose measured/model ratios are pooled for calibration."""
     spec = STRATEGIES.get(setup.strategy)
     return spec.calibration_group(setup) if spec is not None else setup.strategy
+
+
+def overrides(setup: Setup) -> str:
+    """The train.py overrides that run ``setup`` (what its launcher sets is not one of them)."""
+    return STRATEGIES[setup.strategy].overrides(setup)
 
 
 def splits_batch(group: str) -> bool:

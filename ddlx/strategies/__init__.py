@@ -1,6 +1,6 @@
 """The strategies ddlx runs, measures and predicts: one spec per strategy (:mod:`.spec`), one file
 each (``ddlx/strategies/<name>.py``, found here by their ``SPECS``). Adding a strategy is adding
-its file. Their implementations (Lightning strategies, parallelizers) are in :mod:`ddlx.parallel`.
+its file; what several strategies run (a pipeline, a model's halves, replicas) is in :mod:`.parts`. Their implementations (Lightning strategies, parallelizers) are in :mod:`ddlx.parallel`.
 """
 from __future__ import annotations
 

@@ -9,19 +9,8 @@ from omegaconf import MISSING
 
 from ..errors import ConfigError
 from ..knobs import knob
-from ..costmodel.costs import (
-    DEFAULT_BUCKET_MB,
-    RECOMPUTE,
-    computing_at_once,
-    cost,
-    memory_need,
-    recompute_factor,
-    recomputes,
-    replica_bytes,
-    ring,
-    weight_traffic_s,
-)
-from ..costmodel.perf_models import data_parallel_s, exposed_allreduce_s
+from ..costmodel.costs import DEFAULT_BUCKET_MB, RECOMPUTE, recomputes
+from .parts.replicas import data_parallel_cost, data_parallel_memory
 from .spec import TIMEOUT_S, Setup, StrategyPlan, StrategySpec, recompute_knob, warn_oversubscription, with_recompute
 
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
@@ -62,32 +51,6 @@ def comm_hook(name: str) -> dict:
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
         return {"ddp_comm_state": state, "ddp_comm_hook": powerSGD_hook.powerSGD_hook}
     return {}
-
-
-def data_parallel_cost(setup: Setup, workers: int, job, hw, profile, seq):
-    """Eq. 5.1 (ring allreduce over the slowest link, the bucket as ``th``) plus a fixed cost per
-    allreduce; only the last bucket is exposed on GPUs, every bucket on CPU (gloo and the
-    backward pass share the cores), where the replicas of a node also share its memory bus."""
-    shared_bus = hw.device_kind == "cpu"
-    work = job.batch_size * (seq.per_sample_at(job.batch_size / workers) * recompute_factor(setup) + seq.load_per_sample_s)
-    local = min(workers, hw.devices_per_node) if shared_bus else 1
-    bucket = float(setup.get("bucket_cap_mb", DEFAULT_BUCKET_MB))
-    compute = work / computing_at_once(hw, workers)
-    layers = None if shared_bus else seq.layers_s_at(job.batch_size / workers, profile)
-    if layers:  # the buckets go as the backward pass reaches them
-        comm = exposed_allreduce_s([b for _, b in layers], profile.layer_mb, workers, bucket, ring(hw, workers),
-                                   hw.allreduce_fixed_us * 1e-6)
-    else:
-        comm = data_parallel_s(0.0, workers, profile.gradient_mb, bucket, ring(hw, workers), hw.allreduce_fixed_us * 1e-6,
-                               overlap=not shared_bus)
-    return cost(compute, compute + comm + weight_traffic_s(seq, hw, local, local))
-
-
-def data_parallel_memory(setup: Setup, workers: int, job, hw, profile):
-    """A replica on each worker's share of the batch, plus DDP's gradient buckets (a copy of the gradients)."""
-    per = (replica_bytes(job, job.batch_size // workers, recompute=recomputes(setup))
-           + profile.params * profile.param_bytes)
-    return memory_need(hw, per, min(workers, hw.devices_per_node))
 
 
 class Ddp(StrategySpec):

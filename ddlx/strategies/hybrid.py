@@ -9,13 +9,13 @@ from typing import Any, Optional
 from ..knobs import knob
 from ..costmodel.costs import DEFAULT_BUCKET_MB, cost, cut_mb, link, memory_need
 from ..costmodel.perf_models import hybrid_s, split_s
-from .mpi import device_pairs, local_parallelizer
 from ..parallel.schedules import SCHEDULES
-from .pipe import (ENGINES, PIPE_CHECKPOINT, engine_refused_precisions, local_torch_pipeline,
-                   pipelines_candidates, pipelines_cost,
-                   pipelines_memory, torch_pipeline, torch_pipeline_knobs)
-from .spec import TIMEOUT_S, Setup, StrategyPlan, StrategySpec, accelerator_of, compile_by_layers_or_refuse, refuse_compile, warn_oversubscription
-from .split import halves_bytes
+from .parts.halves import halves_bytes
+from .parts.pipelines import (ENGINES, PIPE_CHECKPOINT, compile_by_layers_or_refuse, engine_group, engine_refused_precisions,
+                        local_torch_pipeline, pipelines_candidates, pipelines_cost, pipelines_memory, torch_pipeline,
+                        torch_pipeline_knobs)
+from .parts.replicas import ParallelDims, device_pairs, local_parallelizer
+from .spec import TIMEOUT_S, Setup, StrategyPlan, StrategySpec, accelerator_of, refuse_compile, warn_oversubscription
 
 
 @dataclass
@@ -50,30 +50,32 @@ class Hybrid(StrategySpec):
         pairs = device_pairs(cfg, processes, self.name)
         on_cpu = pairs[0][0].type == "cpu"
         torch_engine = local_torch_pipeline(cfg)
+        # A replica per pair of devices: one process driving both (split, fairscale's Pipe) or one per device.
+        dims = ParallelDims(processes * (2 if torch_engine else 1), 2 if torch_engine else 1)
         if on_cpu:
-            warn_oversubscription(self.name, processes * (2 if torch_engine else 1), "processes")
+            warn_oversubscription(self.name, dims.world, "processes")
         if torch_engine:
-            return self._plan_torch(cfg, pairs, model, data)
-        parallelize, local_tags = local_parallelizer(cfg, model, data, processes, self.name, lambda rank: pairs[rank])
+            return self._plan_torch(cfg, pairs, model, data, dims)
+        parallelize, local_tags = local_parallelizer(cfg, model, data, dims.replicas, self.name, lambda rank: pairs[rank])
         strategy = DataParallelNetworkStrategy(parallelize, [pair[0] for pair in pairs],
                                                process_group_backend="gloo" if on_cpu else "nccl",
                                                timeout=timedelta(seconds=cfg.timeout_s))
         return StrategyPlan(
-            trainer_kwargs={"strategy": strategy, "devices": processes, "accelerator": "cpu" if on_cpu else "gpu"},
+            trainer_kwargs={"strategy": strategy, "devices": dims.world, "accelerator": "cpu" if on_cpu else "gpu"},
             tags={"processes": str(processes), "devices": ";".join(",".join(map(str, p)) for p in pairs), **local_tags},
-            data_parallel=self.data_parallel(cfg),
-            replicas_per_machine=processes,
+            data_parallel=dims.replicas,
+            replicas_per_machine=dims.replicas_per_node,
         )
 
-    def _plan_torch(self, cfg, pairs, model, data) -> StrategyPlan:
+    def _plan_torch(self, cfg, pairs, model, data, dims: ParallelDims) -> StrategyPlan:
         """``processes`` pipelines of PyTorch's schedule, one process per device of each pair."""
         devices = [d for pair in pairs for d in pair]
-        strategy, tags = torch_pipeline(cfg, devices, model, data, self.name, replicas=cfg.processes)
+        strategy, tags = torch_pipeline(cfg, devices, model, data, self.name, replicas=dims.replicas, width=dims.width)
         return StrategyPlan(
-            trainer_kwargs={"strategy": strategy, "devices": len(devices), "accelerator": accelerator_of(devices[0])},
+            trainer_kwargs={"strategy": strategy, "devices": dims.world, "accelerator": accelerator_of(devices[0])},
             tags={"processes": str(cfg.processes), "local": "pipe", "devices": ";".join(",".join(map(str, p)) for p in pairs),
                   **tags},
-            data_parallel=self.data_parallel(cfg), replicas_per_machine=cfg.processes,
+            data_parallel=dims.replicas, replicas_per_machine=dims.replicas_per_node,
             refused_precisions=engine_refused_precisions(cfg), recompute=strategy.recompute,
         )
 
@@ -104,10 +106,14 @@ class Hybrid(StrategySpec):
         """A pair of devices per process (local: split or pipe) or per two-process pipeline (engine=torch)."""
         return 2 * setup.get("processes")
 
+    def calibration_group(self, setup) -> str:
+        return engine_group(self.name, setup)
+
     def cost(self, setup, job, hw, profile, seq):
         p, b = setup.get("processes"), job.batch_size
         if setup.get("engine") == "torch":
-            return pipelines_cost(setup, p, p, job, hw, profile, seq)
+            dims = ParallelDims(2 * p, 2)
+            return pipelines_cost(setup, dims.replicas, dims.replicas_per_node, job, hw, profile, seq)
         local = split_s(seq.batch_s(b // p), b // p, cut_mb(profile), link(hw.link(0, 1)))
         ring = [link(hw.link(2 * i, 2 * ((i + 1) % p))) for i in range(p)]
         bucket = float(setup.get("bucket_cap_mb", DEFAULT_BUCKET_MB))
@@ -116,7 +122,8 @@ class Hybrid(StrategySpec):
 
     def memory(self, setup, job, hw, profile):
         if setup.get("engine") == "torch":
-            return pipelines_memory(setup, setup.get("processes"), setup.get("processes"), job, hw, profile)
+            dims = ParallelDims(2 * setup.get("processes"), 2)
+            return pipelines_memory(setup, dims.replicas, dims.replicas_per_node, job, hw, profile)
         return memory_need(hw, halves_bytes(profile, hw, job.batch_size // setup.get("processes")))
 
 

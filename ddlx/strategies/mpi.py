@@ -6,15 +6,14 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Optional
 
-from ..errors import ConfigError
-from ..knobs import knob
-from .ddp import data_parallel_cost, data_parallel_memory
-from ..parallel.schedules import SCHEDULES
-from .pipe import (ENGINES, PIPE_CHECKPOINT, engine_refused_precisions, local_torch_pipeline, pipe_knobs, pipelines_candidates,
-                   pipelines_cost, pipelines_memory, torch_pipeline, torch_pipeline_knobs)
 from ..compiling import WHOLE_MODEL
-from .spec import TIMEOUT_S, Setup, StrategyPlan, StrategySpec, compile_by_layers_or_refuse, refuse_compile
-from .split import cut_point
+from ..knobs import knob
+from ..parallel.schedules import SCHEDULES
+from .parts.pipelines import (ENGINES, PIPE_CHECKPOINT, compile_by_layers_or_refuse, engine_group, engine_refused_precisions,
+                        local_torch_pipeline, pipelines_candidates, pipelines_cost, pipelines_memory, torch_pipeline,
+                        torch_pipeline_knobs)
+from .parts.replicas import ParallelDims, data_parallel_cost, data_parallel_memory, device_pairs, local_parallelizer
+from .spec import TIMEOUT_S, Setup, StrategyPlan, StrategySpec, refuse_compile
 
 
 @dataclass
@@ -39,42 +38,12 @@ class MpiConfig:
     timeout_s: float = knob(TIMEOUT_S, low=0, low_open=True)
 
 
-def local_parallelizer(cfg, model, data, processes: int, name: str, devices_of):
-    """The network strategy each rank of a data-parallel job runs (``strategy.local``): its
-    parallelizer (None: the plain network) and tags."""
-    local = cfg.local
-    if local == "sequential":
-        return None, {"local": local}
-    if local == "threads":
-        from ..parallel.threads import threads_parallelizer
-
-        # Inside DDP, whose reducer expects each gradient once per step.
-        return threads_parallelizer(cfg.threads, accumulate_once=True), {"local": local, "threads": str(cfg.threads)}
-    if local == "split":
-        from ..parallel.split import split_parallelizer
-
-        cut = cut_point(cfg, model, name)
-        return split_parallelizer(devices_of, cut), {"local": local, "cut_point": cut}
-    from ..parallel.pipe import pipe_parallelizer
-
-    chunks, balance, checkpoint, sample = pipe_knobs(cfg, model, data, data["batch_size"] // processes, 2)
-    return pipe_parallelizer(devices_of, chunks, balance, checkpoint, sample), {"local": local, "chunks": str(chunks),
-                                                                                "balance": str(balance)}
-
-
-def device_pairs(cfg, processes: int, name: str) -> list:
-    """Two devices per process: ``auto`` gives GPUs 2i, 2i+1 when there are enough, else [cpu, cpu]."""
-    from ..parallel.devices import resolve_devices
-
-    flat = resolve_devices(cfg.get("devices"), 2 * processes, name)
-    return [flat[2 * i : 2 * i + 2] for i in range(processes)]
-
-
 class Mpi(StrategySpec):
     name, config, order = "mpi", MpiConfig, 8
     knob_tags = ("threads", "ranks", "nodes", "backend", "local", "cut_point", "chunks", "engine", "schedule")
     default_knob_tags = {"engine": "fairscale"}
     splits_batch = True
+    launcher_knobs = ("ranks",)  # mpirun -np
 
     def data_parallel(self, cfg) -> int | None:
         return None  # the ranks mpirun or srun starts
@@ -90,8 +59,11 @@ class Mpi(StrategySpec):
         world, local_size, nodes = mpi_layout()
         set_rank_threads(local_size)
         on_gpus = accelerator == "gpu" and gpu_count() >= local_size
-        if local_torch_pipeline(cfg):
-            return self._plan_torch(cfg, model, data, world, local_size, nodes, on_gpus)
+        if local_torch_pipeline(cfg):  # two consecutive ranks of one node each run a two-stage pipeline
+            dims = ParallelDims(world, 2, local_size).check(
+                self.name, f"start an even number of ranks per node, e.g. mpirun -np {2 * nodes} --map-by ppr:2:node")
+            return self._plan_torch(cfg, model, data, dims, nodes, on_gpus)
+        dims = ParallelDims(world, 1, local_size)
         if cfg.local in ("split", "pipe"):
             pairs = device_pairs(cfg, local_size, self.name)
             roots = [pair[0] for pair in pairs]
@@ -99,7 +71,7 @@ class Mpi(StrategySpec):
         else:
             roots = [torch.device(f"cuda:{i}") if on_gpus else torch.device("cpu") for i in range(local_size)]
             devices_of = None
-        parallelize, local_tags = local_parallelizer(cfg, model, data, world, self.name, devices_of)
+        parallelize, local_tags = local_parallelizer(cfg, model, data, dims.replicas, self.name, devices_of)
         on_cpu = roots[0].type == "cpu"
         backend = cfg.backend or ("gloo" if on_cpu else "nccl")
         strategy = DataParallelNetworkStrategy(parallelize, roots, cluster_environment=MPIEnvironment(),
@@ -108,28 +80,25 @@ class Mpi(StrategySpec):
             trainer_kwargs={"strategy": strategy, "devices": local_size, "num_nodes": nodes,
                             "accelerator": "cpu" if on_cpu else "gpu"},
             tags={"ranks": str(world), "nodes": str(nodes), "backend": backend, **local_tags},
-            data_parallel=world,
-            replicas_per_machine=local_size,
+            data_parallel=dims.replicas,
+            replicas_per_machine=dims.replicas_per_node,
         )
 
-    def _plan_torch(self, cfg, model, data, world: int, local_size: int, nodes: int, on_gpus: bool) -> StrategyPlan:
+    def _plan_torch(self, cfg, model, data, dims: ParallelDims, nodes: int, on_gpus: bool) -> StrategyPlan:
         """Pipelines of two consecutive ranks (one node's) under PyTorch's schedule, averaging gradients."""
         import torch
         from lightning_fabric.plugins.environments import MPIEnvironment
 
-        if local_size % 2:
-            raise ConfigError(f"strategy=mpi strategy.local=pipe strategy.engine=torch runs each two-stage pipeline on two "
-                              f"ranks of one node, but this node has {local_size} rank(s); start an even number per node, "
-                              f"e.g. mpirun -np {2 * nodes} --map-by ppr:2:node")
+        local_size = dims.node_ranks
         devices = [torch.device(f"cuda:{i}") if on_gpus else torch.device("cpu") for i in range(local_size)]
         backend = cfg.backend or ("nccl" if on_gpus else "gloo")
-        strategy, tags = torch_pipeline(cfg, devices, model, data, self.name, replicas=world // 2, width=2,
+        strategy, tags = torch_pipeline(cfg, devices, model, data, self.name, replicas=dims.replicas, width=dims.width,
                                         cluster_environment=MPIEnvironment(), process_group_backend=backend)
         return StrategyPlan(
             trainer_kwargs={"strategy": strategy, "devices": local_size, "num_nodes": nodes,
                             "accelerator": "gpu" if on_gpus else "cpu"},
-            tags={"ranks": str(world), "nodes": str(nodes), "backend": backend, "local": "pipe", **tags},
-            data_parallel=world // 2, replicas_per_machine=local_size // 2,
+            tags={"ranks": str(dims.world), "nodes": str(nodes), "backend": backend, "local": "pipe", **tags},
+            data_parallel=dims.replicas, replicas_per_machine=dims.replicas_per_node,
             refused_precisions=engine_refused_precisions(cfg), recompute=strategy.recompute,
         )
 
@@ -157,20 +126,29 @@ class Mpi(StrategySpec):
     def launcher(self, setup, hw) -> str:
         return f"mpirun -np {setup.get('ranks')}"  # ranks fill each node's slots in order (the host file's)
 
+    def processes(self, setup) -> int:
+        return setup.get("ranks")
+
+    def calibration_group(self, setup) -> str:
+        return engine_group(self.name, setup)
+
     def cost(self, setup, job, hw, profile, seq):
         if setup.get("engine") == "torch":
-            return pipelines_cost(setup, setup.get("ranks") // 2, self._pipelines_per_node(setup, hw), job, hw, profile, seq)
+            dims = self._dims(setup, hw)
+            return pipelines_cost(setup, dims.replicas, dims.replicas_per_node, job, hw, profile, seq)
         return data_parallel_cost(setup, setup.get("ranks"), job, hw, profile, seq)
 
     def memory(self, setup, job, hw, profile):
         if setup.get("engine") == "torch":
-            return pipelines_memory(setup, setup.get("ranks") // 2, self._pipelines_per_node(setup, hw), job, hw, profile)
+            dims = self._dims(setup, hw)
+            return pipelines_memory(setup, dims.replicas, dims.replicas_per_node, job, hw, profile)
         return data_parallel_memory(setup, setup.get("ranks"), job, hw, profile)
 
     @staticmethod
-    def _pipelines_per_node(setup, hw) -> int:
-        """Ranks fill nodes in order (mpirun's default): a node holds its devices' share."""
-        return max(1, min(setup.get("ranks"), hw.devices_per_node) // 2)
+    def _dims(setup, hw) -> ParallelDims:
+        """Two-stage pipelines over the ranks, which fill nodes in order (mpirun's default)."""
+        ranks = setup.get("ranks")
+        return ParallelDims(ranks, 2, min(ranks, hw.devices_per_node))
 
 
 SPECS = (Mpi(),)

@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ..compiling import EACH_LAYER, WHOLE_MODEL
+from ..compiling import WHOLE_MODEL
 from ..errors import ConfigError
 
 if TYPE_CHECKING:
@@ -60,21 +60,6 @@ class Setup:
     def label(self) -> str:
         return " ".join([self.strategy, *(f"{k}={_render(v)}" for k, v in self.knobs)])
 
-    @property
-    def overrides(self) -> str:
-        """The train.py overrides that run this setup (what its launcher sets is not one of them)."""
-        parts = [f"strategy={self.strategy}"]
-        for key, value in self.knobs:
-            if key in LAUNCHER_KNOBS:
-                continue
-            parts.append(f"trainer={value}" if key == "trainer" else f"strategy.{key}={_render(value)}")
-        return " ".join(parts)
-
-
-# Knobs of a setup that the launcher sets, not train.py (``mpirun -np 8``: the ranks of strategy=mpi).
-LAUNCHER_KNOBS = ("ranks",)
-
-
 def _render(value) -> str:
     return f"[{','.join(map(str, value))}]" if isinstance(value, (list, tuple)) else str(value)
 
@@ -89,6 +74,7 @@ class StrategySpec:
     default_knob_tags: ClassVar[dict[str, str]] = {}  # tag values a label leaves out
     label_params: ClassVar[tuple[str, ...]] = ()  # params a label shows when the user set them
     splits_batch: ClassVar[bool] = False  # its workers each train a share of every batch (one calibration)
+    launcher_knobs: ClassVar[tuple[str, ...]] = ()  # knobs the launcher sets, not train.py (mpirun -np: ranks)
 
     def plan(self, cfg, accelerator: str, model: LayeredModel, data) -> StrategyPlan:
         """The Trainer's arguments for ``cfg`` (its knobs, checked), on ``model`` (the meta device is enough)."""
@@ -125,6 +111,15 @@ class StrategySpec:
         """Memory per device (per node's RAM on CPU, where its processes share it)."""
         raise NotImplementedError(f"no memory model for strategy {self.name!r}")
 
+    def overrides(self, setup: Setup) -> str:
+        """The train.py overrides that run ``setup`` (what its launcher sets is not one of them)."""
+        parts = [f"strategy={self.name}"]
+        for key, value in setup.knobs:
+            if key in self.launcher_knobs:
+                continue
+            parts.append(f"trainer={value}" if key == "trainer" else f"strategy.{key}={_render(value)}")
+        return " ".join(parts)
+
     def launcher(self, setup: Setup, hw: HardwareSpec) -> str:
         """What starts ``python train.py`` for ``setup`` on ``hw`` ('': train.py itself, ddlx
         starting any other ranks on the machine)."""
@@ -156,7 +151,7 @@ class StrategySpec:
 
     def processes(self, setup: Setup) -> int:
         """Training processes (each with its own data loader)."""
-        return setup.get("processes") or setup.get("ranks") or 1
+        return setup.get("processes") or 1
 
     def devices(self, setup: Setup) -> int:
         """Devices the setup trains on (what renting it costs): its listed devices where it names
@@ -169,9 +164,9 @@ class StrategySpec:
         return job.batch_size // self.processes(setup)
 
     def calibration_group(self, setup: Setup) -> str:
-        """Setups whose measured/modelled ratios are pooled for calibration: PyTorch's pipelines
-        apart from the same strategy's other setups (another engine, another way of working)."""
-        return f"{self.name} engine=torch" if setup.get("engine") == "torch" else self.name
+        """Setups whose measured/modelled ratios are pooled for calibration (one group per
+        strategy, unless it has setups that work otherwise)."""
+        return self.name
 
 
 # ---- helpers the specs' plans share -----------------------------------------------------------
@@ -221,13 +216,3 @@ def accelerator_of(device) -> str:
 def refuse_compile(strategy: str, why: str, instead: str) -> None:
     """The one-line refusal of ``compile.enable=true`` under a strategy that cannot take it."""
     raise ConfigError(f"compile.enable=true with strategy={strategy}: {why}; {instead}, or compile.enable=false")
-
-
-def compile_by_layers_or_refuse(strategy: str, knobs) -> str:
-    """Pipelines of PyTorch's schedules stage the model by layers: each layer compiled; fairscale's
-    ``Pipe`` runs its stages in worker threads of its own, which ddlx does not compile."""
-    if knobs.get("engine") == "torch":
-        return EACH_LAYER
-    refuse_compile(strategy, "fairscale's Pipe runs each stage's layers in worker threads of its own and "
-                   "moves the micro-batches between them outside any graph torch.compile could take",
-                   "use strategy.engine=torch (PyTorch's pipeline schedules, each layer compiled)")

@@ -4,9 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ..errors import ConfigError
-from ..costmodel.costs import cost, cut_mb, link, memory_need, stage_bytes
+from ..costmodel.costs import cost, cut_mb, link, memory_need
 from ..costmodel.perf_models import split_s
+from .parts.halves import cut_point, halves_bytes
 from .spec import Setup, StrategyPlan, StrategySpec, accelerator_of, refuse_compile
 
 
@@ -18,24 +18,6 @@ class SplitConfig:
     name: str = "split"
     devices: Any = "auto"
     cut_point: Optional[str] = None
-
-
-def cut_point(cfg, model, name: str) -> str:
-    """The knob ``cut_point`` (null: the model's own split point), checked against the model's cut points."""
-    cut = cfg.get("cut_point") or model.split_point
-    if cut not in model.cut_points:
-        raise ConfigError(
-            f"strategy.cut_point={cut!r} for strategy={name} is not a cut point of {model.arch}; "
-            f"expected one of {', '.join(model.cut_points)} (default: the paper's {model.split_point})"
-        )
-    return cut
-
-
-def halves_bytes(profile, hw, batch: int) -> float:
-    """The two halves' bytes at the model's split point: on GPUs the larger (one per device), on
-    CPU both (one memory)."""
-    halves = stage_bytes(profile, [profile.split_index, len(profile.layers) - profile.split_index], batch, 1, "never")
-    return sum(halves) if hw.device_kind == "cpu" else max(halves)
 
 
 class Split(StrategySpec):

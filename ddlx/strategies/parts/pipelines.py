@@ -1,0 +1,261 @@
+"""Pipelines as parts: what strategy=pipe runs once and strategy=mpi and strategy=hybrid run once per
+replica (``local=pipe``), so that no strategy's file borrows from another's. PyTorch's
+``torch.distributed.pipelining`` runs one process per stage under a schedule; fairscale's ``Pipe``
+runs GPipe in one process (Jansen's thesis, chapter 6). Checks, knobs, time and memory models here
+are the same for every strategy that runs a pipeline."""
+from __future__ import annotations
+
+import itertools
+import math
+
+from ...compiling import EACH_LAYER
+from ...errors import ConfigError
+from ...costmodel.costs import (
+    DEFAULT_BUCKET_MB,
+    RECOMPUTE,
+    REPLICA_SHARE,
+    cost,
+    gpu_index,
+    link,
+    memory_need,
+    rank_device,
+    recompute_factor,
+    recomputes,
+    weight_traffic_s,
+)
+from ...parallel.schedules import SCHEDULES, bubble_steps, in_flight, micro_batches, stage_owners, stages_of
+from ...costmodel.perf_models import Link, gpipe_comm_s, pipeline_schedule_s, ring_allreduce_s
+from ..spec import Setup, refuse_compile
+
+PIPE_CHECKPOINT = ("never", "except_last", "always")
+ENGINES = ("fairscale", "torch")
+CHUNKS = (2, 4, 8, 16)  # the micro-batch counts a user would try
+
+
+def pipe_knobs(cfg, model, data, per_process_batch: int, stages: int):
+    """Checked (chunks, balance, checkpoint, micro-batch sample shape) of a pipelined network."""
+    chunks = cfg.chunks
+    if chunks > per_process_batch:
+        raise ConfigError(
+            f"strategy.chunks={chunks} is larger than the batch of {per_process_batch} each pipeline gets "
+            f"(data.batch_size={data['batch_size']}): every micro-batch needs a sample; use strategy.chunks<={per_process_batch}"
+        )
+    balance = checked_balance(cfg.get("balance"), model, stages, "one per device")
+    sample = (max(1, per_process_batch // chunks), data["channels"], data["image_size"], data["image_size"])
+    return chunks, balance, cfg.checkpoint, sample
+
+
+def torch_pipeline(cfg, devices, model, data, name: str, replicas: int = 1, width: int | None = None, **strategy_kwargs):
+    """The checked :class:`TorchPipelineStrategy` (and its tags) of ``replicas`` pipelines, each
+    over ``width`` processes (default: ``len(devices) // replicas``; one per device of ``devices``, this node's)."""
+    from ...parallel.torch_pipe import TorchPipelineStrategy
+
+    kinds = {d.type for d in devices}
+    if len(kinds) > 1 or ("cuda" in kinds and len(set(devices)) < len(devices)):
+        raise ConfigError(f"strategy.devices={[str(d) for d in devices]} with strategy.engine=torch: one process per "
+                          f"device, all CPU or all distinct GPUs; use e.g. strategy.devices=[cpu,cpu] or [cuda:0,cuda:1]")
+    if cfg.checkpoint not in RECOMPUTE:
+        raise ConfigError(f"strategy.checkpoint={cfg.checkpoint} is fairscale's choice of micro-batches to recompute; "
+                          f"strategy.engine=torch recomputes every block of every micro-batch or none: use "
+                          f"strategy.checkpoint=always or never, or strategy.engine=fairscale")
+    schedule, chunks = SCHEDULES[cfg.schedule], cfg.chunks
+    width = width or len(devices) // replicas
+    batch = data["batch_size"] // replicas  # each pipeline's share
+    share = f"data.batch_size={data['batch_size']}" + (f" over {replicas} pipelines ({batch} each)" if replicas > 1 else "")
+    if batch % chunks:
+        raise ConfigError(f"strategy.chunks={chunks} does not divide {share}: PyTorch's schedules need "
+                          f"equal micro-batches; use a divisor of {batch}, e.g. strategy.chunks={micro_batches(batch, chunks)}")
+    if schedule.micro_at_least_ranks and chunks < width:
+        raise ConfigError(f"strategy.schedule={cfg.schedule} needs at least one micro-batch per stage: strategy.chunks={chunks} "
+                          f"< {width} stages; use strategy.chunks>={width}")
+    stages = width * schedule.stages_per_rank
+    balance = checked_balance(cfg.get("balance"), model, stages,
+                              f"{schedule.stages_per_rank} stage(s) per process under schedule={cfg.schedule}")
+    if stages > len(model):
+        raise ConfigError(f"strategy.schedule={cfg.schedule} on {width} processes needs {stages} stages, more than "
+                          f"{model.arch}'s {len(model)} layers; use fewer devices or strategy.schedule=gpipe")
+    sample = (max(1, batch // chunks), data["channels"], data["image_size"], data["image_size"])
+    strategy = TorchPipelineStrategy(devices, cfg.schedule, chunks, balance, sample, pin_cores=cfg.get("pin_cores", True),
+                                     timeout_s=cfg.timeout_s, width=width, replicas=replicas, **strategy_kwargs)
+    strategy.recompute = recomputes(cfg)
+    return strategy, {"chunks": str(chunks), "balance": str(balance), "checkpoint": cfg.checkpoint, "engine": "torch",
+                      "schedule": cfg.schedule}
+
+
+def local_torch_pipeline(cfg) -> bool:
+    """Whether a data-parallel strategy's ``local`` is PyTorch's pipeline (local=pipe engine=torch);
+    its ``engine`` or ``schedule`` set for another local strategy is refused by name."""
+    if cfg.local == "pipe" and cfg.engine == "torch":
+        return True
+    if cfg.engine == "torch" or cfg.schedule != "gpipe":
+        raise ConfigError(f"strategy.engine={cfg.engine} strategy.schedule={cfg.schedule} with strategy.local={cfg.local}: "
+                          f"PyTorch's schedules run with strategy.local=pipe strategy.engine=torch; use those, or "
+                          f"strategy.engine=fairscale strategy.schedule=gpipe")
+    return False
+
+
+def engine_refused_precisions(knobs) -> dict[str, str]:
+    """The precisions a pipeline with ``knobs`` cannot train in (PyTorch's engine: 16-mixed)."""
+    if knobs.get("engine", "fairscale") != "torch":
+        return {}
+    return {"16-mixed": "16-mixed scales the loss before Lightning's backward, but PyTorch's schedule runs the backward "
+                        "inside the forward, and each rank sees only its stages' gradients; use "
+                        "trainer.precision=bf16-mixed (no loss scaling), or strategy.engine=fairscale for 16-mixed"}
+
+
+def torch_pipeline_knobs(params) -> tuple[tuple[str, object], ...]:
+    """The knobs of a data-parallel run's PyTorch pipelines (none for another local strategy), as
+    :class:`Setup` knobs, from the run's params."""
+    if params.get("strategy.local") != "pipe" or params.get("strategy.engine", "fairscale") != "torch":
+        return ()
+    checkpoint = params.get("strategy.checkpoint", "never")
+    return (("chunks", int(params["strategy.chunks"])), ("engine", "torch"), ("schedule", params.get("strategy.schedule", "gpipe")),
+            *((("checkpoint", checkpoint),) if checkpoint != "never" else ()))
+
+
+def checked_balance(balance, model, stages: int, per: str) -> list[int] | str:
+    """``strategy.balance`` for ``stages`` stages of ``model``: null = two stages at the model's own
+    split point, more balanced by profiling (``auto``); a list is checked (``per``: what a count is for)."""
+    layers = len(model)
+    if balance is None:
+        return [model.split_index, layers - model.split_index] if stages == 2 else "auto"
+    if balance == "auto":
+        return balance
+    balance = list(balance)
+    if len(balance) != stages or any(not isinstance(b, int) or b < 1 for b in balance) or sum(balance) != layers:
+        example = f"strategy.balance=[{model.split_index},{layers - model.split_index}], " if stages == 2 else ""
+        raise ConfigError(
+            f"strategy.balance={balance} must give {stages} positive layer counts ({per}) summing to "
+            f"{model.arch}'s {layers} layers, e.g. {example}or strategy.balance=auto to balance by profiled layer time"
+        )
+    return balance
+
+
+def default_balance(profile, stages: int) -> list[int]:
+    """The cut a pipeline runs by default, as the models see it: the split point for two stages,
+    else even FLOPs (standing in for profiled time)."""
+    return [profile.split_index, len(profile.layers) - profile.split_index] if stages == 2 else profile.even_balance(stages)
+
+
+def chunk_counts(job) -> list[int]:
+    return [c for c in CHUNKS if c <= job.batch_size]
+
+
+def torch_batch_s(setup, hw, profile, seq, b: int) -> tuple[float, float]:
+    """(compute, total) of one batch under PyTorch's schedule: #mb steps of the slowest rank
+    (its stages' share of the FLOPs) plus the schedule's bubble; each micro-batch reads its
+    stage's weights again; activations cross between ranks (loopback between CPU processes,
+    the GPUs' link), in lockstep as in Eq. 6.2."""
+    devices, m, name = setup.get("devices"), setup.get("chunks"), setup.get("schedule", "gpipe")
+    w = len(devices)
+    balance = default_balance(profile, w * SCHEDULES[name].stages_per_rank)
+    micro = max(1, b // m)
+    again = recompute_factor(setup, SCHEDULES[name].backward_passes)
+    stages = seq.stage_s(balance, micro)
+    if stages is None:  # shares of the FLOPs stand in for the stages' times
+        flops = [sum(layer.forward_flops for layer in part) for part in profile.partitions(balance)]
+        stages = [f / sum(flops) * micro * seq.per_sample_at(micro) for f in flops]
+    per_rank = [sum(stages[i] for i in stages_of(name, r, w)) * again for r in range(w)]
+    compute = pipeline_schedule_s(per_rank, m, bubble_steps(name, w, m))
+    traffic = 1 + (m - 1) * REPLICA_SHARE
+    weights = weight_traffic_s(seq, hw, traffic, w) if hw.device_kind == "cpu" else seq.weight_s * traffic / w
+    owner = stage_owners(name, w)
+
+    def between(a: int, b: int) -> Link:
+        if a == b:  # two stages of one rank (interleaved, ZB-V): nothing crosses
+            return Link(0.0, float("inf"))
+        return link(hw.intra_node) if hw.device_kind == "cpu" else link(hw.link(gpu_index(devices[a]), gpu_index(devices[b])))
+
+    links = [between(owner[j], owner[j + 1]) for j in range(len(balance) - 1)]
+    comm = gpipe_comm_s(micro, m, [x / 1e6 for x in profile.boundary_bytes(balance)], links)
+    return compute, compute + weights + comm
+
+
+def torch_rank_bytes(setup, batch: int, hw, profile) -> list[float]:
+    """Per rank: its stages' weights, gradients and optimizer state, and the activations of the
+    micro-batches the schedule keeps in flight (recomputing: their blocks' inputs, and one
+    block's activations at a time); on CPU each rank's process also holds the other stages'
+    weights (the whole model is built in every process)."""
+    devices, m, name = setup.get("devices"), setup.get("chunks"), setup.get("schedule", "gpipe")
+    w, micro = len(devices), max(1, batch // m)
+    balance = default_balance(profile, w * SCHEDULES[name].stages_per_rank)
+    parts, bounds = profile.partitions(balance), [0, *itertools.accumulate(balance)]
+    recompute = recomputes(setup)
+    ranks = []
+    for r in range(w):
+        mine = stages_of(name, r, w)
+        params = sum(layer.params for i in mine for layer in parts[i])
+        if recompute:
+            acts = sum(profile.block_inputs_bytes(bounds[i], bounds[i + 1]) for i in mine)
+            one = max(profile.largest_block_bytes(bounds[i], bounds[i + 1]) for i in mine)
+        else:
+            acts, one = sum(profile.kept_bytes(bounds[i], bounds[i + 1]) for i in mine), 0
+        held = profile.state_bytes(params) + in_flight(name, r, w, m) * micro * acts + micro * one
+        ranks.append(held + ((profile.params - params) * profile.param_bytes if hw.device_kind == "cpu" else 0))
+    return ranks
+
+
+def one_pipeline(setup: Setup, hw) -> Setup:
+    """The ``pipe`` setup of one of a data-parallel job's two-stage PyTorch pipelines (its first)."""
+    devices = ("cpu", "cpu") if hw.device_kind == "cpu" else ("cuda:0", "cuda:1")
+    return Setup("pipe", (("chunks", setup.get("chunks")), ("devices", devices), ("engine", "torch"),
+                          ("schedule", setup.get("schedule", "gpipe")), ("checkpoint", setup.get("checkpoint", "never"))))
+
+
+def pipelines_cost(setup, replicas: int, per_node: int, job, hw, profile, seq):
+    """``replicas`` two-stage PyTorch pipelines (``per_node`` on each node), each on its share of
+    the batch, then each rank's gradient averaged with the same stage's ranks (a ring through
+    device 2i+s of each pipeline i), after the schedule: nothing overlaps it. On CPU, processes
+    beyond the node's cores time-share them."""
+    pipe, b = one_pipeline(setup, hw), job.batch_size // replicas
+    compute, total = torch_batch_s(pipe, hw, profile, seq, b)
+    if hw.device_kind == "cpu":
+        share = max(1.0, 2 * per_node / hw.devices_per_node)
+        compute, total = compute * share, total * share
+    name = pipe.get("schedule")
+    parts = profile.partitions(default_balance(profile, 2 * SCHEDULES[name].stages_per_rank))
+    gradients = [sum(layer.params for i in stages_of(name, r, 2) for layer in parts[i]) / profile.params * profile.gradient_mb
+                 for r in range(2)]
+    fixed = hw.allreduce_fixed_us * 1e-6
+    average = max(ring_allreduce_s(replicas, mb, [link(x) for x in hw.ring_links([rank_device(hw, 2 * i + r) for i in range(replicas)])],
+                                   fixed * max(1, math.ceil(mb / DEFAULT_BUCKET_MB)))
+                  for r, mb in enumerate(gradients))
+    load = b * seq.load_per_sample_s
+    return cost(compute + load, total + average + load)
+
+
+def pipelines_memory(setup, replicas: int, per_node: int, job, hw, profile):
+    """Each rank of a pipeline at its share of the batch; a CPU node holds its ``per_node`` pipelines' ranks."""
+    ranks = torch_rank_bytes(one_pipeline(setup, hw), job.batch_size // replicas, hw, profile)
+    if hw.device_kind == "cpu":
+        return memory_need(hw, sum(ranks), per_node)
+    return memory_need(hw, max(ranks))
+
+
+def pipelines_candidates(name: str, replicas: int, job, **knobs) -> list[Setup]:
+    """Data-parallel two-stage PyTorch pipelines, each schedule at the most micro-batches its
+    share of the batch allows (the smallest bubble)."""
+    b = job.batch_size // replicas
+    out = []
+    for schedule in SCHEDULES:
+        chunks = [c for c in CHUNKS if c <= b and b % c == 0 and c >= 2]
+        if chunks:
+            out.append(Setup(name, (*knobs.items(), ("local", "pipe"), ("chunks", chunks[-1]), ("engine", "torch"),
+                                    ("schedule", schedule))))
+    return out
+
+
+def compile_by_layers_or_refuse(strategy: str, knobs) -> str:
+    """Pipelines of PyTorch's schedules stage the model by layers: each layer compiled; fairscale's
+    ``Pipe`` runs its stages in worker threads of its own, which ddlx does not compile."""
+    if knobs.get("engine") == "torch":
+        return EACH_LAYER
+    refuse_compile(strategy, "fairscale's Pipe runs each stage's layers in worker threads of its own and "
+                   "moves the micro-batches between them outside any graph torch.compile could take",
+                   "use strategy.engine=torch (PyTorch's pipeline schedules, each layer compiled)")
+
+
+def engine_group(name: str, setup: Setup) -> str:
+    """The calibration group of a strategy that runs pipelines: PyTorch's apart from its other
+    setups (another engine, another way of working)."""
+    return f"{name} engine=torch" if setup.get("engine") == "torch" else name

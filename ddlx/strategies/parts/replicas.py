@@ -1,0 +1,104 @@
+"""Replicas as parts: the degrees of a data-parallel job, checked once (:class:`ParallelDims`), its
+time and memory models, and what each replica runs (``strategy.local``). strategy=ddp_* and
+strategy=mpi average gradients over replicas of the whole model; strategy=mpi and strategy=hybrid
+compose a replica from the local strategy's parts (:mod:`.halves`, :mod:`.pipelines`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...errors import ConfigError
+from ...costmodel.costs import (DEFAULT_BUCKET_MB, computing_at_once, cost, memory_need, recompute_factor, recomputes,
+                               replica_bytes, ring, weight_traffic_s)
+from ...costmodel.perf_models import data_parallel_s, exposed_allreduce_s
+from .halves import cut_point
+from .pipelines import pipe_knobs
+from ..spec import Setup
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """The degrees of a job whose replicas average their gradients, each replica on ``width``
+    ranks (the stages of one of PyTorch's pipelines) or on one (torchtitan's ``ParallelDims``):
+    checked once, then read by the plan and by the time and memory models alike. ``per_node``:
+    the ranks of one node (a replica's ranks share a node); None: all on one."""
+
+    world: int  # ranks (processes) of the job
+    width: int = 1  # ranks per replica
+    per_node: int | None = None
+
+    def check(self, strategy: str, fix: str) -> ParallelDims:
+        """These degrees, or a :class:`ConfigError` naming what does not divide and ``fix``."""
+        node = self.node_ranks
+        if self.world < self.width or self.world % self.width or node % self.width:
+            raise ConfigError(f"strategy={strategy} runs each replica on {self.width} ranks of one node, but the job has "
+                              f"{self.world} rank(s), {node} on this node; {fix}")
+        return self
+
+    @property
+    def node_ranks(self) -> int:
+        return self.world if self.per_node is None else self.per_node
+
+    @property
+    def replicas(self) -> int:
+        return self.world // self.width
+
+    @property
+    def replicas_per_node(self) -> int:
+        return max(1, self.node_ranks // self.width)
+
+
+def data_parallel_cost(setup: Setup, workers: int, job, hw, profile, seq):
+    """Eq. 5.1 (ring allreduce over the slowest link, the bucket as ``th``) plus a fixed cost per
+    allreduce; only the last bucket is exposed on GPUs, every bucket on CPU (gloo and the
+    backward pass share the cores), where the replicas of a node also share its memory bus."""
+    shared_bus = hw.device_kind == "cpu"
+    work = job.batch_size * (seq.per_sample_at(job.batch_size / workers) * recompute_factor(setup) + seq.load_per_sample_s)
+    local = min(workers, hw.devices_per_node) if shared_bus else 1
+    bucket = float(setup.get("bucket_cap_mb", DEFAULT_BUCKET_MB))
+    compute = work / computing_at_once(hw, workers)
+    layers = None if shared_bus else seq.layers_s_at(job.batch_size / workers, profile)
+    if layers:  # the buckets go as the backward pass reaches them
+        comm = exposed_allreduce_s([b for _, b in layers], profile.layer_mb, workers, bucket, ring(hw, workers),
+                                   hw.allreduce_fixed_us * 1e-6)
+    else:
+        comm = data_parallel_s(0.0, workers, profile.gradient_mb, bucket, ring(hw, workers), hw.allreduce_fixed_us * 1e-6,
+                               overlap=not shared_bus)
+    return cost(compute, compute + comm + weight_traffic_s(seq, hw, local, local))
+
+
+def data_parallel_memory(setup: Setup, workers: int, job, hw, profile):
+    """A replica on each worker's share of the batch, plus DDP's gradient buckets (a copy of the gradients)."""
+    per = (replica_bytes(job, job.batch_size // workers, recompute=recomputes(setup))
+           + profile.params * profile.param_bytes)
+    return memory_need(hw, per, min(workers, hw.devices_per_node))
+
+
+def local_parallelizer(cfg, model, data, processes: int, name: str, devices_of):
+    """The network strategy each rank of a data-parallel job runs (``strategy.local``): its
+    parallelizer (None: the plain network) and tags."""
+    local = cfg.local
+    if local == "sequential":
+        return None, {"local": local}
+    if local == "threads":
+        from ...parallel.threads import threads_parallelizer
+
+        # Inside DDP, whose reducer expects each gradient once per step.
+        return threads_parallelizer(cfg.threads, accumulate_once=True), {"local": local, "threads": str(cfg.threads)}
+    if local == "split":
+        from ...parallel.split import split_parallelizer
+
+        cut = cut_point(cfg, model, name)
+        return split_parallelizer(devices_of, cut), {"local": local, "cut_point": cut}
+    from ...parallel.pipe import pipe_parallelizer
+
+    chunks, balance, checkpoint, sample = pipe_knobs(cfg, model, data, data["batch_size"] // processes, 2)
+    return pipe_parallelizer(devices_of, chunks, balance, checkpoint, sample), {"local": local, "chunks": str(chunks),
+                                                                                "balance": str(balance)}
+
+
+def device_pairs(cfg, processes: int, name: str) -> list:
+    """Two devices per process: ``auto`` gives GPUs 2i, 2i+1 when there are enough, else [cpu, cpu]."""
+    from ...parallel.devices import resolve_devices
+
+    flat = resolve_devices(cfg.get("devices"), 2 * processes, name)
+    return [flat[2 * i : 2 * i + 2] for i in range(processes)]

@@ -11,13 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from omegaconf import MISSING
-
 from .allocator import AUTO
 from .allocator import CHOICES as ALLOCATORS
 from .job import BATCH_PER, CACHE_CHOICES
 from .compiling import COMPILE_MODES, MEMORY_FORMATS, OPTIMIZER_IMPLEMENTATIONS
-from .knobs import knob
+from .knobs import MISSING, knob
 from .strategies import STRATEGIES
 
 # ---- the train config ------------------------------------------------------------------------

@@ -45,6 +45,16 @@ def check_config(cfg: DictConfig) -> DictConfig:
     return typed
 
 
+def typed_config(cfg: DictConfig):
+    """The train config, checked (:func:`check_config`), as the dataclasses of :mod:`ddlx.config`
+    (``strategy``: its spec's config): what the code below the entry points reads."""
+    typed = check_config(cfg)
+    try:
+        return OmegaConf.to_object(typed)
+    except OmegaConfBaseException as err:  # an interpolation that does not resolve
+        raise explain(err) from None
+
+
 def check_bounds(cfg: DictConfig) -> None:
     """Every value of a typed node (one whose schema is a dataclass of :mod:`ddlx.config`) within
     its declared range or choices, and none missing; else a :class:`ConfigError` naming them all."""

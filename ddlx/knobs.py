@@ -7,7 +7,9 @@ from dataclasses import MISSING as NO_DEFAULT
 from dataclasses import dataclass, field
 from typing import Any
 
-from omegaconf import MISSING
+# A value the config must give (a YAML option, or the command line): OmegaConf's marker, which
+# Hydra names as missing when the config is composed; spelt here so the schema needs no omegaconf.
+MISSING = "???"
 
 
 @dataclass(frozen=True)

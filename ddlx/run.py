@@ -1,6 +1,8 @@
 """One training run from a composed config: check everything, build, fit, log to MLflow.
 
-Called by ``train.py``; takes an OmegaConf config but not Hydra, so tests can call it directly.
+Called by ``train.py`` and by each rank a launcher starts; takes the composed OmegaConf config but
+not Hydra, so tests can call it directly. :func:`train` turns it into the typed dataclasses of
+:mod:`ddlx.config` once; everything below reads those.
 """
 from __future__ import annotations
 
@@ -8,12 +10,13 @@ import inspect
 import logging
 import os
 from collections.abc import Mapping
+from dataclasses import asdict
 from pathlib import Path
 
 import psutil
 import pytorch_lightning as pl
 import torch
-from omegaconf import DictConfig, OmegaConf
+import yaml
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 
 from .allocator import apply_allocator, check_allocator, resolve_allocator
@@ -26,8 +29,8 @@ from .checkpoints import (
     checkpoint_writer,
     read_saved_run,
 )
-from .config import TrainerConfig
-from .config_check import check_config
+from .config import TrainConfig, TrainerConfig
+from .config_check import typed_config
 from .console import EpochLines, RunSummary, is_terminal, silence_known_noise
 from .data.datamodule import build_datamodule
 from .data.folder import complete_data_config
@@ -90,7 +93,7 @@ def available_memory_bytes(accelerator: str) -> tuple[int, str]:
     return psutil.virtual_memory().available, "available RAM"
 
 
-def check_memory(cfg: DictConfig, data_parallel: int = 1, replicas: int = 1, recompute: bool = False) -> None:
+def check_memory(cfg: TrainConfig, data_parallel: int = 1, replicas: int = 1, recompute: bool = False) -> None:
     """Refuse a model/data/batch that cannot fit, before any training starts.
 
     Each of ``replicas`` model copies on this machine trains ``batch_size / data_parallel`` samples.
@@ -123,7 +126,7 @@ def check_memory(cfg: DictConfig, data_parallel: int = 1, replicas: int = 1, rec
         )
 
 
-def run_tags(cfg: DictConfig, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+def run_tags(cfg: TrainConfig, extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """Tags every run carries, known before anything is built."""
     return {
         "model": cfg.model.name,
@@ -138,18 +141,18 @@ def run_tags(cfg: DictConfig, extra: Mapping[str, str] | None = None) -> dict[st
     }
 
 
-def measurement_callbacks(cfg: DictConfig) -> list[pl.Callback]:
+def measurement_callbacks(cfg: TrainConfig) -> list[pl.Callback]:
     callbacks: list[pl.Callback] = [EpochTimer(cfg.measure.warmup_epochs)]
     if cfg.measure.monitor:
         callbacks.append(ResourceMonitor(cfg.measure.monitor_interval_s))
     return callbacks
 
 
-def trainer_arguments(trainer_cfg: DictConfig) -> dict:
+def trainer_arguments(trainer_cfg: TrainConfig) -> dict:
     """The ``trainer`` values that differ from Lightning's defaults (the schema's), each checked
     against the installed Lightning's ``Trainer`` signature."""
-    defaults = OmegaConf.to_container(OmegaConf.structured(TrainerConfig))
-    chosen = {k: v for k, v in OmegaConf.to_container(trainer_cfg, resolve=True).items() if defaults.get(k, k) != v}
+    defaults = asdict(TrainerConfig())
+    chosen = {k: v for k, v in asdict(trainer_cfg).items() if defaults.get(k, k) != v}
     accepted = inspect.signature(pl.Trainer.__init__).parameters
     unknown = sorted(set(chosen) - set(accepted))
     if unknown:
@@ -158,13 +161,13 @@ def trainer_arguments(trainer_cfg: DictConfig) -> dict:
     return chosen
 
 
-def check_accelerator(cfg: DictConfig) -> None:
+def check_accelerator(cfg: TrainConfig) -> None:
     if cfg.trainer.accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
         raise ConfigError(f"trainer.accelerator={cfg.trainer.accelerator}, but this machine has no CUDA GPU that torch "
                           f"can use (torch.cuda.is_available() is False); train on the CPU with trainer=default")
 
 
-def build_trainer(cfg: DictConfig, plan, logger, output_dir: Path, callbacks: list[pl.Callback],
+def build_trainer(cfg: TrainConfig, plan, logger, output_dir: Path, callbacks: list[pl.Callback],
                   checkpoint_dir: Path | None = None) -> pl.Trainer:
     """The Trainer: the user's ``trainer`` values, the strategy's, and ddlx's own: its callbacks,
     the checkpoint policy (into ``checkpoint_dir``, default the run's ``checkpoints/``) and
@@ -191,7 +194,7 @@ def build_trainer(cfg: DictConfig, plan, logger, output_dir: Path, callbacks: li
     return trainer
 
 
-def train(cfg: DictConfig, output_dir: str | os.PathLike, extra_tags: Mapping[str, str] | None = None) -> dict[str, float]:
+def train(cfg, output_dir: str | os.PathLike, extra_tags: Mapping[str, str] | None = None) -> dict[str, float]:
     """Train once as ``cfg`` says and return the final logged metrics (on every rank).
 
     ``extra_tags`` go on the MLflow run; with a ``sweep_id`` among them (a job of a sweep), a job
@@ -199,7 +202,7 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, extra_tags: Mapping[st
     ``cfg.ckpt_path``, training continues from that checkpoint, into the MLflow run it belongs to.
     """
     silence_known_noise()
-    cfg = check_config(cfg)  # train.py checked its command line; a caller's config may not have been
+    cfg: TrainConfig = typed_config(cfg)  # train.py checked its command line; a caller's config may not have been
     check_job_before_torch(cfg)
     output_dir = Path(output_dir)
     pl.seed_everything(cfg.seed, workers=True)
@@ -214,14 +217,14 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, extra_tags: Mapping[st
     try:
         complete_data_config(cfg.data)  # data=imagefolder: classes, counts, channels and name from the folder
         tags = run_tags(cfg, extra_tags)
-        resolved = OmegaConf.to_container(cfg, resolve=True)
-        saved, plan, datamodule = check_job(cfg, resolved, tags, rank0)
+        saved, plan, datamodule = check_job(cfg, tags, rank0)
+        resolved = asdict(cfg)  # as the checks left it (cpu_allocator resolved, a worker's batch made global)
         apply_allocator(cfg.cpu_allocator)  # before the model and the ranks (they inherit it)
         # The resolved config: an MLflow artifact, and the job description the other ranks start from.
         config_file = output_dir / "config_resolved.yaml"
         if rank0:
             output_dir.mkdir(parents=True, exist_ok=True)
-            config_file.write_text(OmegaConf.to_yaml(resolved))
+            config_file.write_text(yaml.safe_dump(resolved, sort_keys=False))
         strategy = plan.trainer_kwargs.get("strategy")
         if isinstance(strategy, RelaunchingDDPStrategy):
             strategy.worker_args = [str(config_file), str(output_dir)]  # before the Trainer picks a launcher
@@ -234,7 +237,7 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, extra_tags: Mapping[st
             **plan.tags,
         })
         resume_run = saved.run_id if saved is not None else None
-        params = flatten_config(resolved)  # as the checks left it (cpu_allocator resolved)
+        params = flatten_config(resolved)
         logger = make_logger(cfg.logger.tracking_uri, cfg.logger.experiment_name, cfg.logger.run_name or run_name(params, tags), tags,
                              cfg.logger.artifact_location, run_id=resume_run) if rank0 else None  # no run yet
         identity = RunInCheckpoint(resolved)
@@ -248,14 +251,14 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, extra_tags: Mapping[st
     except ConfigError as err:
         if "sweep_id" in (extra_tags or {}) and rank0:
             tags = tags or run_tags(cfg, extra_tags)  # refused for its data: the folder's name may be unknown
-            params = flatten_config(OmegaConf.to_container(cfg, resolve=True))
+            params = flatten_config(asdict(cfg))
             record_rejected_run(cfg.logger, cfg.logger.run_name or run_name(params, tags), tags, params, err)
         raise
     model = build_model(cfg.model.name, cfg.data.num_classes, cfg.data.channels, cfg.data.image_size, cfg.model.dropout)
     model = to_memory_format(model, cfg.model.memory_format)
     if cfg.compile.enable:  # compiled at its first call, timed apart (compile_s)
         compile_model(model, STRATEGIES[cfg.strategy.name].compile_unit(cfg.strategy), cfg.compile.mode)
-    module = ClassifierModule(model, cfg.data.num_classes, **cfg.optim, channels_last=cfg.model.memory_format == "channels_last")
+    module = ClassifierModule(model, cfg.data.num_classes, **asdict(cfg.optim), channels_last=cfg.model.memory_format == "channels_last")
     if rank0:
         log.info("model=%s: %.1f M parameters, at %d px %.2f GFLOP per sample forward", cfg.model.name,
                  sum(p.numel() for p in model.parameters()) / 1e6, cfg.data.image_size, forward_gflops(cfg))
@@ -283,7 +286,7 @@ def train(cfg: DictConfig, output_dir: str | os.PathLike, extra_tags: Mapping[st
     return metrics
 
 
-def fit(cfg: DictConfig, trainer: pl.Trainer, module: ClassifierModule, datamodule, run_id: str | None,
+def fit(cfg: TrainConfig, trainer: pl.Trainer, module: ClassifierModule, datamodule, run_id: str | None,
         identity: RunInCheckpoint, timer: EpochTimer, logger) -> None:
     """Train inside the open run (``run_id``: rank 0's; None on the other ranks)."""
     if run_id is not None:
@@ -303,7 +306,7 @@ def fit(cfg: DictConfig, trainer: pl.Trainer, module: ClassifierModule, datamodu
         record_unmeasured(logger, "trainer.fast_dev_run" if trainer.fast_dev_run else "no training step")
 
 
-def forward_gflops(cfg: DictConfig) -> float:
+def forward_gflops(cfg: TrainConfig) -> float:
     """The model's forward FLOPs per sample, counted on the meta device (and kept on disk)."""
     from .costmodel.profile import profile_model
 
@@ -311,14 +314,14 @@ def forward_gflops(cfg: DictConfig) -> float:
     return profile.forward_flops_per_sample / 1e9
 
 
-def check_job(cfg: DictConfig, resolved: dict, tags: dict, rank0: bool):
+def check_job(cfg: TrainConfig, tags: dict, rank0: bool):
     """What the job needs checked and prepared before a run: the allocator, the checkpoint it
     resumes from, the strategy's plan, the data (written if synthetic) and, on rank 0, the store
     and the run to resume. Returns (the saved run or None, plan, datamodule)."""
     saved = None
     # "auto" becomes what this process runs, in the recorded config and the ranks' job description.
     requested = cfg.cpu_allocator
-    cfg.cpu_allocator = resolved["cpu_allocator"] = resolve_allocator(cfg.cpu_allocator)
+    cfg.cpu_allocator = resolve_allocator(cfg.cpu_allocator)
     if rank0:
         log.info(explain_allocator(requested, cfg.cpu_allocator))
     check_accelerator(cfg)
@@ -327,8 +330,8 @@ def check_job(cfg: DictConfig, resolved: dict, tags: dict, rank0: bool):
     plan = build_strategy(cfg.strategy, cfg.trainer.accelerator, meta, cfg.data)
     settle_cluster_environment(plan.trainer_kwargs, cfg.strategy.name)
     for key, why in plan.refused_trainer_args.items():
-        if cfg.trainer.get(key) is not None:
-            raise ConfigError(f"trainer.{key}={cfg.trainer[key]} with strategy={cfg.strategy.name}: {why}, "
+        if getattr(cfg.trainer, key, None) is not None:
+            raise ConfigError(f"trainer.{key}={getattr(cfg.trainer, key)} with strategy={cfg.strategy.name}: {why}, "
                               f"or trainer.{key}=null")
     on_cpu = plan.trainer_kwargs.get("accelerator", cfg.trainer.accelerator) == "cpu" or not torch.cuda.is_available()
     refused = {**plan.refused_precisions, **(CPU_FP16 if on_cpu else {})}  # on CPU, Lightning's own first
@@ -336,11 +339,11 @@ def check_job(cfg: DictConfig, resolved: dict, tags: dict, rank0: bool):
     if why is not None:
         raise ConfigError(f"trainer.precision={cfg.trainer.precision} with strategy={cfg.strategy.name}: {why}")
     if cfg.data.batch_per == "worker":
-        plan = batch_of_workers(cfg, resolved, plan, meta, rank0)
+        plan = batch_of_workers(cfg, plan, meta, rank0)
     if cfg.ckpt_path:
         saved = read_saved_run(cfg.ckpt_path)
         tags["resume_changes"] = " ".join(f"{k}={v}" for k, v in check_resumable(
-            saved, flatten_config(resolved), flatten_config).items()) or None
+            saved, flatten_config(asdict(cfg)), flatten_config).items()) or None
         tags["resumed_from"] = str(saved.path)
     datamodule = build_datamodule(cfg.data, plan.data_parallel)
     if cfg.memory_check:
@@ -369,21 +372,21 @@ def note_busy_cores(tags: dict) -> None:
                     "not this machine's alone (tagged busy_cores)", ", ".join(f"{c} ({u:.0f}%)" for c, u in busy.items()))
 
 
-def batch_of_workers(cfg: DictConfig, resolved: dict, plan, meta, rank0: bool):
+def batch_of_workers(cfg: TrainConfig, plan, meta, rank0: bool):
     """``data.batch_per=worker``: ``data.batch_size`` is each data-parallel process's batch (a
     pipeline's), as the papers state theirs (Jansen's thesis Table 3.3). It becomes the global batch
     here, in the config, the recorded params and the ranks' job description, so a run's
     workload reads the same however its batch was stated; the plan is made again with it."""
     per_worker = cfg.data.batch_size
-    cfg.data.batch_size = resolved["data"]["batch_size"] = per_worker * plan.data_parallel
-    cfg.data.batch_per = resolved["data"]["batch_per"] = "global"
+    cfg.data.batch_size = per_worker * plan.data_parallel
+    cfg.data.batch_per = "global"
     if rank0:
         log.info("data.batch_per=worker: %d per process x %d process(es) = global batch %d (data.batch_size=%d)",
                  per_worker, plan.data_parallel, cfg.data.batch_size, cfg.data.batch_size)
     return build_strategy(cfg.strategy, cfg.trainer.accelerator, meta, cfg.data)
 
 
-def layered_model_meta(cfg: DictConfig):
+def layered_model_meta(cfg: TrainConfig):
     """The model on PyTorch's meta device: its layer count and cut points, at no cost."""
     with torch.device("meta"):
         return build_model(cfg.model.name, cfg.data.num_classes, cfg.data.channels, cfg.data.image_size, cfg.model.dropout)

@@ -12,7 +12,7 @@ import pytest
 from conftest import PROJECT_DIR, compose_config, subprocess_env
 
 from ddlx.config import STRATEGY_CONFIGS, TRAINER_ARGS_SET_BY_DDLX, TrainerConfig
-from ddlx.config_check import check_config
+from ddlx.config_check import check_config, typed_config
 from ddlx.errors import ConfigError
 
 
@@ -122,7 +122,7 @@ def test_every_trainer_argument_can_be_set_and_the_schema_follows_lightning():
     lightning = set(inspect.signature(pl.Trainer.__init__).parameters) - {"self"}
     schema = {f for f in TrainerConfig.__dataclass_fields__}
     assert schema | (set(TRAINER_ARGS_SET_BY_DDLX) - {"ckpt_path"}) == lightning, "TrainerConfig lists Trainer's arguments"
-    cfg = check_config(compose_config(["trainer.precision=bf16-mixed", "trainer.accumulate_grad_batches=2",
+    cfg = typed_config(compose_config(["trainer.precision=bf16-mixed", "trainer.accumulate_grad_batches=2",
                                        "trainer.gradient_clip_val=0.5"]))
     from ddlx.run import trainer_arguments
 

@@ -10,6 +10,7 @@ import pytest
 from conftest import runs
 from PIL import Image
 
+from ddlx.config_check import typed_config
 from ddlx.data.folder import complete_data_config
 from ddlx.errors import ConfigError
 from ddlx.data.datamodule import build_datamodule
@@ -48,7 +49,7 @@ def digits_dir(tmp_path_factory):
 
 
 def test_the_folder_gives_classes_counts_channels_and_name(digits_dir, tiny_config):
-    cfg = tiny_config("data=imagefolder", f"data.root={digits_dir}", "data.num_images=null")
+    cfg = typed_config(tiny_config("data=imagefolder", f"data.root={digits_dir}", "data.num_images=null"))
     complete_data_config(cfg.data)
     assert cfg.data.name == "digits"
     assert list(cfg.data.classes) == [str(d) for d in range(10)] and cfg.data.num_classes == 10
@@ -60,7 +61,7 @@ def test_the_folder_gives_classes_counts_channels_and_name(digits_dir, tiny_conf
 
 def test_grayscale_rgba_palette_and_cmyk_files_all_load(tmp_path, tiny_config):
     root = write_digits(tmp_path / "mixed", mixed_modes=True, per_class=30)
-    cfg = tiny_config("data=imagefolder", f"data.root={root}", "data.num_images=null")
+    cfg = typed_config(tiny_config("data=imagefolder", f"data.root={root}", "data.num_images=null"))
     complete_data_config(cfg.data)
     assert cfg.data.channels == 3  # colour files among them: grayscale ones are converted
     dm = build_datamodule(cfg.data)
@@ -76,7 +77,7 @@ def test_grayscale_rgba_palette_and_cmyk_files_all_load(tmp_path, tiny_config):
 
 
 def test_a_subset_says_how_many_of_how_many(digits_dir, tiny_config, caplog):
-    cfg = tiny_config("data=imagefolder", f"data.root={digits_dir}", "data.num_images=100")
+    cfg = typed_config(tiny_config("data=imagefolder", f"data.root={digits_dir}", "data.num_images=100"))
     complete_data_config(cfg.data)
     with caplog.at_level(logging.INFO, logger="ddlx.data.datamodule"):
         build_datamodule(cfg.data).setup()

@@ -189,7 +189,7 @@ def replica_bytes(job: Job, batch: int, recompute: bool = False) -> int:
 
 
 def recomputes(knobs) -> bool:
-    """Whether ``knobs`` (a strategy's config or a :class:`Setup`) recompute every block between
+    """Whether ``knobs`` (a :class:`Setup`) recompute every block between
     the cut points (``strategy.checkpoint=always`` of ddp_*, fsdp, pipe engine=torch)."""
     return knobs.get("checkpoint", "never") == "always"
 

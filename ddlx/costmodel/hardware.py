@@ -17,9 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from omegaconf import MISSING
-
 from ..errors import ConfigError
+from ..knobs import MISSING
 from .numerics import NUMBER_TYPES, Numerics
 
 GB = 1e9

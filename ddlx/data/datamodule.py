@@ -7,6 +7,7 @@ import os
 import signal
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
 import pytorch_lightning as pl
@@ -392,11 +393,9 @@ class ImageFolderDataModule(pl.LightningDataModule):
 
 
 def build_datamodule(data_cfg, data_parallel: int = 1) -> ImageFolderDataModule:
-    """The datamodule for one process from the ``data`` config (a mapping or an OmegaConf node):
-    ``data.batch_size`` is the global batch, split evenly."""
-    from omegaconf import OmegaConf
-
-    kwargs = dict(data_cfg) if isinstance(data_cfg, dict) else OmegaConf.to_container(data_cfg, resolve=True)
+    """The datamodule for one process from the ``data`` config (its typed dataclass, or a plain
+    mapping of its keys): ``data.batch_size`` is the global batch, split evenly."""
+    kwargs = asdict(data_cfg) if is_dataclass(data_cfg) else dict(data_cfg)
     kwargs.pop("batch_per", None)  # made global before (batch_of_workers)
     problems = batch_split_problems(kwargs["batch_size"], data_parallel)  # mpi's ranks: known only now
     if problems:

@@ -75,7 +75,7 @@ def complete_data_config(data) -> FolderContents | None:
     ``data`` is the composed (typed) ``data`` config; it is changed in place. Returns what the
     folder holds (None without ``data.root``)."""
     # Left null, these can only come from a folder (classes may stay null: synthetic sets name them).
-    open_keys = [key for key in FROM_THE_FOLDER if data[key] is None and key not in ("classes", "num_images")]
+    open_keys = [key for key in FROM_THE_FOLDER if getattr(data, key) is None and key not in ("classes", "num_images")]
     if data.root is None:
         if open_keys:
             raise ConfigError(f"data.root is not set, but data.{open_keys[0]} is to be read from the folder there "
@@ -86,7 +86,7 @@ def complete_data_config(data) -> FolderContents | None:
     if data.name is not None:
         _check_named_dataset(data, folder)
     data.name = data.name or _name_of(folder.root)
-    given = {key: data[key] for key in ("classes", "num_classes", "channels") if data[key] is not None}
+    given = {key: getattr(data, key) for key in ("classes", "num_classes", "channels") if getattr(data, key) is not None}
     if data.classes is None:
         data.classes = list(folder.classes)
     if data.num_classes is None:

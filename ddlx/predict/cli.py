@@ -11,6 +11,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from ..allocator import apply_allocator, check_allocator, resolve_allocator
+from ..config import DataConfig, OptimConfig
 from ..config_check import check_bounds, check_recommend_job
 from ..data.folder import complete_data_config
 from ..errors import ConfigError
@@ -209,7 +210,7 @@ def kept_probes(cfg: DictConfig, runs, local: HardwareSpec, detected_dir: Path |
     machine = machine_identity(local)
 
     def what(job: Job) -> dict:
-        data = OmegaConf.to_container(_probe_data(cfg, job, runs), resolve=True)
+        data = dataclasses.asdict(_probe_data(cfg, job, runs))
         shape = {k: data.get(k) for k in PROBED_DATA_KEYS}
         return {"data": shape, "cpu_allocator": cfg.cpu_allocator, "torch": _torch_version()}
 
@@ -219,7 +220,7 @@ def kept_probes(cfg: DictConfig, runs, local: HardwareSpec, detected_dir: Path |
                    "optim": OmegaConf.to_container(cfg.optim, resolve=True), "precision": job.precision}
             timed = kept(detected_dir, machine, "train", key, lambda: [
                 dataclasses.asdict(b) for b in probe_batches(_probe_data(cfg, job, runs), job.model, 1, cfg.probe_max_s,
-                                                            cfg.optim, job.precision)(n)])
+                                                            _typed(cfg.optim, OptimConfig), job.precision)(n)])
             return [ProbedBatch(**b) for b in timed]
         return batches
 
@@ -241,13 +242,20 @@ def _torch_version() -> str:
     return torch.__version__
 
 
-def _probe_data(cfg: DictConfig, job: Job, runs) -> DictConfig:
+def _probe_data(cfg: DictConfig, job: Job, runs) -> DataConfig:
     """The data config to probe ``job`` with: the composed one when it is that job, else the
     config of a measured run of exactly that job (validation probes the runs' own workloads)."""
-    if (cfg.model.name, cfg.data.image_size, cfg.data.batch_size) == (job.model, job.image_size, job.batch_size):
-        return cfg.data
-    measured = data_config_of_job(job, runs)
-    return cfg.data if measured is None else measured
+    if (cfg.model.name, cfg.data.image_size, cfg.data.batch_size) != (job.model, job.image_size, job.batch_size):
+        measured = data_config_of_job(job, runs)
+        if measured is not None:
+            return measured
+    return _typed(cfg.data, DataConfig)
+
+
+def _typed(node: DictConfig, schema: type):
+    """A group of the composed recommend config as its train-config dataclass (what the probes read)."""
+    resolved = OmegaConf.to_container(node, resolve=True)  # its interpolations reach the whole config
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), resolved))
 
 
 def log_recommendation(cfg: DictConfig, rec: Recommendation, answer: dict, out_dir: Path) -> None:

@@ -5,15 +5,16 @@ same device kind; otherwise the models stand uncalibrated and say so.
 """
 from __future__ import annotations
 
+import dataclasses
 import socket
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import yaml
-from omegaconf import OmegaConf
 
 from ..allocator import MMAP_CEILING_BYTES, SYSTEM, keep_freed_possible
+from ..config import DataConfig
 from ..job import Batches, Job
 from ..records import MeasuredRun, job_of_run, measured_per_batch_s, on_hardware, usable
 from ..errors import ConfigError
@@ -345,10 +346,12 @@ def data_config_of_job(job: Job, runs: Sequence[MeasuredRun]):
     return None
 
 
-def data_config_from_params(params: dict[str, str]):
-    """The ``data`` config of a run, rebuilt from its flattened params (for a probe)."""
+def data_config_from_params(params: dict[str, str]) -> DataConfig:
+    """The ``data`` config of a run, rebuilt from its flattened params (for a probe); a key this
+    release's :class:`~ddlx.config.DataConfig` no longer has is left out."""
+    known = {f.name for f in dataclasses.fields(DataConfig)}
     data = {}
     for key, value in params.items():
-        if key.startswith("data."):
+        if key.startswith("data.") and key[5:] in known:
             data[key[5:]] = None if value == "None" else yaml.safe_load(value)
-    return OmegaConf.create(data)
+    return DataConfig(**data)

@@ -16,6 +16,7 @@ Every result says which one it is.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import statistics
@@ -190,14 +191,13 @@ LOADING_PROBE_BATCH = 16
 
 
 def probe_data(cfg_data, batches: int, batch_size: int | None = None):
-    """The data config a probe trains on: the job's, with ``batch_size`` if given, cut to enough
-    images for ``batches`` training batches (at least :data:`PROBE_IMAGES` and one per class)."""
-    from omegaconf import OmegaConf
-
+    """The data config (a :class:`~ddlx.config.DataConfig`) a probe trains on: the job's, with
+    ``batch_size`` if given, cut to enough images for ``batches`` training batches (at least
+    :data:`PROBE_IMAGES` and one per class)."""
     batch = batch_size or cfg_data.batch_size
     need = max(PROBE_IMAGES, cfg_data.num_classes, math.ceil(batches * batch / (1 - cfg_data.val_fraction)) + 1)
     have = cfg_data.num_images
-    return OmegaConf.merge(cfg_data, {"num_images": need if have is None else min(have, need), "batch_size": batch})
+    return dataclasses.replace(cfg_data, num_images=need if have is None else min(have, need), batch_size=batch)
 
 
 def probe_batches(cfg_data, model: str, threads: int = 1, max_seconds: float = 30.0,
@@ -222,7 +222,7 @@ def probe_batches(cfg_data, model: str, threads: int = 1, max_seconds: float = 3
         plugin = precision_plugin(precision, device.type)
         with intra_op_threads(threads):
             net = build_model(model, cfg_data.num_classes, cfg_data.channels, cfg_data.image_size, None)
-            module = ClassifierModule(net, cfg_data.num_classes, **(dict(optim) if optim is not None else {}))
+            module = ClassifierModule(net, cfg_data.num_classes, **(dataclasses.asdict(optim) if optim is not None else {}))
             module = plugin.convert_module(module).to(device)
             opt = module.configure_optimizers()
             times, start, spent = [], time.perf_counter(), time.perf_counter()
@@ -264,12 +264,10 @@ def probe_loading(cfg_data, max_seconds: float = 30.0) -> Callable[[], float]:
     first. What a loader worker process does per sample, on this machine's core."""
 
     def run() -> float:
-        from omegaconf import OmegaConf
-
         from ..data.datamodule import build_datamodule
 
-        dm = build_datamodule(OmegaConf.merge(probe_data(cfg_data, 6, min(cfg_data.batch_size, LOADING_PROBE_BATCH)),
-                                              {"num_workers": 0}))
+        dm = build_datamodule(dataclasses.replace(probe_data(cfg_data, 6, min(cfg_data.batch_size, LOADING_PROBE_BATCH)),
+                                                  num_workers=0))
         dm.prepare_data()
         dm.setup("fit")
         per_sample, start, spent = [], time.perf_counter(), time.perf_counter()

@@ -36,13 +36,13 @@ def spec_of(name: str) -> StrategySpec:
 def starts_ranks(cfg) -> bool:
     """Whether a run of the strategy config ``cfg`` has ddlx's launcher start ranks beside its
     own process (an unknown name: no; it is refused where the run builds its strategy)."""
-    return cfg.get("name") in STRATEGIES and STRATEGIES[cfg.get("name")].starts_ranks(cfg)
+    return cfg.name in STRATEGIES and STRATEGIES[cfg.name].starts_ranks(cfg)
 
 
 def build_strategy(cfg, accelerator: str, model, data) -> StrategyPlan:
     """The Trainer's arguments for the strategy ``cfg`` names (``model`` on the meta device is
     enough: layer counts and cut points; ``data``: the batch's shape)."""
-    spec = spec_of(cfg.get("name"))
+    spec = spec_of(cfg.name)
     plan = spec.plan(cfg, accelerator, model, data)
     plan.tags = {"strategy": spec.name, **plan.tags}
     return plan

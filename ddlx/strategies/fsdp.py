@@ -74,7 +74,7 @@ class Fsdp(StrategySpec):
         shard_size = self._shard_size(cfg, per_node)
         strategy = FullyShardedStrategy(devices, cfg.sharding, pin_cores=cfg.pin_cores, timeout_s=cfg.timeout_s,
                                         shard_size=shard_size)
-        strategy.recompute = recomputes(cfg)
+        strategy.recompute = cfg.checkpoint == "always"  # every block recomputed in backward
         return StrategyPlan(
             trainer_kwargs={"strategy": strategy, "devices": per_node, "num_nodes": nodes,
                             "accelerator": "gpu" if devices[0].type == "cuda" else "cpu"},
@@ -88,7 +88,7 @@ class Fsdp(StrategySpec):
     def _shard_size(cfg, per_node: int) -> int | None:
         """``shard_size``, checked: it divides a node's ranks (a group never spans nodes) and
         belongs to sharding=hybrid; null there: the node's ranks."""
-        size = cfg.get("shard_size")
+        size = cfg.shard_size
         if cfg.sharding != "hybrid":
             if size is not None:
                 raise ConfigError(f"strategy.shard_size={size} sets the groups of strategy.sharding=hybrid, not of "

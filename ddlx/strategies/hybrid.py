@@ -15,7 +15,7 @@ from .parts.pipelines import (ENGINES, PIPE_CHECKPOINT, compile_by_layers_or_ref
                         local_torch_pipeline, pipelines_candidates, pipelines_cost, pipelines_memory, torch_pipeline,
                         torch_pipeline_knobs)
 from .parts.replicas import ParallelDims, device_pairs, local_parallelizer
-from .spec import TIMEOUT_S, Setup, StrategyPlan, StrategySpec, accelerator_of, refuse_compile, warn_oversubscription
+from .spec import TIMEOUT_S, Setup, StrategyPlan, StrategySpec, accelerator_of, knob_value, refuse_compile, warn_oversubscription
 
 
 @dataclass
@@ -80,10 +80,10 @@ class Hybrid(StrategySpec):
         )
 
     def starts_ranks(self, cfg) -> bool:
-        return (cfg.get("processes") or 1) > 1 or (cfg.get("local") == "pipe" and cfg.get("engine") == "torch")
+        return cfg.processes > 1 or (cfg.local == "pipe" and cfg.engine == "torch")
 
     def compile_unit(self, knobs) -> str:
-        if knobs.get("local") == "split":
+        if knob_value(knobs, "local") == "split":
             refuse_compile(self.name, "its processes' split halves are not compiled by ddlx yet",
                            "use strategy.local=pipe strategy.engine=torch")
         return compile_by_layers_or_refuse(self.name, knobs)

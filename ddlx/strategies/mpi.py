@@ -13,7 +13,7 @@ from .parts.pipelines import (ENGINES, PIPE_CHECKPOINT, compile_by_layers_or_ref
                         local_torch_pipeline, pipelines_candidates, pipelines_cost, pipelines_memory, torch_pipeline,
                         torch_pipeline_knobs)
 from .parts.replicas import ParallelDims, data_parallel_cost, data_parallel_memory, device_pairs, local_parallelizer
-from .spec import TIMEOUT_S, Setup, StrategyPlan, StrategySpec, refuse_compile
+from .spec import TIMEOUT_S, Setup, StrategyPlan, StrategySpec, knob_value, refuse_compile
 
 
 @dataclass
@@ -103,7 +103,7 @@ class Mpi(StrategySpec):
         )
 
     def compile_unit(self, knobs) -> str:
-        local = knobs.get("local", "sequential")
+        local = knob_value(knobs, "local", "sequential")
         if local == "split":
             refuse_compile(self.name, "its ranks' split halves are not compiled by ddlx yet",
                            "use strategy.local=sequential or strategy.local=pipe strategy.engine=torch")

@@ -51,7 +51,7 @@ class Pipe(StrategySpec):
         from ..parallel.network import NetworkStrategy
         from ..parallel.pipe import pipe_parallelizer
 
-        devices = cfg.get("devices")
+        devices = cfg.devices
         stages = 2 if devices in (None, "auto") or isinstance(devices, str) else len(devices)
         devices = resolve_devices(devices, stages, self.name)
         if cfg.engine == "torch":
@@ -59,7 +59,7 @@ class Pipe(StrategySpec):
         if cfg.schedule != "gpipe":
             raise ConfigError(f"strategy.schedule={cfg.schedule} needs strategy.engine=torch: fairscale's Pipe runs GPipe "
                               f"only; use strategy.engine=torch strategy.schedule={cfg.schedule}")
-        chunks, balance, checkpoint, sample = pipe_knobs(cfg, model, data, data["batch_size"], len(devices))
+        chunks, balance, checkpoint, sample = pipe_knobs(cfg, model, data, data.batch_size, len(devices))
         strategy = NetworkStrategy(devices[0], pipe_parallelizer(lambda rank: devices, chunks, balance, checkpoint, sample))
         return StrategyPlan(
             trainer_kwargs={"strategy": strategy, "devices": 1, "accelerator": accelerator_of(devices[0])},
@@ -76,7 +76,7 @@ class Pipe(StrategySpec):
         )
 
     def starts_ranks(self, cfg) -> bool:
-        return cfg.get("engine") == "torch"  # one process per stage
+        return cfg.engine == "torch"  # one process per stage
 
     def refused_precisions(self, knobs) -> dict[str, str]:
         return engine_refused_precisions(knobs)

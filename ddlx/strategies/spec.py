@@ -128,16 +128,16 @@ class StrategySpec:
     def starts_ranks(self, cfg) -> bool:
         """Whether a run of its config ``cfg`` has ddlx's launcher start ranks beside train.py's
         process (what the rank fork server is for)."""
-        return (cfg.get("processes") or 1) > 1
+        return (getattr(cfg, "processes", None) or 1) > 1
 
     def data_parallel(self, cfg) -> int | None:
         """Processes sharing the global batch in a run of its config ``cfg`` (None: known only
         once launched); read before torch loads (:mod:`ddlx.preflight`) and by :meth:`plan`."""
-        return cfg.get("processes") or 1
+        return getattr(cfg, "processes", None) or 1
 
     def needs_gpu(self, cfg, accelerator: str) -> bool:
         """Whether a run of its config ``cfg`` on ``accelerator`` (trainer.accelerator) needs a GPU."""
-        devices = cfg.get("devices")
+        devices = getattr(cfg, "devices", None)
         listed = [] if devices is None or isinstance(devices, str) else [str(d) for d in devices]
         return accelerator in ("gpu", "cuda") or any(d.startswith("cuda") for d in listed)
 
@@ -146,7 +146,7 @@ class StrategySpec:
         if accelerator in ("gpu", "cuda"):
             return (f"trainer.accelerator={accelerator}, but this machine has no GPU (no NVIDIA or AMD device, or "
                     f"CUDA_VISIBLE_DEVICES hides them); train on the CPU with trainer=default")
-        return (f"strategy.devices={_render(list(cfg.get('devices')))} names CUDA devices, but this machine has no GPU; "
+        return (f"strategy.devices={_render(list(cfg.devices))} names CUDA devices, but this machine has no GPU; "
                 f"use strategy.devices=auto (its stages on the CPU)")
 
     def processes(self, setup: Setup) -> int:
@@ -170,6 +170,12 @@ class StrategySpec:
 
 
 # ---- helpers the specs' plans share -----------------------------------------------------------
+
+
+def knob_value(knobs, key: str, default=None):
+    """A knob of a strategy's typed config or of a :class:`Setup` (``default`` where it has none):
+    what the methods that serve both read."""
+    return knobs.get(key, default) if isinstance(knobs, Setup) else getattr(knobs, key, default)
 
 
 def recompute_knob(params: dict[str, str]) -> tuple[tuple[str, object], ...]:

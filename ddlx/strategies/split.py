@@ -29,7 +29,7 @@ class Split(StrategySpec):
         from ..parallel.network import NetworkStrategy
         from ..parallel.split import split_parallelizer
 
-        devices = resolve_devices(cfg.get("devices"), 2, self.name)
+        devices = resolve_devices(cfg.devices, 2, self.name)
         cut = cut_point(cfg, model, self.name)
         strategy = NetworkStrategy(devices[0], split_parallelizer(lambda rank: devices, cut))
         return StrategyPlan(trainer_kwargs={"strategy": strategy, "devices": 1, "accelerator": accelerator_of(devices[0])},

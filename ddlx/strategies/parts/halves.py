@@ -8,7 +8,7 @@ from ...costmodel.costs import stage_bytes
 
 def cut_point(cfg, model, name: str) -> str:
     """The knob ``cut_point`` (null: the model's own split point), checked against the model's cut points."""
-    cut = cfg.get("cut_point") or model.split_point
+    cut = cfg.cut_point or model.split_point
     if cut not in model.cut_points:
         raise ConfigError(
             f"strategy.cut_point={cut!r} for strategy={name} is not a cut point of {model.arch}; "

@@ -25,7 +25,7 @@ from ...costmodel.costs import (
 )
 from ...parallel.schedules import SCHEDULES, bubble_steps, in_flight, micro_batches, stage_owners, stages_of
 from ...costmodel.perf_models import Link, gpipe_comm_s, pipeline_schedule_s, ring_allreduce_s
-from ..spec import Setup, refuse_compile
+from ..spec import Setup, knob_value, refuse_compile
 
 PIPE_CHECKPOINT = ("never", "except_last", "always")
 ENGINES = ("fairscale", "torch")
@@ -38,10 +38,10 @@ def pipe_knobs(cfg, model, data, per_process_batch: int, stages: int):
     if chunks > per_process_batch:
         raise ConfigError(
             f"strategy.chunks={chunks} is larger than the batch of {per_process_batch} each pipeline gets "
-            f"(data.batch_size={data['batch_size']}): every micro-batch needs a sample; use strategy.chunks<={per_process_batch}"
+            f"(data.batch_size={data.batch_size}): every micro-batch needs a sample; use strategy.chunks<={per_process_batch}"
         )
-    balance = checked_balance(cfg.get("balance"), model, stages, "one per device")
-    sample = (max(1, per_process_batch // chunks), data["channels"], data["image_size"], data["image_size"])
+    balance = checked_balance(cfg.balance, model, stages, "one per device")
+    sample = (max(1, per_process_batch // chunks), data.channels, data.image_size, data.image_size)
     return chunks, balance, cfg.checkpoint, sample
 
 
@@ -60,8 +60,8 @@ def torch_pipeline(cfg, devices, model, data, name: str, replicas: int = 1, widt
                           f"strategy.checkpoint=always or never, or strategy.engine=fairscale")
     schedule, chunks = SCHEDULES[cfg.schedule], cfg.chunks
     width = width or len(devices) // replicas
-    batch = data["batch_size"] // replicas  # each pipeline's share
-    share = f"data.batch_size={data['batch_size']}" + (f" over {replicas} pipelines ({batch} each)" if replicas > 1 else "")
+    batch = data.batch_size // replicas  # each pipeline's share
+    share = f"data.batch_size={data.batch_size}" + (f" over {replicas} pipelines ({batch} each)" if replicas > 1 else "")
     if batch % chunks:
         raise ConfigError(f"strategy.chunks={chunks} does not divide {share}: PyTorch's schedules need "
                           f"equal micro-batches; use a divisor of {batch}, e.g. strategy.chunks={micro_batches(batch, chunks)}")
@@ -69,15 +69,15 @@ def torch_pipeline(cfg, devices, model, data, name: str, replicas: int = 1, widt
         raise ConfigError(f"strategy.schedule={cfg.schedule} needs at least one micro-batch per stage: strategy.chunks={chunks} "
                           f"< {width} stages; use strategy.chunks>={width}")
     stages = width * schedule.stages_per_rank
-    balance = checked_balance(cfg.get("balance"), model, stages,
+    balance = checked_balance(cfg.balance, model, stages,
                               f"{schedule.stages_per_rank} stage(s) per process under schedule={cfg.schedule}")
     if stages > len(model):
         raise ConfigError(f"strategy.schedule={cfg.schedule} on {width} processes needs {stages} stages, more than "
                           f"{model.arch}'s {len(model)} layers; use fewer devices or strategy.schedule=gpipe")
-    sample = (max(1, batch // chunks), data["channels"], data["image_size"], data["image_size"])
-    strategy = TorchPipelineStrategy(devices, cfg.schedule, chunks, balance, sample, pin_cores=cfg.get("pin_cores", True),
+    sample = (max(1, batch // chunks), data.channels, data.image_size, data.image_size)
+    strategy = TorchPipelineStrategy(devices, cfg.schedule, chunks, balance, sample, pin_cores=cfg.pin_cores,
                                      timeout_s=cfg.timeout_s, width=width, replicas=replicas, **strategy_kwargs)
-    strategy.recompute = recomputes(cfg)
+    strategy.recompute = cfg.checkpoint == "always"  # every block recomputed in backward
     return strategy, {"chunks": str(chunks), "balance": str(balance), "checkpoint": cfg.checkpoint, "engine": "torch",
                       "schedule": cfg.schedule}
 
@@ -96,7 +96,7 @@ def local_torch_pipeline(cfg) -> bool:
 
 def engine_refused_precisions(knobs) -> dict[str, str]:
     """The precisions a pipeline with ``knobs`` cannot train in (PyTorch's engine: 16-mixed)."""
-    if knobs.get("engine", "fairscale") != "torch":
+    if knob_value(knobs, "engine", "fairscale") != "torch":
         return {}
     return {"16-mixed": "16-mixed scales the loss before Lightning's backward, but PyTorch's schedule runs the backward "
                         "inside the forward, and each rank sees only its stages' gradients; use "
@@ -248,7 +248,7 @@ def pipelines_candidates(name: str, replicas: int, job, **knobs) -> list[Setup]:
 def compile_by_layers_or_refuse(strategy: str, knobs) -> str:
     """Pipelines of PyTorch's schedules stage the model by layers: each layer compiled; fairscale's
     ``Pipe`` runs its stages in worker threads of its own, which ddlx does not compile."""
-    if knobs.get("engine") == "torch":
+    if knob_value(knobs, "engine") == "torch":
         return EACH_LAYER
     refuse_compile(strategy, "fairscale's Pipe runs each stage's layers in worker threads of its own and "
                    "moves the micro-batches between them outside any graph torch.compile could take",

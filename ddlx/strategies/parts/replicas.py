@@ -91,7 +91,7 @@ def local_parallelizer(cfg, model, data, processes: int, name: str, devices_of):
         return split_parallelizer(devices_of, cut), {"local": local, "cut_point": cut}
     from ...parallel.pipe import pipe_parallelizer
 
-    chunks, balance, checkpoint, sample = pipe_knobs(cfg, model, data, data["batch_size"] // processes, 2)
+    chunks, balance, checkpoint, sample = pipe_knobs(cfg, model, data, data.batch_size // processes, 2)
     return pipe_parallelizer(devices_of, chunks, balance, checkpoint, sample), {"local": local, "chunks": str(chunks),
                                                                                 "balance": str(balance)}
 
@@ -100,5 +100,5 @@ def device_pairs(cfg, processes: int, name: str) -> list:
     """Two devices per process: ``auto`` gives GPUs 2i, 2i+1 when there are enough, else [cpu, cpu]."""
     from ...parallel.devices import resolve_devices
 
-    flat = resolve_devices(cfg.get("devices"), 2 * processes, name)
+    flat = resolve_devices(cfg.devices, 2 * processes, name)
     return [flat[2 * i : 2 * i + 2] for i in range(processes)]

@@ -172,6 +172,18 @@ def split_layers(monkeypatch) -> list[tuple[int, int]]:
     return shapes
 
 
+def test_every_strategy_this_machine_can_run_has_an_equal_weights_case():
+    """A new strategy's file is not done until it trains to the sequential run's weights here: every
+    registered strategy that runs on a CPU and that ddlx starts itself (mpi: mpirun starts its ranks,
+    test_multinode.py and test_slurm.py) has a case above."""
+    from ddlx.strategies import STRATEGIES
+
+    cased = {(c.values[0] if hasattr(c, "values") else c)[0][0].split("=")[1] for c in CASES.values()}
+    runnable = {name for name, spec in STRATEGIES.items()
+                if not spec.needs_gpu(spec.config(), "cpu") and spec.data_parallel(spec.config()) is not None}
+    assert runnable - {"sequential"} <= cased, sorted(runnable - {"sequential"} - cased)
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
 def test_strategy_matches_sequential(case, tmp_path, shared_data, sequential_weights, recwarn, recomputations, meshes,

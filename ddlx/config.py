@@ -192,6 +192,42 @@ class TrainConfig:
     logger: LoggerConfig = MISSING
 
 
+# ---- the recommend config (conf/recommend.yaml) ---------------------------------------------
+
+
+@dataclass
+class RecommendTrainerConfig:
+    """The job's ``trainer`` values the answer depends on."""
+
+    precision: Optional[str] = knob(None, choices=PRECISIONS)  # null: fp32
+    max_epochs: Optional[int] = knob(None, low=-1)  # whether compiling pays for the run
+
+
+@dataclass
+class RecommendConfig:
+    """``recommend.py``'s config as :func:`ddlx.predict.cli.run` reads it (its keys are explained in
+    conf/recommend.yaml); ``hw`` apart, typed as a :class:`~ddlx.costmodel.hardware.HardwareSpec`."""
+
+    mode: str = "recommend"
+    output: str = "table"
+    probe: bool = True
+    seed: int = 42
+    probe_max_s: float = 30.0
+    compare: Optional[List[str]] = None
+    max_epoch_s: Optional[float] = None
+    close_call: float = 0.05
+    candidates: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+    experiments: List[str] = field(default_factory=lambda: ["ddlx"])
+    trainer: RecommendTrainerConfig = field(default_factory=RecommendTrainerConfig)
+    cpu_allocator: str = knob(AUTO, choices=(AUTO, *ALLOCATORS))
+    detected_dir: Optional[str] = None
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    model: ModelConfig = MISSING
+    data: DataConfig = MISSING
+    optim: OptimConfig = MISSING
+    logger: LoggerConfig = MISSING
+
+
 # The strategies' knobs: each strategy's own dataclass, in its file (ddlx/strategies/<name>.py).
 STRATEGY_CONFIGS: dict[str, type] = {name: spec.config for name, spec in STRATEGIES.items()}
 

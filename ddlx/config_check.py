@@ -55,6 +55,19 @@ def typed_config(cfg: DictConfig):
         raise explain(err) from None
 
 
+def typed_recommend_config(cfg: DictConfig):
+    """recommend.py's config but ``hw`` as a :class:`~ddlx.config.RecommendConfig`; a key it does
+    not have or a value of the wrong type is a :class:`ConfigError` naming it."""
+    from .config import RecommendConfig
+
+    try:
+        given = OmegaConf.to_container(cfg, resolve=True)
+        given.pop("hw", None)
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RecommendConfig), given))
+    except OmegaConfBaseException as err:
+        raise explain(err) from None
+
+
 def check_bounds(cfg: DictConfig) -> None:
     """Every value of a typed node (one whose schema is a dataclass of :mod:`ddlx.config`) within
     its declared range or choices, and none missing; else a :class:`ConfigError` naming them all."""

@@ -11,8 +11,8 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from ..allocator import apply_allocator, check_allocator, resolve_allocator
-from ..config import DataConfig, OptimConfig
-from ..config_check import check_bounds, check_recommend_job
+from ..config import DataConfig, RecommendConfig
+from ..config_check import check_bounds, check_recommend_job, typed_recommend_config
 from ..data.folder import complete_data_config
 from ..errors import ConfigError
 from ..job import Batches, Job, cache_outcome
@@ -75,7 +75,7 @@ def local_hardware(target: HardwareSpec, hw_dir: Path, detected_dir: Path | None
     return hardware(load_hw_file(hw_dir / "local.yaml"), detected_dir, refresh)
 
 
-def job_from_config(cfg: DictConfig) -> Job:
+def job_from_config(cfg: RecommendConfig) -> Job:
     data = cfg.data
     folder = complete_data_config(data)
     count = data.num_images
@@ -89,7 +89,7 @@ def job_from_config(cfg: DictConfig) -> Job:
                data.num_workers, cfg.cpu_allocator, numerics_of(cfg.trainer.precision).precision)
 
 
-def with_data_cache(job: Job, cfg: DictConfig, target) -> Job:
+def with_data_cache(job: Job, cfg: RecommendConfig, target) -> Job:
     """``job`` keeping its decoded images in memory where train.py would on ``target`` (its RAM
     per node, all of it available); the probes then load as the job would."""
     outcome = cache_of(job, cfg, target)
@@ -97,13 +97,13 @@ def with_data_cache(job: Job, cfg: DictConfig, target) -> Job:
     return dataclasses.replace(job, data_cache=outcome)
 
 
-def cache_of(job: Job, cfg: DictConfig, target) -> str:
+def cache_of(job: Job, cfg: RecommendConfig, target) -> str:
     """Where train.py would keep ``job``'s decoded images on ``target``: in memory or not."""
     images = round(job.train_samples / (1 - cfg.data.val_fraction)) if cfg.data.val_fraction < 1 else job.train_samples
     return cache_outcome(cfg.data.cache, images, job.channels, job.image_size, target.ram_per_node_gb * GB)
 
 
-def measured_runs(cfg: DictConfig) -> tuple[list, str]:
+def measured_runs(cfg: RecommendConfig) -> tuple[list, str]:
     uri = cfg.logger.tracking_uri
     if not store_exists(uri):
         return [], f"no MLflow store at {uri}"
@@ -126,24 +126,25 @@ def _ids(runs, shown: int = 6) -> str:
     return ", ".join(ids[:shown]) + (f" and {len(ids) - shown} more" if len(ids) > shown else "")
 
 
-def run(cfg: DictConfig, out_dir: Path, hw_dir: Path, job_overrides: list[str] | None = None) -> None:
-    """``job_overrides``: the model/data overrides the job was given, repeated in the train.py
-    commands printed for it."""
+def run(composed: DictConfig, out_dir: Path, hw_dir: Path, job_overrides: list[str] | None = None) -> None:
+    """recommend.py's job from its ``composed`` config, typed here once (:class:`RecommendConfig`,
+    ``hw`` a :class:`HardwareSpec`). ``job_overrides``: the model/data overrides the job was
+    given, repeated in the train.py commands printed for it."""
+    cfg: RecommendConfig = typed_recommend_config(composed)
     if cfg.mode not in MODES:
         raise ConfigError(f"mode={cfg.mode}; expected one of {', '.join(MODES)}")
-    check_bounds(cfg)  # the model and data groups' declared ranges
+    check_bounds(composed)  # the model and data groups' declared ranges
     if cfg.output not in OUTPUTS:
         raise ConfigError(f"output={cfg.output}; expected one of {', '.join(OUTPUTS)}")
-    for key, example in (("close_call", 0.05),):
-        if not 0 <= cfg[key] < 1:
-            raise ConfigError(f"{key}={cfg[key]}; expected a fraction in [0, 1), e.g. {key}={example}")
+    if not 0 <= cfg.close_call < 1:
+        raise ConfigError(f"close_call={composed.close_call}; expected a fraction in [0, 1), e.g. close_call=0.05")
     started = time.perf_counter()
     cfg.cpu_allocator = resolve_allocator(cfg.cpu_allocator)  # as train.py resolves it on this machine
     check_allocator(cfg.cpu_allocator)
     job = job_from_config(cfg) if cfg.mode == "recommend" else None  # bad values named before any timing
     detected_dir = Path(cfg.detected_dir) if cfg.detected_dir else None
-    target = hardware(cfg.hw, detected_dir, refresh=cfg.mode == "probe")
-    check_recommend_job(cfg, False, hw_dir)  # compare= names machines; max_epoch_s is a time
+    target = hardware(composed.hw, detected_dir, refresh=cfg.mode == "probe")
+    check_recommend_job(composed, False, hw_dir)  # compare= names machines; max_epoch_s is a time
     if job is not None:
         numerics_on(job.precision, target.device_kind)  # 16-mixed on CPU: Lightning would train bf16-mixed
         job = with_data_cache(job, cfg, target)
@@ -165,15 +166,15 @@ def run(cfg: DictConfig, out_dir: Path, hw_dir: Path, job_overrides: list[str] |
     if cfg.mode == "validate":
         report_validation(cfg, Predictor(target, runs, local, probe, loading), note, out_dir, started)
         return
-    tries, own = check_tries(OmegaConf.to_container(cfg.candidates, resolve=True))
+    tries, own = check_tries(cfg.candidates)
     batches = Batches(cfg.data.batch_per, tuple(own))
-    others = [hardware(load_hw_file(hw_dir / f"{name}.yaml"), detected_dir) for name in cfg.get("compare") or []]
+    others = [hardware(load_hw_file(hw_dir / f"{name}.yaml"), detected_dir) for name in cfg.compare or []]
     recs = []
     for machine in [target, *others]:  # the same question on each machine, the runs and probes of this one shared
         on_it = job if machine is target else dataclasses.replace(job, data_cache=cache_of(job, cfg, machine))
         rec = Predictor(machine, runs, local, probe, loading).recommend(on_it, batches=batches, tries=tries)
         rec.errors = close_call_errors(Predictor(machine, runs, local), cfg.cpu_allocator, rec)
-        rec.epochs = cfg.trainer.get("max_epochs")
+        rec.epochs = cfg.trainer.max_epochs
         recs.append(rec)
     rec = recs[0]
     comparison = compare(recs, cfg.max_epoch_s) if others or cfg.max_epoch_s is not None else None
@@ -203,7 +204,7 @@ def close_call_errors(unprobed: Predictor, cpu_allocator: str, rec: Recommendati
     return errors
 
 
-def kept_probes(cfg: DictConfig, runs, local: HardwareSpec, detected_dir: Path | None):
+def kept_probes(cfg: RecommendConfig, runs, local: HardwareSpec, detected_dir: Path | None):
     """The training and loading probes of a job, each timed once per machine and what its time
     depends on, and kept in ``detected_dir`` (:mod:`.kept_probes`): asked twice, a question gets the
     same answer."""
@@ -217,10 +218,10 @@ def kept_probes(cfg: DictConfig, runs, local: HardwareSpec, detected_dir: Path |
     def probe(job: Job):
         def batches(n: int) -> list[ProbedBatch]:
             key = {**what(job), "model": job.model, "batch_size": job.batch_size, "batches": n,
-                   "optim": OmegaConf.to_container(cfg.optim, resolve=True), "precision": job.precision}
+                   "optim": dataclasses.asdict(cfg.optim), "precision": job.precision}
             timed = kept(detected_dir, machine, "train", key, lambda: [
                 dataclasses.asdict(b) for b in probe_batches(_probe_data(cfg, job, runs), job.model, 1, cfg.probe_max_s,
-                                                            _typed(cfg.optim, OptimConfig), job.precision)(n)])
+                                                            cfg.optim, job.precision)(n)])
             return [ProbedBatch(**b) for b in timed]
         return batches
 
@@ -242,23 +243,17 @@ def _torch_version() -> str:
     return torch.__version__
 
 
-def _probe_data(cfg: DictConfig, job: Job, runs) -> DataConfig:
+def _probe_data(cfg: RecommendConfig, job: Job, runs) -> DataConfig:
     """The data config to probe ``job`` with: the composed one when it is that job, else the
     config of a measured run of exactly that job (validation probes the runs' own workloads)."""
     if (cfg.model.name, cfg.data.image_size, cfg.data.batch_size) != (job.model, job.image_size, job.batch_size):
         measured = data_config_of_job(job, runs)
         if measured is not None:
             return measured
-    return _typed(cfg.data, DataConfig)
+    return cfg.data
 
 
-def _typed(node: DictConfig, schema: type):
-    """A group of the composed recommend config as its train-config dataclass (what the probes read)."""
-    resolved = OmegaConf.to_container(node, resolve=True)  # its interpolations reach the whole config
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), resolved))
-
-
-def log_recommendation(cfg: DictConfig, rec: Recommendation, answer: dict, out_dir: Path) -> None:
+def log_recommendation(cfg: RecommendConfig, rec: Recommendation, answer: dict, out_dir: Path) -> None:
     """One run in the ``recommendations`` experiment: the inputs as params, the answer as tags,
     metrics and a JSON artifact (``answer``, the other machines' included)."""
     check_tracking_uri(cfg.logger.tracking_uri)
@@ -277,7 +272,7 @@ def log_recommendation(cfg: DictConfig, rec: Recommendation, answer: dict, out_d
         files=[path])
 
 
-def report_validation(cfg: DictConfig, predictor: Predictor, note: str, out_dir: Path, started: float) -> None:
+def report_validation(cfg: RecommendConfig, predictor: Predictor, note: str, out_dir: Path, started: float) -> None:
     rows, picks = leave_one_out(predictor, cfg.cpu_allocator)
     if not rows:
         raise ConfigError(f"mode=validate: no measured runs on hw={predictor.hw.name} ({note}); run a sweep first "

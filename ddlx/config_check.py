@@ -172,7 +172,8 @@ def _unknown_key(full_key: str, object_type: Any) -> str:
         return (f"strategy.{leaf} is not a knob of strategy={strategy}{_did_you_mean(leaf, known, 'strategy.')} "
                 f"(its knobs: {', '.join(k for k in known if k != 'name')}){also}")
     hint = _did_you_mean(leaf, known, f"{parent}." if parent else "") or _elsewhere(leaf)
-    return f"{full_key} is not a key of {where}{hint} (its keys: {', '.join(known)})"
+    listing = f" (its keys: {', '.join(known)})" if known else ""  # an untyped node: its keys are not known here
+    return f"{full_key} is not a key of {where}{hint}{listing}"
 
 
 def _elsewhere(leaf: str) -> str:

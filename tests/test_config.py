@@ -11,7 +11,7 @@ import time
 import pytest
 from conftest import PROJECT_DIR, compose_config, subprocess_env
 
-from ddlx.config import STRATEGY_CONFIGS, TRAINER_ARGS_SET_BY_DDLX, TrainerConfig
+from ddlx.config import STRATEGY_CONFIGS, TRAINER_ARGS_SET_BY_DDLX, TrainConfig, TrainerConfig
 from ddlx.config_check import check_config, typed_config
 from ddlx.errors import ConfigError
 
@@ -150,3 +150,10 @@ def test_ranks_that_composed_different_jobs_are_named_value_by_value():
     assert len(found) == 2 and all(f.startswith("rank 2 (n2): ") for f in found)
     assert any("ckpt_path=None where rank 0 (n0) has ckpt_path=/a/last.ckpt" in f for f in found)
     assert any("optim.lr=0.02" in f for f in found)
+
+
+def test_an_unknown_key_of_an_untyped_config_is_named_without_an_empty_list():
+    from ddlx.config_check import _unknown_key
+
+    assert _unknown_key("foo", None) == "foo is not a key of the config"
+    assert "(its keys: seed," in _unknown_key("foo", TrainConfig)

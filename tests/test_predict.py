@@ -701,7 +701,8 @@ def test_recommend_py_names_bad_values(tmp_path):
     # The same way out (ConfigError, above), in this process: a recommend.py start-up apiece is 5 s.
     for bad, message in [("data.image_size=8", "image_size=8 is too small for alexnet; use data.image_size >= 16"),
                          ("detected_dir=/proc/ddlx", "detected_dir=/proc/ddlx"),
-                         ("close_call=5", "close_call=5; expected a fraction in [0, 1)")]:
+                         ("close_call=5", "close_call=5; expected a fraction in [0, 1)"),
+                         ("probe_max_s=abc", "probe_max_s=abc: expected a number")]:
         cfg = _compose_recommend("hw=local", bad, f"paths.root={tmp_path}")
         with pytest.raises(ConfigError, match=re.escape(message)):
             run_recommend(cfg, tmp_path / "out", CONF_DIR / "hw")

@@ -25,9 +25,13 @@ def compile_model(model, unit: str, mode: str = "default") -> None:
     so a checkpoint of a compiled run resumes an eager one and the other way round. torch compiles
     at the first call; its caches (inductor's FX graph and AOTAutograd caches, under
     ``TORCHINDUCTOR_CACHE_DIR``, by default one folder per user of the machine) are shared by the
-    ranks of a machine and by the next run of the same job."""
+    ranks of a machine and by the next run of the same job. Dynamo's in-memory cache is cleared
+    first: a job after another in one process (a sweep's, Hydra runs them in turn) would otherwise
+    reuse the graphs of the same network, compile nothing and log no ``compile_s``; each job pays
+    what a fresh process pays, from the same on-disk caches."""
     import torch
 
+    torch._dynamo.reset()
     modules = [model] if unit == WHOLE_MODEL else list(model.children())
     for module in modules:
         module.forward = torch.compile(module.forward, mode=mode)

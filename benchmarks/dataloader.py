@@ -55,6 +55,7 @@ def parse_args() -> argparse.Namespace:
 def data_config(args: argparse.Namespace, workers: int, cache: str):
     from hydra import compose, initialize_config_dir
 
+    from ddlx.config_check import typed_config
     from ddlx.entry import register_config
 
     register_config(ROOT)
@@ -65,7 +66,7 @@ def data_config(args: argparse.Namespace, workers: int, cache: str):
             f"data.pin_memory={str(args.pin_memory).lower()}",
             *([f"data.synthetic_size=[{args.synthetic_size[0]},{args.synthetic_size[1]}]"] if args.synthetic_size else []),
         ])
-    return cfg.data
+    return typed_config(cfg).data
 
 
 def delivery(args: argparse.Namespace, workers: int, cache: str) -> tuple[float, float]:

@@ -13,13 +13,17 @@ from conftest import subprocess_env
 from PIL import Image
 
 from ddlx.allocator import keep_freed_possible
+from ddlx.config import DataConfig
 from ddlx.data import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
     ImageFolderDataModule,
     SyntheticSpec,
     build_transform,
     ensure_synthetic_imagefolder,
     flips,
 )
+from ddlx.data.datamodule import build_datamodule
 from ddlx.errors import ConfigError
 
 FIRE = ("fire", "nofire", "smoke")
@@ -28,10 +32,11 @@ FIRE = ("fire", "nofire", "smoke")
 def fire_module(tmp_path: Path, **overrides) -> ImageFolderDataModule:
     kwargs = dict(
         name="firesmall", num_classes=3, channels=3, image_size=32, batch_size=8, num_images=30,
-        classes=FIRE, num_workers=0, synthetic_dir=str(tmp_path / "synthetic"), synthetic_size=(40, 90),
+        classes=FIRE, num_workers=0, synthetic_dir=str(tmp_path / "synthetic"), synthetic_size=[40, 90],
+        mean=list(IMAGENET_MEAN), std=list(IMAGENET_STD),
     )
     kwargs.update(overrides)
-    return ImageFolderDataModule(**kwargs)
+    return build_datamodule(DataConfig(**kwargs))
 
 
 def test_synthetic_fire_set_has_the_requested_layout(tmp_path):
@@ -133,7 +138,7 @@ def test_a_training_sample_flips_by_seed_epoch_and_index(tmp_path):
     dm = fire_module(tmp_path, num_images=30)
     dm.prepare_data()
     dm.setup()
-    index = next(i for i in range(len(dm.train_set)) if flips(dm.seed, 3, i))
+    index = next(i for i in range(len(dm.train_set)) if flips(dm.data.seed, 3, i))
     unflipped, _ = ImageFileDataset(dm.train_set.samples, dm.train_set.transform, dm.train_set.mode)[index]
     assert torch.equal(dm.train_set[(index, 3)][0], unflipped.flip(-1))
     assert torch.equal(dm.val_set[(index, 3)][0], dm.val_set[index][0]), "validation never flips"

@@ -7,7 +7,6 @@ import os
 import signal
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
 import pytorch_lightning as pl
@@ -17,7 +16,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from ..allocator import release_free_heap
 from ..errors import ConfigError
-from ..job import CACHE_CHOICES, batch_split_problems
+from ..job import batch_split_problems
 from .folder import scan_imagefolder
 from .synthetic import SyntheticSpec, ensure_synthetic_imagefolder
 from .cache import keep_decoded
@@ -189,68 +188,36 @@ class ImageFolderDataModule(pl.LightningDataModule):
     and size range, written once under ``synthetic_dir`` and reused.
     """
 
-    def __init__(
-        self,
-        name: str,
-        num_classes: int,
-        channels: int,
-        image_size: int,
-        batch_size: int,
-        num_images: int | None = None,
-        root: str | None = None,
-        classes: Sequence[str] | None = None,
-        num_workers: int = 0,
-        val_fraction: float = 0.2,
-        mean: Sequence[float] = (0.485, 0.456, 0.406),
-        std: Sequence[float] = (0.229, 0.224, 0.225),
-        synthetic_dir: str = "data/synthetic",
-        synthetic_size: Sequence[int] = (320, 800),
-        synthetic_format: str = "jpg",
-        seed: int = 0,
-        pin_memory: bool = False,
-        shuffle: bool = True,
-        random_flip: bool = True,
-        cache: str = "auto",
-    ) -> None:
-        super().__init__()  # types and ranges: the data schema (ddlx.config.DataConfig)
-        if len(mean) != channels or len(std) != channels:
-            raise ConfigError(f"data.mean/std have {len(mean)}/{len(std)} values for {channels} channels; give one per channel")
-        if classes is not None and len(classes) != num_classes:
-            raise ConfigError(f"data.classes lists {len(classes)} names but data.num_classes={num_classes}: give as many "
-                              f"names as classes, or data.classes=null (for your own folder: data=imagefolder)")
-        if root is None and (not num_images or num_images < num_classes):
+    def __init__(self, data, batch_size: int) -> None:
+        """``data``: the typed data config (:class:`ddlx.config.DataConfig`: the keys, their types,
+        ranges and defaults); ``batch_size``: this process's share of ``data.batch_size``."""
+        super().__init__()
+        if len(data.mean) != data.channels or len(data.std) != data.channels:
+            raise ConfigError(f"data.mean/std have {len(data.mean)}/{len(data.std)} values for {data.channels} channels; "
+                              f"give one per channel")
+        if data.classes is not None and len(data.classes) != data.num_classes:
+            raise ConfigError(f"data.classes lists {len(data.classes)} names but data.num_classes={data.num_classes}: give "
+                              f"as many names as classes, or data.classes=null (for your own folder: data=imagefolder)")
+        if data.root is None and (not data.num_images or data.num_images < data.num_classes):
             raise ConfigError(
-                f"data.num_images={num_images}: a synthetic dataset needs at least one image per class "
-                f"(data.num_classes={num_classes}); raise data.num_images"
+                f"data.num_images={data.num_images}: a synthetic dataset needs at least one image per class "
+                f"(data.num_classes={data.num_classes}); raise data.num_images"
             )
-        self.name = name
-        self.num_classes = num_classes
-        self.channels = channels
-        self.image_size = image_size
+        self.data = data
         self.batch_size = batch_size
-        self.num_images = num_images
-        self.root = Path(root) if root is not None else None
-        self.class_names = tuple(classes) if classes is not None else tuple(f"class_{i:04d}" for i in range(num_classes))
-        self.num_workers = num_workers
-        self.val_fraction = val_fraction
-        self.mean, self.std = tuple(mean), tuple(std)
-        self.synthetic_dir = Path(synthetic_dir)
+        self.root = Path(data.root) if data.root is not None else None
+        self.class_names = tuple(data.classes) if data.classes is not None else tuple(f"class_{i:04d}" for i in range(data.num_classes))
+        self.mean, self.std = tuple(data.mean), tuple(data.std)
+        self.synthetic_dir = Path(data.synthetic_dir)
         self.synthetic_spec = SyntheticSpec(
             classes=self.class_names,
-            num_images=int(num_images or 0),
-            channels=channels,
-            min_size=int(synthetic_size[0]),
-            max_size=int(synthetic_size[1]),
-            image_format=synthetic_format,
-            seed=seed,
+            num_images=int(data.num_images or 0),
+            channels=data.channels,
+            min_size=int(data.synthetic_size[0]),
+            max_size=int(data.synthetic_size[1]),
+            image_format=data.synthetic_format,
+            seed=data.seed,
         )
-        self.seed = seed
-        self.pin_memory = pin_memory
-        self.shuffle = shuffle
-        self.random_flip = random_flip
-        if cache not in CACHE_CHOICES:
-            raise ConfigError(f"data.cache={cache}; expected one of {', '.join(CACHE_CHOICES)}")
-        self.cache = cache
         self.cached: bool | None = None  # whether the images are decoded in memory (None: not decided yet)
         self.train_set: ImageFileDataset | None = None
         self.val_set: ImageFileDataset | None = None
@@ -260,7 +227,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
     def data_folder(self) -> Path:
         if self.root is not None:
             return self.root
-        return self.synthetic_dir / self.synthetic_spec.folder_name(self.name)
+        return self.synthetic_dir / self.synthetic_spec.folder_name(self.data.name)
 
     @property
     def is_synthetic(self) -> bool:
@@ -275,7 +242,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
         does, with the process group up), the decoded images kept in memory (``data.cache``)."""
         self.build_sets()
         if self.cached is None:
-            self.cached = keep_decoded([self.train_set, self.val_set], self.cache, self.channels, self.image_size)
+            self.cached = keep_decoded([self.train_set, self.val_set], self.data.cache, self.data.channels, self.data.image_size)
 
     def build_sets(self) -> None:
         """The train and validation splits of the folder, every error in it named: what can be
@@ -283,39 +250,39 @@ class ImageFolderDataModule(pl.LightningDataModule):
         if self.train_set is not None:
             return
         classes, samples = scan_imagefolder(self.data_folder)
-        if len(classes) != self.num_classes:
+        if len(classes) != self.data.num_classes:
             fix = (f"set data.num_classes={len(classes)}" if self.is_synthetic
                    else f"for your own folder use data=imagefolder data.root={self.data_folder}")
             raise ConfigError(f"{self.data_folder} has {len(classes)} class folders ({', '.join(classes[:10])}"
-                              f"{'...' if len(classes) > 10 else ''}) but data.num_classes={self.num_classes}; {fix}")
-        generator = torch.Generator().manual_seed(self.seed)
+                              f"{'...' if len(classes) > 10 else ''}) but data.num_classes={self.data.num_classes}; {fix}")
+        generator = torch.Generator().manual_seed(self.data.seed)
         order = torch.randperm(len(samples), generator=generator).tolist()
-        if self.num_images and self.num_images < len(samples):
-            order = order[: self.num_images]
+        if self.data.num_images and self.data.num_images < len(samples):
+            order = order[: self.data.num_images]
             log.info("%s: training on %d of the %d images in %s (data.num_images=%d; data.num_images=null uses all)",
-                     self.name, self.num_images, len(samples), self.data_folder, self.num_images)
-        elif self.num_images and self.num_images > len(samples):
-            log.warning("data.num_images=%d but %s holds %d images: using all of them", self.num_images, self.data_folder, len(samples))
+                     self.data.name, self.data.num_images, len(samples), self.data_folder, self.data.num_images)
+        elif self.data.num_images and self.data.num_images > len(samples):
+            log.warning("data.num_images=%d but %s holds %d images: using all of them", self.data.num_images, self.data_folder, len(samples))
         chosen = [samples[i] for i in order]
         if not self.is_synthetic:
             check_readable(chosen)
-        n_val = round(len(chosen) * self.val_fraction)
-        if self.val_fraction > 0:
+        n_val = round(len(chosen) * self.data.val_fraction)
+        if self.data.val_fraction > 0:
             n_val = max(1, n_val)
         train, val = chosen[n_val:], chosen[:n_val]
         if len(train) < self.batch_size:
             raise ConfigError(
                 f"the training split has {len(train)} images ({len(chosen)} images, data.val_fraction="
-                f"{self.val_fraction}) but data.batch_size={self.batch_size}: lower data.batch_size or "
+                f"{self.data.val_fraction}) but data.batch_size={self.batch_size}: lower data.batch_size or "
                 f"raise data.num_images"
             )
-        mode = "L" if self.channels == 1 else "RGB"
-        transform = build_transform(self.image_size, self.mean, self.std)
-        self.train_set = ImageFileDataset(train, transform, mode, flip_seed=self.seed if self.random_flip else None)
+        mode = "L" if self.data.channels == 1 else "RGB"
+        transform = build_transform(self.data.image_size, self.mean, self.std)
+        self.train_set = ImageFileDataset(train, transform, mode, flip_seed=self.data.seed if self.data.random_flip else None)
         self.val_set = ImageFileDataset(val, transform, mode)
         log.info(
             "%s: %d train / %d val images, %d classes, from %s%s",
-            self.name, len(train), len(val), len(classes), self.data_folder, " (synthetic)" if self.is_synthetic else "",
+            self.data.name, len(train), len(val), len(classes), self.data_folder, " (synthetic)" if self.is_synthetic else "",
         )
 
     def _loader(self, dataset: ImageFileDataset, shuffle: bool, resumable: bool = False) -> DataLoader:
@@ -328,7 +295,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
         """
         replicas, rank = self._replica()
         images = getattr(getattr(self.trainer, "strategy", None), "needs_inputs", True)
-        workers = self.num_workers if images else 0  # labels alone: nothing to decode
+        workers = self.data.num_workers if images else 0  # labels alone: nothing to decode
         if not images:
             dataset = LabelsOnly(dataset)
         sampler = ResumableSampler(
@@ -336,7 +303,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
             num_replicas=replicas,
             rank=rank,
             shuffle=shuffle,
-            seed=self.seed,
+            seed=self.data.seed,
             batch_size=self.batch_size,
         )
         kwargs = dict(
@@ -344,11 +311,11 @@ class ImageFolderDataModule(pl.LightningDataModule):
             sampler=sampler,
             num_workers=workers,
             persistent_workers=workers > 0,
-            pin_memory=self.pin_memory,
+            pin_memory=self.data.pin_memory,
             worker_init_fn=_quiet_worker if workers > 0 else None,
             # Its workers' seeds from its own generator: loading draws nothing from the training
             # process's random state (dropout's), which a checkpoint keeps and a resume restores.
-            generator=torch.Generator().manual_seed(self.seed),
+            generator=torch.Generator().manual_seed(self.data.seed),
         )
         loader = ResumableLoader(dataset, position=self._training_position, **kwargs) if resumable \
             else ForkingLoader(dataset, **kwargs)
@@ -385,20 +352,17 @@ class ImageFolderDataModule(pl.LightningDataModule):
         return trainer.current_epoch, done
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, shuffle=self.shuffle, resumable=True)
+        return self._loader(self.train_set, shuffle=self.data.shuffle, resumable=True)
 
     def val_dataloader(self) -> DataLoader | list:
         # data.val_fraction=0: no validation loop (Lightning skips an empty list), an epoch is all the images
         return self._loader(self.val_set, shuffle=False) if len(self.val_set) else []
 
 
-def build_datamodule(data_cfg, data_parallel: int = 1) -> ImageFolderDataModule:
-    """The datamodule for one process from the ``data`` config (its typed dataclass, or a plain
-    mapping of its keys): ``data.batch_size`` is the global batch, split evenly."""
-    kwargs = asdict(data_cfg) if is_dataclass(data_cfg) else dict(data_cfg)
-    kwargs.pop("batch_per", None)  # made global before (batch_of_workers)
-    problems = batch_split_problems(kwargs["batch_size"], data_parallel)  # mpi's ranks: known only now
+def build_datamodule(data, data_parallel: int = 1) -> ImageFolderDataModule:
+    """The datamodule for one process from the typed ``data`` config: ``data.batch_size`` is the
+    global batch, split evenly."""
+    problems = batch_split_problems(data.batch_size, data_parallel)  # mpi's ranks: known only now
     if problems:
         raise ConfigError(problems[0])
-    kwargs["batch_size"] //= data_parallel
-    return ImageFolderDataModule(**kwargs)
+    return ImageFolderDataModule(data, data.batch_size // data_parallel)

@@ -46,6 +46,13 @@ class Bound:
         return not (self.high is not None and (value > self.high or (self.high_open and value == self.high)))
 
 
+def knob_value(knobs, key: str, default: Any = None) -> Any:
+    """A knob of a strategy's typed config (a dataclass: an attribute) or of a predictor's setup
+    (anything with ``get``), ``default`` where it has none: what the code serving both reads."""
+    get = getattr(knobs, "get", None)
+    return get(key, default) if get is not None else getattr(knobs, key, default)
+
+
 def knob(default: Any = NO_DEFAULT, *, low=None, high=None, low_open=False, high_open=False, choices=None):
     """A dataclass field with its :class:`Bound` (``default=MISSING``: the option's YAML gives it)."""
     bound = Bound(low, high, low_open, high_open, tuple(choices) if choices is not None else None)

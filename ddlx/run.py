@@ -148,7 +148,7 @@ def measurement_callbacks(cfg: TrainConfig) -> list[pl.Callback]:
     return callbacks
 
 
-def trainer_arguments(trainer_cfg: TrainConfig) -> dict:
+def trainer_arguments(trainer_cfg: TrainerConfig) -> dict:
     """The ``trainer`` values that differ from Lightning's defaults (the schema's), each checked
     against the installed Lightning's ``Trainer`` signature."""
     defaults = asdict(TrainerConfig())

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ..knobs import knob_value
 from .hardware import GB, HardwareSpec, LinkSpec
 from .perf_models import Link
 
@@ -189,9 +190,9 @@ def replica_bytes(job: Job, batch: int, recompute: bool = False) -> int:
 
 
 def recomputes(knobs) -> bool:
-    """Whether ``knobs`` (a :class:`Setup`) recompute every block between
+    """Whether ``knobs`` (a strategy's typed config or a :class:`Setup`) recompute every block between
     the cut points (``strategy.checkpoint=always`` of ddp_*, fsdp, pipe engine=torch)."""
-    return knobs.get("checkpoint", "never") == "always"
+    return knob_value(knobs, "checkpoint", "never") == "always"
 
 
 def recompute_factor(knobs, backward_passes: int = 1) -> float:

@@ -9,6 +9,7 @@ from ..allocator import KEEP_FREED
 from ..strategies import BASELINE, spec_of
 from .machines import Choice, MachineComparison
 from .prediction import Prediction, Recommendation, allocator_advice, compilable
+from .setups import overrides
 
 
 def train_command(rec: Recommendation, prediction: Prediction, job_overrides: list[str]) -> str:
@@ -23,7 +24,7 @@ def train_command(rec: Recommendation, prediction: Prediction, job_overrides: li
     if rec.hw.device_kind != "cpu" and "trainer" not in dict(prediction.setup.knobs):
         parts["trainer"] = "trainer=gpu"  # fsdp, mpi and hybrid would train on the CPU under the default trainer
     launcher = spec_of(prediction.setup.strategy).launcher(prediction.setup, rec.hw)
-    return " ".join([*([launcher] if launcher else []), "python train.py", *parts.values(), spec_of(prediction.setup.strategy).overrides(prediction.setup)])
+    return " ".join([*([launcher] if launcher else []), "python train.py", *parts.values(), overrides(prediction.setup)])
 
 
 def figure(value: float, calibrated: bool) -> str:

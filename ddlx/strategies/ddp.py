@@ -7,7 +7,7 @@ from datetime import timedelta
 
 from ..errors import ConfigError
 from ..knobs import MISSING, knob
-from ..costmodel.costs import DEFAULT_BUCKET_MB, RECOMPUTE
+from ..costmodel.costs import DEFAULT_BUCKET_MB, RECOMPUTE, recomputes
 from .parts.replicas import data_parallel_cost, data_parallel_memory
 from .spec import TIMEOUT_S, Setup, StrategyPlan, StrategySpec, recompute_knob, warn_oversubscription, with_recompute
 
@@ -88,7 +88,7 @@ class Ddp(StrategySpec):
                 warn_oversubscription(self.name, per_node, "processes")
         strategy = RelaunchingDDPStrategy(process_group_backend=self.backend, bucket_cap_mb=cfg.bucket_cap_mb,
                                           timeout=timedelta(seconds=cfg.timeout_s), **comm_hook(cfg.comm_hook))
-        strategy.recompute = cfg.checkpoint == "always"  # every block recomputed in backward
+        strategy.recompute = recomputes(cfg)
         return StrategyPlan(
             trainer_kwargs={"strategy": strategy, "devices": per_node, "num_nodes": nodes, "accelerator": device_accelerator},
             tags={"processes": str(processes), "nodes": str(nodes), "backend": self.backend,

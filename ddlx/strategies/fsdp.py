@@ -74,7 +74,7 @@ class Fsdp(StrategySpec):
         shard_size = self._shard_size(cfg, per_node)
         strategy = FullyShardedStrategy(devices, cfg.sharding, pin_cores=cfg.pin_cores, timeout_s=cfg.timeout_s,
                                         shard_size=shard_size)
-        strategy.recompute = cfg.checkpoint == "always"  # every block recomputed in backward
+        strategy.recompute = recomputes(cfg)
         return StrategyPlan(
             trainer_kwargs={"strategy": strategy, "devices": per_node, "num_nodes": nodes,
                             "accelerator": "gpu" if devices[0].type == "cuda" else "cpu"},

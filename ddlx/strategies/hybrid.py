@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Optional
 
-from ..knobs import knob
+from ..knobs import knob, knob_value
 from ..costmodel.costs import DEFAULT_BUCKET_MB, cost, cut_mb, link, memory_need
 from ..costmodel.perf_models import hybrid_s, split_s
 from ..parallel.schedules import SCHEDULES
@@ -15,7 +15,7 @@ from .parts.pipelines import (ENGINES, PIPE_CHECKPOINT, compile_by_layers_or_ref
                         local_torch_pipeline, pipelines_candidates, pipelines_cost, pipelines_memory, torch_pipeline,
                         torch_pipeline_knobs)
 from .parts.replicas import ParallelDims, device_pairs, local_parallelizer
-from .spec import TIMEOUT_S, Setup, StrategyPlan, StrategySpec, accelerator_of, knob_value, refuse_compile, warn_oversubscription
+from .spec import TIMEOUT_S, Setup, StrategyPlan, StrategySpec, accelerator_of, refuse_compile, warn_oversubscription
 
 
 @dataclass

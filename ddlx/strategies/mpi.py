@@ -7,13 +7,13 @@ from datetime import timedelta
 from typing import Any, Optional
 
 from ..compiling import WHOLE_MODEL
-from ..knobs import knob
+from ..knobs import knob, knob_value
 from ..parallel.schedules import SCHEDULES
 from .parts.pipelines import (ENGINES, PIPE_CHECKPOINT, compile_by_layers_or_refuse, engine_group, engine_refused_precisions,
                         local_torch_pipeline, pipelines_candidates, pipelines_cost, pipelines_memory, torch_pipeline,
                         torch_pipeline_knobs)
 from .parts.replicas import ParallelDims, data_parallel_cost, data_parallel_memory, device_pairs, local_parallelizer
-from .spec import TIMEOUT_S, Setup, StrategyPlan, StrategySpec, knob_value, refuse_compile
+from .spec import TIMEOUT_S, Setup, StrategyPlan, StrategySpec, refuse_compile
 
 
 @dataclass

@@ -172,12 +172,6 @@ class StrategySpec:
 # ---- helpers the specs' plans share -----------------------------------------------------------
 
 
-def knob_value(knobs, key: str, default=None):
-    """A knob of a strategy's typed config or of a :class:`Setup` (``default`` where it has none):
-    what the methods that serve both read."""
-    return knobs.get(key, default) if isinstance(knobs, Setup) else getattr(knobs, key, default)
-
-
 def recompute_knob(params: dict[str, str]) -> tuple[tuple[str, object], ...]:
     """A measured run's ``checkpoint`` knob, as a setup holds it (left out at its default, never)."""
     value = params.get("strategy.checkpoint", "never")

@@ -25,7 +25,8 @@ from ...costmodel.costs import (
 )
 from ...parallel.schedules import SCHEDULES, bubble_steps, in_flight, micro_batches, stage_owners, stages_of
 from ...costmodel.perf_models import Link, gpipe_comm_s, pipeline_schedule_s, ring_allreduce_s
-from ..spec import Setup, knob_value, refuse_compile
+from ...knobs import knob_value
+from ..spec import Setup, refuse_compile
 
 PIPE_CHECKPOINT = ("never", "except_last", "always")
 ENGINES = ("fairscale", "torch")
@@ -77,7 +78,7 @@ def torch_pipeline(cfg, devices, model, data, name: str, replicas: int = 1, widt
     sample = (max(1, batch // chunks), data.channels, data.image_size, data.image_size)
     strategy = TorchPipelineStrategy(devices, cfg.schedule, chunks, balance, sample, pin_cores=cfg.pin_cores,
                                      timeout_s=cfg.timeout_s, width=width, replicas=replicas, **strategy_kwargs)
-    strategy.recompute = cfg.checkpoint == "always"  # every block recomputed in backward
+    strategy.recompute = recomputes(cfg)
     return strategy, {"chunks": str(chunks), "balance": str(balance), "checkpoint": cfg.checkpoint, "engine": "torch",
                       "schedule": cfg.schedule}
 

@@ -53,9 +53,35 @@ def knob_value(knobs, key: str, default: Any = None) -> Any:
     return get(key, default) if get is not None else getattr(knobs, key, default)
 
 
-def knob(default: Any = NO_DEFAULT, *, low=None, high=None, low_open=False, high_open=False, choices=None):
-    """A dataclass field with its :class:`Bound` (``default=MISSING``: the option's YAML gives it)."""
+@dataclass(frozen=True)
+class SetupRole:
+    """How a strategy knob names a setup: what the recommender predicts, and what calibration matches
+    a measured run to (:meth:`ddlx.strategies.spec.StrategySpec.setup`). A knob without one (a
+    timeout, DDP's bucket size) changes how a setup runs, not which setup it is."""
+
+    unless_default: bool = False  # left out at its default (a run that never set it is the same setup)
+    when: tuple[tuple[str, Any], ...] = ()  # only while these knobs have these values (schedule: engine=torch)
+    resolved: bool = False  # read from its run tag only, the value its plan resolved (devices=auto: which)
+    absent: Any = None  # what a run logged before the knob (or its tag) existed used (None: its default)
+
+
+def knob(default: Any = NO_DEFAULT, *, low=None, high=None, low_open=False, high_open=False, choices=None,
+         setup: SetupRole | None = None, label: str = "tag", quiet: bool | None = None):
+    """A dataclass field with its :class:`Bound` (``default=MISSING``: the option's YAML gives it).
+
+    A strategy's knob also says how it names a setup (``setup``, a :class:`SetupRole`) and how a
+    run's label shows it: ``label="tag"`` its run tag, the resolved value its plan wrote, left out at
+    its default where ``quiet`` (by default: where its setup leaves it out there);
+    ``label="when_set"`` its param, only where the user set one (a resolved default that differs
+    per model); ``label="never"``."""
     bound = Bound(low, high, low_open, high_open, tuple(choices) if choices is not None else None)
+    quiet = setup is not None and setup.unless_default if quiet is None else quiet
+    metadata = {"bound": bound, "setup": setup, "label": label, "quiet": quiet}
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"bound": bound})
-    return field(default=MISSING if default is NO_DEFAULT else default, metadata={"bound": bound})
+        return field(default_factory=lambda: type(default)(default), metadata=metadata)
+    return field(default=MISSING if default is NO_DEFAULT else default, metadata=metadata)
+
+
+# The roles strategies share: a knob naming its setup at any value, or only away from its default.
+ALWAYS = SetupRole()
+UNLESS_DEFAULT = SetupRole(unless_default=True)

@@ -100,20 +100,16 @@ def distinct_labels(workloads: Iterable[Workload]) -> dict[Workload, str]:
 
 
 def setup_label(tags: dict[str, str], params: dict[str, str] | None = None) -> str:
-    """Strategy and knobs, as its spec names them (its knob tags, but those at their defaults,
-    and the params it shows only when the user set them)."""
+    """Strategy and knobs, as its spec names them (:meth:`~ddlx.strategies.spec.StrategySpec.label_knobs`:
+    what its plan tagged, but the knobs left out at their defaults, and the params shown only
+    when the user set them)."""
     from .strategies import STRATEGIES
 
     name = tags.get("strategy", "?")
     spec = STRATEGIES.get(name)
     if spec is None:
         return name
-    knobs = [f"{k}={tags[k]}" for k in spec.knob_tags if tags.get(k) not in (None, "", "None", spec.default_knob_tags.get(k))]
-    for param in spec.label_params:
-        value = (params or {}).get(param)
-        if value not in (None, "None"):
-            knobs.append(f"{param.rpartition('.')[2]}={value}")
-    return " ".join([name, *knobs])
+    return " ".join([name, *spec.label_knobs(tags, params or {})])
 
 
 def run_name(params: dict[str, str], tags: dict[str, str]) -> str:

@@ -256,10 +256,12 @@ def test_group_errors_are_the_validated_median_errors_of_groups_with_enough_conf
 
 
 def _run(run_id: str, setup: Setup, params: dict, epoch_s: float, host: str = "test-host") -> MeasuredRun:
+    from dataclasses import fields
+
     from ddlx.strategies import spec_of
 
     # A run records every knob, the ones its setup leaves at their defaults too.
-    strategy_params = {f"strategy.{k}": v for k, v in spec_of(setup.strategy).default_knob_tags.items()}
+    strategy_params = {f"strategy.{f.name}": str(f.default) for f in fields(spec_of(setup.strategy).config)}
     strategy_params.update({f"strategy.{k}": str(v) for k, v in setup.knobs if k != "devices"})
     tags = {"strategy": setup.strategy, "host": host, "accelerator": "cpu"}
     if setup.get("devices"):
@@ -769,6 +771,7 @@ def test_the_candidates_option_is_checked_and_names_the_key():
                      ({"pipe": {"micro": [4]}}, "candidates.pipe.micro"),
                      ({"pipe": {"chunks": [0]}}, r"candidates.pipe.chunks=\[0\]"),
                      ({"pipe": {"checkpoint": ["sometimes"]}}, "candidates.pipe.checkpoint"),
+                     ({"ddp_gloo": {"comm_hook": ["fp16"]}}, "candidates.ddp_gloo.comm_hook"),  # no model reads it
                      ({"pipe": {"batch_size": [48]}}, "candidates.pipe.batch_size")]:
         with pytest.raises(ConfigError, match=key):
             check_tries(bad)

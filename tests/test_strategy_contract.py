@@ -19,7 +19,7 @@ from ddlx.costmodel.gpu_reference import DEFAULT_HW_DIR
 from ddlx.costmodel.hardware import hw_file
 from ddlx.predict.prediction import Predictor
 from ddlx.run import layered_model_meta
-from ddlx.strategies import STRATEGIES, build_strategy
+from ddlx.strategies import STRATEGIES, Setup, build_strategy
 from ddlx.strategies.parts.replicas import ParallelDims
 from ddlx.tracking import flatten_config
 
@@ -112,3 +112,52 @@ def test_a_plan_s_tags_read_back_to_the_setup_it_was_asked_for(name):
             read_back += 1
     if name != "ddp_nccl":  # NCCL: GPUs only
         assert read_back, f"no setup of strategy={name} planned on this CPU"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_candidates_are_setups_as_the_spec_builds_them(name):
+    """Each candidate's knobs in its spec's order and without those its fields leave out (so its
+    label reads as a measured run's setup does)."""
+    spec = STRATEGIES[name]
+    for hw_name in HW_FILES:
+        for setup in spec.candidates(hw_file(hw_name, DEFAULT_HW_DIR), JOB):
+            if setup.get("trainer") is None:  # sequential on a GPU is named by its trainer, not a knob
+                assert setup.knobs == spec.setup(**dict(setup.knobs)).knobs, (hw_name, setup.label)
+
+
+def test_a_setup_is_the_same_in_whatever_order_its_knobs_come():
+    given = Setup("pipe", (("devices", ("cpu", "cpu")), ("chunks", 4)))
+    built = STRATEGIES["pipe"].setup(devices=("cpu", "cpu"), chunks=4)
+    assert given == built and hash(given) == hash(built) and built.label == "pipe chunks=4 devices=[cpu,cpu]"
+    with pytest.raises(ValueError, match="timeout_s"):
+        STRATEGIES["pipe"].setup(chunks=4, timeout_s=60.0)  # not a knob its models read
+
+
+def test_a_run_s_setup_is_read_from_its_fields_roles():
+    """The resolved tag first, then the param, then what a run from before the knob used; a knob
+    at a default its setup leaves out, or without the knob values it needs, is left out."""
+    cpu_mp, ddp, pipe, fsdp = (STRATEGIES[n] for n in ("cpu_mp", "ddp_gloo", "pipe", "fsdp"))
+    assert cpu_mp.setup_of_run({"strategy.processes": "2"}, {}).knobs == (("processes", 2), ("split_linear", "never"))
+    assert cpu_mp.setup_of_run({"strategy.processes": "2", "strategy.split_linear": "auto"}, {}).knobs == (("processes", 2),)
+    assert ddp.setup_of_run({"strategy.processes": "2", "strategy.bucket_cap_mb": "25.0"}, {}).knobs == (("processes", 2),)
+    assert ddp.setup_of_run({"strategy.processes": "2"}, {"bucket_cap_mb": "5"}).get("bucket_cap_mb") == 5.0
+    fairscale = {"strategy.chunks": "4", "strategy.devices": "auto", "strategy.engine": "fairscale", "strategy.schedule": "1f1b"}
+    assert pipe.setup_of_run(fairscale, {}) == pipe.setup(chunks=4, devices=("cpu", "cpu")), "devices: the plan's, not auto"
+    assert pipe.setup_of_run({**fairscale, "strategy.engine": "torch"}, {"devices": "cuda:0,cuda:1"}).knobs == (
+        ("chunks", 4), ("devices", ("cuda:0", "cuda:1")), ("engine", "torch"), ("schedule", "1f1b"))
+    hybrid = {"strategy.processes": "4", "strategy.sharding": "hybrid", "strategy.shard_size": "None"}
+    assert fsdp.setup_of_run(hybrid, {"shard_size": "2"}).get("shard_size") == 2
+    assert fsdp.setup_of_run({**hybrid, "strategy.sharding": "full"}, {}).get("shard_size") is None
+
+
+def test_a_run_s_label_shows_its_tags_but_quiet_defaults_and_its_set_params():
+    from ddlx.records import setup_label
+
+    pipe = {"strategy": "pipe", "chunks": "4", "devices": "cpu,cpu", "balance": "[7, 7]", "checkpoint": "never"}
+    assert setup_label(pipe, {"strategy.balance": "None"}) == "pipe chunks=4 devices=cpu,cpu"
+    assert setup_label({**pipe, "engine": "torch", "schedule": "gpipe"}, {"strategy.balance": "[3, 11]"}) == \
+        "pipe chunks=4 devices=cpu,cpu balance=[3, 11] engine=torch"
+    hybrid = {"strategy": "hybrid", "processes": "2", "local": "pipe", "chunks": "2", "checkpoint": "always", "engine": "torch"}
+    assert setup_label(hybrid, {}) == "hybrid processes=2 local=pipe chunks=2 checkpoint=always engine=torch"
+    assert setup_label({"strategy": "mpi", "ranks": "4", "nodes": "2", "local": "sequential", "backend": "gloo"}, {}) == \
+        "mpi ranks=4 nodes=2 local=sequential backend=gloo"

@@ -24,7 +24,7 @@ def candidates(hw: HardwareSpec, job: Job, batches: Batches = Batches(), tries: 
     out = []
     for spec in STRATEGIES.values():
         own = batches.job_of(job, spec.name, 1)  # one process's (one pipeline's) batch
-        for setup in tried(spec.candidates(hw, own), (tries or {}).get(spec.name, {}), spec.default_knob_tags):
+        for setup in tried(spec.candidates(hw, own), (tries or {}).get(spec.name, {})):
             processes = training_processes(setup)
             theirs = batches.job_of(job, setup.strategy, processes)
             if (theirs.batch_size % processes == 0 and spec.accepts(setup, theirs)
@@ -33,9 +33,10 @@ def candidates(hw: HardwareSpec, job: Job, batches: Batches = Batches(), tries: 
     return out
 
 
-def tried(setups: list[Setup], knobs: dict, defaults: dict[str, str]) -> list[Setup]:
-    """``setups`` with each knob of ``knobs`` set to each of its values instead (a knob at its
-    default, e.g. ``checkpoint=never``, is left out of the setup, as a measured run's is)."""
+def tried(setups: list[Setup], knobs: dict) -> list[Setup]:
+    """``setups`` with each knob of ``knobs`` set to each of its values instead, each built by its
+    spec (a knob at a default its setup leaves out, e.g. ``checkpoint=never``, is left out, as a
+    measured run's is)."""
     if not knobs:
         return setups
     out = []
@@ -43,22 +44,20 @@ def tried(setups: list[Setup], knobs: dict, defaults: dict[str, str]) -> list[Se
         variants = [dict(setup.knobs)]
         for knob, values in knobs.items():
             variants = [v | {knob: tuple(value) if isinstance(value, list) else value} for v in variants for value in values]
-        for v in variants:
-            out.append(Setup(setup.strategy, tuple((k, x) for k, x in v.items() if defaults.get(k) != str(x))))
+        out += [spec_of(setup.strategy).setup(**v) for v in variants]
     return list(dict.fromkeys(out))
 
 
 def check_tries(candidates: dict) -> tuple[dict, Batches]:
     """recommend.py's ``candidates`` option, checked: the knob values each strategy's candidates
     try (lists, each value within the knob's declared range) and the batches given to strategies
-    of their own (``batch_size``). Every error names the key."""
-    from dataclasses import fields
-
+    of their own (``batch_size``). A knob tried is one that names a setup (its models read it).
+    Every error names the key."""
     tries, own = {}, []
     for name, knobs in (candidates or {}).items():
         if name not in STRATEGIES:
             raise ConfigError(f"candidates.{name}: no strategy of that name; the strategies are {', '.join(STRATEGIES)}")
-        declared = {f.name: f for f in fields(STRATEGIES[name].config) if f.name != "name"}
+        declared = STRATEGIES[name].setup_fields()
         chosen = {}
         for knob, values in (knobs or {}).items():
             key = f"candidates.{name}.{knob}"
@@ -71,7 +70,8 @@ def check_tries(candidates: dict) -> tuple[dict, Batches]:
                 own.append((name, values))
                 continue
             if knob not in declared:
-                raise ConfigError(f"{key}: {name} has no knob {knob!r}; its knobs are {', '.join(declared)} (and batch_size)")
+                raise ConfigError(f"{key}: {knob!r} is not a knob the recommender tries for {name} (one its models read); "
+                                  f"those are {', '.join(declared)} (and batch_size)")
             values = list(values) if isinstance(values, (list, tuple)) else [values]
             bound = declared[knob].metadata.get("bound")
             bad = [v for v in values if bound is not None and not bound.accepts(v)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..knobs import knob
+from ..knobs import ALWAYS, SetupRole, knob
 from ..costmodel.costs import (
     REPLICA_SHARE,
     cost,
@@ -27,18 +27,17 @@ class CpuMpConfig:
     (Lerat et al. 2022, section 4.1)."""
 
     name: str = "cpu_mp"
-    processes: int = knob(2, low=1)
+    processes: int = knob(2, low=1, setup=ALWAYS)
     pin_cores: bool = True
     # auto: the fully connected layers that move fewer bytes split by rows between the ranks (model
     # parallel) than run whole by each; never: every layer data parallel, as every rank runs it.
-    split_linear: str = knob("auto", choices=SPLIT_LINEAR)
+    # Runs from before the knob split no layer.
+    split_linear: str = knob("auto", choices=SPLIT_LINEAR, setup=SetupRole(unless_default=True, absent="never"))
     timeout_s: float = knob(TIMEOUT_S, low=0, low_open=True)
 
 
 class CpuMp(StrategySpec):
     name, config, order = "cpu_mp", CpuMpConfig, 2
-    knob_tags = ("processes", "split_linear")
-    default_knob_tags = {"split_linear": "auto"}
     splits_batch = True
 
     def plan(self, cfg, accelerator, model, data) -> StrategyPlan:
@@ -59,15 +58,9 @@ class CpuMp(StrategySpec):
     def refused_precisions(self, knobs) -> dict[str, str]:
         return no_loss_scaling("each rank checks only its slice of the gradient")
 
-    def setup_of_run(self, params, tags) -> Setup:
-        # Runs from before the knob split no layer.
-        split = params.get("strategy.split_linear", "never")
-        return Setup(self.name, (("processes", int(params["strategy.processes"])),
-                                 *((("split_linear", split),) if split != "auto" else ())))
-
     def candidates(self, hw, job) -> list[Setup]:
         n = hw.devices_per_node
-        return [Setup(self.name, (("processes", n),))] if hw.device_kind == "cpu" and n > 1 else []
+        return [self.setup(processes=n)] if hw.device_kind == "cpu" and n > 1 else []
 
     def cost(self, setup, job, hw, profile, seq):
         """One copy of the weights: the optimizer's passes over them are made once in all (each

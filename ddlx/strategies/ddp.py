@@ -6,10 +6,10 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from ..errors import ConfigError
-from ..knobs import MISSING, knob
+from ..knobs import ALWAYS, MISSING, UNLESS_DEFAULT, knob
 from ..costmodel.costs import DEFAULT_BUCKET_MB, RECOMPUTE, recomputes
 from .parts.replicas import data_parallel_cost, data_parallel_memory
-from .spec import TIMEOUT_S, Setup, StrategyPlan, StrategySpec, recompute_knob, warn_oversubscription, with_recompute
+from .spec import TIMEOUT_S, Setup, StrategyPlan, StrategySpec, warn_oversubscription
 
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 
@@ -19,10 +19,10 @@ class DdpConfig:
     """Lightning DDP: ``processes`` ranks, gradients allreduced (gloo over sockets on CPU, NCCL on GPUs)."""
 
     name: str = MISSING
-    processes: int = knob(2, low=1)
-    bucket_cap_mb: float = knob(DEFAULT_BUCKET_MB, low=0, low_open=True)  # DDP's fusion threshold (Jansen's thesis Eq. 5.1's th)
-    comm_hook: str = knob("none", choices=COMM_HOOKS)  # gradient compression (the training-systems survey, section 4)
-    checkpoint: str = knob("never", choices=RECOMPUTE)  # always: recompute each block between cut points in backward
+    processes: int = knob(2, low=1, setup=ALWAYS)
+    bucket_cap_mb: float = knob(DEFAULT_BUCKET_MB, low=0, low_open=True, setup=UNLESS_DEFAULT, quiet=False)  # DDP's fusion threshold (Jansen's thesis Eq. 5.1's th)
+    comm_hook: str = knob("none", choices=COMM_HOOKS, quiet=True)  # gradient compression (the training-systems survey, section 4)
+    checkpoint: str = knob("never", choices=RECOMPUTE, setup=UNLESS_DEFAULT)  # always: recompute each block between cut points in backward
     timeout_s: float = knob(TIMEOUT_S, low=0, low_open=True)
 
 
@@ -34,7 +34,7 @@ class DdpGlooConfig(DdpConfig):
 @dataclass
 class DdpNcclConfig(DdpConfig):
     name: str = "ddp_nccl"
-    processes: int = knob(1, low=1)
+    processes: int = knob(1, low=1, setup=ALWAYS)
 
 
 def comm_hook(name: str) -> dict:
@@ -52,8 +52,6 @@ def comm_hook(name: str) -> dict:
 
 
 class Ddp(StrategySpec):
-    knob_tags = ("processes", "backend", "comm_hook", "bucket_cap_mb", "checkpoint")
-    default_knob_tags = {"comm_hook": "none", "checkpoint": "never"}
     splits_batch = True
     backend: str
 
@@ -98,14 +96,11 @@ class Ddp(StrategySpec):
             recompute=strategy.recompute,
         )
 
-    def setup_of_run(self, params, tags) -> Setup:
-        return Setup(self.name, (("processes", int(params["strategy.processes"])), *recompute_knob(params)))
-
     def candidates(self, hw, job) -> list[Setup]:
         n = hw.devices_per_node
         on_its_devices = (hw.device_kind == "cpu") == (self.backend == "gloo")
-        plain = Setup(self.name, (("processes", n),))
-        return [plain, with_recompute(plain)] if on_its_devices and n > 1 else []
+        plain = self.setup(processes=n)
+        return [plain, self.with_knobs(plain, checkpoint="always")] if on_its_devices and n > 1 else []
 
     def cost(self, setup, job, hw, profile, seq):
         return data_parallel_cost(setup, setup.get("processes"), job, hw, profile, seq)

@@ -7,7 +7,7 @@ from typing import Optional
 
 from ..compiling import EACH_LAYER
 from ..errors import ConfigError
-from ..knobs import knob
+from ..knobs import ALWAYS, UNLESS_DEFAULT, SetupRole, knob
 from ..costmodel.costs import (
     RECOMPUTE,
     computing_at_once,
@@ -22,7 +22,7 @@ from ..costmodel.costs import (
     weight_traffic_s,
 )
 from ..costmodel.perf_models import data_parallel_s, exposed_sharded_s
-from .spec import TIMEOUT_S, Setup, StrategyPlan, StrategySpec, no_loss_scaling, recompute_knob, warn_oversubscription, with_recompute
+from .spec import TIMEOUT_S, Setup, StrategyPlan, StrategySpec, no_loss_scaling, warn_oversubscription
 
 SHARDINGS = ("full", "grad_op", "none", "hybrid")
 # Ring volume per step against DDP's allreduce (2(W-1)/W of the gradients): full gathers the
@@ -39,18 +39,16 @@ class FsdpConfig:
     hybrid (full within groups of ``shard_size`` ranks, null: one node's, replicated across them)."""
 
     name: str = "fsdp"
-    processes: int = knob(2, low=1)
-    sharding: str = knob("full", choices=SHARDINGS)
-    shard_size: Optional[int] = knob(None, low=1)  # sharding=hybrid: ranks per shard group (null: a node's)
-    checkpoint: str = knob("never", choices=RECOMPUTE)  # always: recompute each block between cut points in backward
+    processes: int = knob(2, low=1, setup=ALWAYS)
+    sharding: str = knob("full", choices=SHARDINGS, setup=ALWAYS)
+    shard_size: Optional[int] = knob(None, low=1, setup=SetupRole(when=(("sharding", "hybrid"),), resolved=True))  # sharding=hybrid: ranks per shard group (null: a node's)
+    checkpoint: str = knob("never", choices=RECOMPUTE, setup=UNLESS_DEFAULT)  # always: recompute each block between cut points in backward
     pin_cores: bool = True  # on CPU: each rank on its own share of the cores
     timeout_s: float = knob(TIMEOUT_S, low=0, low_open=True)
 
 
 class Fsdp(StrategySpec):
     name, config, order = "fsdp", FsdpConfig, 5
-    knob_tags = ("processes", "sharding", "shard_size", "checkpoint")
-    default_knob_tags = {"checkpoint": "never"}
     splits_batch = True
 
     def plan(self, cfg, accelerator, model, data) -> StrategyPlan:
@@ -111,21 +109,14 @@ class Fsdp(StrategySpec):
         the gathers and reduce-scatters stay outside the compiled graphs."""
         return EACH_LAYER
 
-    def setup_of_run(self, params, tags) -> Setup:
-        sharding = params.get("strategy.sharding", "full")
-        groups = (("shard_size", int(tags.get("shard_size", params["strategy.processes"]))),) if sharding == "hybrid" else ()
-        return Setup(self.name, (("processes", int(params["strategy.processes"])), ("sharding", sharding), *groups,
-                                 *recompute_knob(params)))
-
     def candidates(self, hw, job) -> list[Setup]:
         """Every device of a node, full or grad_op; with several nodes, every device of the
         cluster, full or hybrid (HSDP: a shard group per node)."""
         n, total = hw.devices_per_node, hw.total_devices
-        plain = [Setup(self.name, (("processes", n), ("sharding", s))) for s in ("full", "grad_op")] if n > 1 else []
+        plain = [self.setup(processes=n, sharding=s) for s in ("full", "grad_op")] if n > 1 else []
         if hw.nodes > 1:
-            plain += [Setup(self.name, (("processes", total), ("sharding", "full"))),
-                      Setup(self.name, (("processes", total), ("sharding", "hybrid"), ("shard_size", n)))]
-        return [*plain, *map(with_recompute, plain)]
+            plain += [self.setup(processes=total, sharding="full"), self.setup(processes=total, sharding="hybrid", shard_size=n)]
+        return [*plain, *(self.with_knobs(s, checkpoint="always") for s in plain)]
 
     def launcher(self, setup, hw) -> str:
         """srun's tasks are the ranks when they span nodes (ddlx starts a node's ranks itself)."""

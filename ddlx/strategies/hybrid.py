@@ -6,14 +6,14 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Optional
 
-from ..knobs import knob, knob_value
+from ..knobs import ALWAYS, knob, knob_value
 from ..costmodel.costs import DEFAULT_BUCKET_MB, cost, cut_mb, link, memory_need
 from ..costmodel.perf_models import hybrid_s, split_s
 from ..parallel.schedules import SCHEDULES
 from .parts.halves import halves_bytes
-from .parts.pipelines import (ENGINES, PIPE_CHECKPOINT, compile_by_layers_or_refuse, engine_group, engine_refused_precisions,
-                        local_torch_pipeline, pipelines_candidates, pipelines_cost, pipelines_memory, torch_pipeline,
-                        torch_pipeline_knobs)
+from .parts.pipelines import (ENGINES, PIPE_CHECKPOINT, PIPELINE_KNOB, PIPELINE_KNOB_UNLESS_DEFAULT, compile_by_layers_or_refuse,
+                              engine_group, engine_refused_precisions, local_torch_pipeline, pipelines_candidates, pipelines_cost,
+                              pipelines_memory, torch_pipeline)
 from .parts.replicas import ParallelDims, device_pairs, local_parallelizer
 from .spec import TIMEOUT_S, Setup, StrategyPlan, StrategySpec, accelerator_of, refuse_compile, warn_oversubscription
 
@@ -25,23 +25,21 @@ class HybridConfig:
     engine=torch runs one process per device: ``processes`` pipelines of two processes each."""
 
     name: str = "hybrid"
-    processes: int = knob(2, low=1)
-    local: str = knob("split", choices=("split", "pipe"))
+    processes: int = knob(2, low=1, setup=ALWAYS)
+    local: str = knob("split", choices=("split", "pipe"), setup=ALWAYS)
     devices: Any = "auto"
     cut_point: Optional[str] = None
-    chunks: int = knob(4, low=1)  # local: pipe
-    balance: Any = None  # local: pipe
-    checkpoint: str = knob("never", choices=PIPE_CHECKPOINT)  # local: pipe
-    engine: str = knob("fairscale", choices=ENGINES)  # local: pipe
-    schedule: str = knob("gpipe", choices=tuple(SCHEDULES))  # local: pipe, engine=torch
+    chunks: int = knob(4, low=1, setup=PIPELINE_KNOB)  # local: pipe
+    balance: Any = knob(None, label="when_set")  # local: pipe
+    checkpoint: str = knob("never", choices=PIPE_CHECKPOINT, setup=PIPELINE_KNOB_UNLESS_DEFAULT)  # local: pipe
+    engine: str = knob("fairscale", choices=ENGINES, setup=PIPELINE_KNOB_UNLESS_DEFAULT)  # local: pipe
+    schedule: str = knob("gpipe", choices=tuple(SCHEDULES), setup=PIPELINE_KNOB, quiet=True)  # local: pipe, engine=torch
     pin_cores: bool = True  # local: pipe, engine=torch on CPU
     timeout_s: float = knob(TIMEOUT_S, low=0, low_open=True)
 
 
 class Hybrid(StrategySpec):
     name, config, order = "hybrid", HybridConfig, 7
-    knob_tags = ("processes", "local", "devices", "cut_point", "chunks", "engine", "schedule")
-    default_knob_tags = {"engine": "fairscale"}
 
     def plan(self, cfg, accelerator, model, data) -> StrategyPlan:
         from ..parallel.network import DataParallelNetworkStrategy
@@ -88,10 +86,6 @@ class Hybrid(StrategySpec):
                            "use strategy.local=pipe strategy.engine=torch")
         return compile_by_layers_or_refuse(self.name, knobs)
 
-    def setup_of_run(self, params, tags) -> Setup:
-        return Setup(self.name, (("processes", int(params["strategy.processes"])), ("local", params.get("strategy.local", "split")),
-                                 *torch_pipeline_knobs(params)))
-
     def refused_precisions(self, knobs) -> dict[str, str]:
         return engine_refused_precisions(knobs)
 
@@ -99,8 +93,8 @@ class Hybrid(StrategySpec):
         n = hw.devices_per_node
         if n < 4:
             return []
-        pipelines = pipelines_candidates(self.name, n // 2, job, processes=n // 2)
-        return pipelines if hw.device_kind == "cpu" else [Setup(self.name, (("processes", n // 2), ("local", "split"))), *pipelines]
+        pipelines = pipelines_candidates(self.setup, n // 2, job, processes=n // 2)
+        return pipelines if hw.device_kind == "cpu" else [self.setup(processes=n // 2, local="split"), *pipelines]
 
     def devices(self, setup) -> int:
         """A pair of devices per process (local: split or pipe) or per two-process pipeline (engine=torch)."""

@@ -7,11 +7,11 @@ from datetime import timedelta
 from typing import Any, Optional
 
 from ..compiling import WHOLE_MODEL
-from ..knobs import knob, knob_value
+from ..knobs import ALWAYS, knob, knob_value
 from ..parallel.schedules import SCHEDULES
-from .parts.pipelines import (ENGINES, PIPE_CHECKPOINT, compile_by_layers_or_refuse, engine_group, engine_refused_precisions,
-                        local_torch_pipeline, pipelines_candidates, pipelines_cost, pipelines_memory, torch_pipeline,
-                        torch_pipeline_knobs)
+from .parts.pipelines import (ENGINES, PIPE_CHECKPOINT, PIPELINE_KNOB, PIPELINE_KNOB_UNLESS_DEFAULT, compile_by_layers_or_refuse,
+                              engine_group, engine_refused_precisions, local_torch_pipeline, pipelines_candidates, pipelines_cost,
+                              pipelines_memory, torch_pipeline)
 from .parts.replicas import ParallelDims, data_parallel_cost, data_parallel_memory, device_pairs, local_parallelizer
 from .spec import TIMEOUT_S, Setup, StrategyPlan, StrategySpec, refuse_compile
 
@@ -24,15 +24,15 @@ class MpiConfig:
     (on one node), mpirun -np 4 gives two of them."""
 
     name: str = "mpi"
-    local: str = knob("sequential", choices=("sequential", "threads", "split", "pipe"))
+    local: str = knob("sequential", choices=("sequential", "threads", "split", "pipe"), setup=ALWAYS)
     threads: int = knob(2, low=1)  # local: threads
     devices: Any = "auto"  # local: split | pipe (two devices per rank)
     cut_point: Optional[str] = None
-    chunks: int = knob(4, low=1)
-    balance: Any = None
-    checkpoint: str = knob("never", choices=PIPE_CHECKPOINT)
-    engine: str = knob("fairscale", choices=ENGINES)  # local: pipe
-    schedule: str = knob("gpipe", choices=tuple(SCHEDULES))  # local: pipe, engine=torch
+    chunks: int = knob(4, low=1, setup=PIPELINE_KNOB)
+    balance: Any = knob(None, label="when_set")
+    checkpoint: str = knob("never", choices=PIPE_CHECKPOINT, setup=PIPELINE_KNOB_UNLESS_DEFAULT)
+    engine: str = knob("fairscale", choices=ENGINES, setup=PIPELINE_KNOB_UNLESS_DEFAULT)  # local: pipe
+    schedule: str = knob("gpipe", choices=tuple(SCHEDULES), setup=PIPELINE_KNOB, quiet=True)  # local: pipe, engine=torch
     pin_cores: bool = True  # local: pipe, engine=torch on CPU
     backend: Optional[str] = knob(None, choices=("gloo", "nccl", "mpi"))  # null: gloo on CPU, nccl on GPU
     timeout_s: float = knob(TIMEOUT_S, low=0, low_open=True)
@@ -40,8 +40,7 @@ class MpiConfig:
 
 class Mpi(StrategySpec):
     name, config, order = "mpi", MpiConfig, 8
-    knob_tags = ("threads", "ranks", "nodes", "backend", "local", "cut_point", "chunks", "engine", "schedule")
-    default_knob_tags = {"engine": "fairscale"}
+    resolved_tags = ("ranks", "nodes")
     splits_batch = True
     launcher_knobs = ("ranks",)  # mpirun -np
 
@@ -109,10 +108,6 @@ class Mpi(StrategySpec):
                            "use strategy.local=sequential or strategy.local=pipe strategy.engine=torch")
         return compile_by_layers_or_refuse(self.name, knobs) if local == "pipe" else WHOLE_MODEL
 
-    def setup_of_run(self, params, tags) -> Setup:
-        return Setup(self.name, (("ranks", int(tags.get("ranks", 1))), ("local", params.get("strategy.local", "sequential")),
-                                 *torch_pipeline_knobs(params)))
-
     def refused_precisions(self, knobs) -> dict[str, str]:
         return engine_refused_precisions(knobs)
 
@@ -120,8 +115,8 @@ class Mpi(StrategySpec):
         if hw.nodes < 2:
             return []
         ranks = hw.total_devices
-        pipelines = pipelines_candidates(self.name, ranks // 2, job, ranks=ranks) if hw.devices_per_node % 2 == 0 else []
-        return [Setup(self.name, (("ranks", ranks), ("local", "sequential"))), *pipelines]
+        pipelines = pipelines_candidates(self.setup, ranks // 2, job, ranks=ranks) if hw.devices_per_node % 2 == 0 else []
+        return [self.setup(ranks=ranks, local="sequential"), *pipelines]
 
     def launcher(self, setup, hw) -> str:
         return f"mpirun -np {setup.get('ranks')}"  # ranks fill each node's slots in order (the host file's)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError
-from ..knobs import knob
+from ..knobs import ALWAYS, UNLESS_DEFAULT, SetupRole, knob
 from ..costmodel.costs import (FORWARD_SHARE, RECOMPUTE, REPLICA_SHARE, cost, gpu_index, link, memory_need, recomputed_share,
                                stage_bytes, weight_traffic_s)
 from ..parallel.schedules import SCHEDULES
@@ -26,12 +26,12 @@ class PipeConfig:
     process per device (pinned to its share of the cores on CPU), running ``schedule``."""
 
     name: str = "pipe"
-    devices: Any = "auto"
-    chunks: int = knob(4, low=1)
-    balance: Any = None
-    checkpoint: str = knob("never", choices=PIPE_CHECKPOINT)  # recompute activations in backward
-    engine: str = knob("fairscale", choices=ENGINES)
-    schedule: str = knob("gpipe", choices=tuple(SCHEDULES))  # engine=torch
+    chunks: int = knob(4, low=1, setup=ALWAYS)
+    devices: Any = knob("auto", setup=SetupRole(resolved=True, absent="cpu,cpu"))  # runs from before the tag: the CPU's
+    balance: Any = knob(None, label="when_set")  # the resolved default differs per model: shown only when set
+    checkpoint: str = knob("never", choices=PIPE_CHECKPOINT, setup=UNLESS_DEFAULT)  # recompute activations in backward
+    engine: str = knob("fairscale", choices=ENGINES, setup=UNLESS_DEFAULT)
+    schedule: str = knob("gpipe", choices=tuple(SCHEDULES), setup=SetupRole(when=(("engine", "torch"),)), quiet=True)
     pin_cores: bool = True  # engine=torch on CPU
     timeout_s: float = knob(TIMEOUT_S, low=0, low_open=True)  # engine=torch
 
@@ -42,9 +42,6 @@ def pipe_balance(setup: Setup, profile) -> list[int]:
 
 class Pipe(StrategySpec):
     name, config, order = "pipe", PipeConfig, 6
-    knob_tags = ("devices", "chunks", "checkpoint", "engine", "schedule")
-    default_knob_tags = {"checkpoint": "never", "engine": "fairscale", "schedule": "gpipe"}
-    label_params = ("strategy.balance",)  # the resolved default differs per model: shown only when set
 
     def plan(self, cfg, accelerator, model, data) -> StrategyPlan:
         from ..parallel.devices import resolve_devices
@@ -84,30 +81,21 @@ class Pipe(StrategySpec):
     def compile_unit(self, knobs) -> str:
         return compile_by_layers_or_refuse(self.name, knobs)
 
-    def setup_of_run(self, params, tags) -> Setup:
-        knobs = (("chunks", int(params["strategy.chunks"])), ("devices", tuple(tags.get("devices", "cpu,cpu").split(","))))
-        checkpoint = params.get("strategy.checkpoint", "never")
-        knobs += (("checkpoint", checkpoint),) if checkpoint != "never" else ()
-        if params.get("strategy.engine", "fairscale") == "torch":
-            knobs += (("engine", "torch"), ("schedule", params.get("strategy.schedule", "gpipe")))
-        return Setup(self.name, knobs)
-
     def candidates(self, hw, job) -> list[Setup]:
         n, chunks = hw.devices_per_node, chunk_counts(job)
         if n < 2:
             return []
         if hw.device_kind == "cpu":
-            return ([Setup(self.name, (("chunks", c), ("devices", ("cpu", "cpu")))) for c in chunks]
+            return ([self.setup(chunks=c, devices=("cpu", "cpu")) for c in chunks]
                     + self._torch_candidates(("cpu", "cpu"), job))
         out = self._torch_candidates(tuple(f"cuda:{i}" for i in range(n)), job)
         for stages in sorted({2, n}):
             devices = tuple(f"cuda:{i}" for i in range(stages))
             for c in (c for c in chunks if c >= stages):
                 # Keeping every activation, and torchgpipe's default: recomputing all micro-batches' but the last's.
-                out += [Setup(self.name, (("chunks", c), ("devices", devices))),
-                        Setup(self.name, (("chunks", c), ("devices", devices), ("checkpoint", "except_last")))]
+                out += [self.setup(chunks=c, devices=devices), self.setup(chunks=c, devices=devices, checkpoint="except_last")]
         if chunks:  # the least memory: recompute every micro-batch
-            out.append(Setup(self.name, (("chunks", chunks[-1]), ("devices", devices), ("checkpoint", "always"))))
+            out.append(self.setup(chunks=chunks[-1], devices=devices, checkpoint="always"))
         return out
 
     def _torch_candidates(self, devices: tuple[str, ...], job) -> list[Setup]:
@@ -116,7 +104,7 @@ class Pipe(StrategySpec):
         for schedule in SCHEDULES:
             for c in chunk_counts(job):
                 if job.batch_size % c == 0 and c >= len(devices):  # a micro-batch per stage at least
-                    out.append(Setup(self.name, (("chunks", c), ("devices", devices), ("engine", "torch"), ("schedule", schedule))))
+                    out.append(self.setup(chunks=c, devices=devices, engine="torch", schedule=schedule))
         return out
 
     def accepts(self, setup, job) -> bool:

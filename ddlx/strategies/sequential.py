@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..knobs import knob
+from ..knobs import ALWAYS, knob
 from ..costmodel.costs import cost, memory_need, replica_bytes, weight_traffic_s
 from .spec import Setup, StrategyPlan, StrategySpec, warn_oversubscription
 
@@ -15,12 +15,11 @@ class SequentialConfig:
     trainer=gpu, one GPU."""
 
     name: str = "sequential"
-    threads: int = knob(1, low=1)
+    threads: int = knob(1, low=1, setup=ALWAYS)
 
 
 class Sequential(StrategySpec):
     name, config, order = "sequential", SequentialConfig, 0
-    knob_tags = ("threads",)
 
     def plan(self, cfg, accelerator, model, data) -> StrategyPlan:
         import torch
@@ -30,16 +29,15 @@ class Sequential(StrategySpec):
         return StrategyPlan(trainer_kwargs={"strategy": "auto", "devices": 1}, tags={"threads": str(cfg.threads)})
 
     def setup_of_run(self, params, tags) -> Setup:
-        if tags.get("accelerator") == "gpu":
-            return Setup(self.name, (("trainer", "gpu"),))
-        return Setup(self.name, (("threads", int(params.get("strategy.threads", 1))),))
+        """On a GPU, its setup is the trainer (``trainer=gpu``), not a knob: threads do not name it."""
+        return Setup(self.name, (("trainer", "gpu"),)) if tags.get("accelerator") == "gpu" else super().setup_of_run(params, tags)
 
     def candidates(self, hw, job) -> list[Setup]:
         if hw.device_kind != "cpu":
             return [Setup(self.name, (("trainer", "gpu"),))]
-        out = [Setup(self.name, (("threads", 1),))]
+        out = [self.setup(threads=1)]
         if hw.devices_per_node > 1:
-            out.append(Setup(self.name, (("threads", hw.devices_per_node),)))
+            out.append(self.setup(threads=hw.devices_per_node))
         return out
 
     def cost(self, setup, job, hw, profile, seq):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import Field, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..compiling import WHOLE_MODEL
@@ -46,12 +46,23 @@ class StrategyPlan:
     recompute: bool = False  # activation checkpointing at the cut points (the memory check counts it)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Setup:
-    """A strategy with the knob values a prediction or a measured run used."""
+    """A strategy with the knob values a prediction or a measured run used; its spec builds it
+    (:meth:`StrategySpec.setup`), the knobs in the spec's order, which its label keeps. Two setups
+    with the same knob values are the same setup, in whatever order they were given."""
 
     strategy: str
     knobs: tuple[tuple[str, object], ...] = ()
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Setup) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def _key(self):
+        return self.strategy, frozenset(self.knobs)
 
     def get(self, key: str, default=None):
         return dict(self.knobs).get(key, default)
@@ -70,11 +81,11 @@ class StrategySpec:
     name: ClassVar[str]
     config: ClassVar[type]  # its knobs: a dataclass with :func:`ddlx.knobs.knob` fields
     order: ClassVar[int]  # its place in lists of setups (candidates, tables)
-    knob_tags: ClassVar[tuple[str, ...]] = ()  # run tags naming its setup's knobs, in a label's order
-    default_knob_tags: ClassVar[dict[str, str]] = {}  # tag values a label leaves out
-    label_params: ClassVar[tuple[str, ...]] = ()  # params a label shows when the user set them
     splits_batch: ClassVar[bool] = False  # its workers each train a share of every batch (one calibration)
-    launcher_knobs: ClassVar[tuple[str, ...]] = ()  # knobs the launcher sets, not train.py (mpirun -np: ranks)
+    # Counts the launcher sets, not train.py (mpirun -np: ranks): a setup's first knobs, read from the run's tags.
+    launcher_knobs: ClassVar[tuple[str, ...]] = ()
+    # What its plan resolves beyond its knobs, tagged and shown first in a run's label (mpi: the nodes mpirun spread over).
+    resolved_tags: ClassVar[tuple[str, ...]] = ()
 
     def plan(self, cfg, accelerator: str, model: LayeredModel, data) -> StrategyPlan:
         """The Trainer's arguments for ``cfg`` (its knobs, checked), on ``model`` (the meta device is enough)."""
@@ -91,9 +102,63 @@ class StrategySpec:
         a :class:`ConfigError` with the reason where it cannot take it."""
         return WHOLE_MODEL
 
+    def setup(self, **knobs) -> Setup:
+        """The setup of these knob values, as a candidate or a measured run names it: its launcher
+        knobs, then its config's setup knobs (:class:`~ddlx.knobs.SetupRole`) in field order; a knob
+        is left out at its default where its role says so, and without the values it needs
+        (``schedule`` without ``engine=torch``)."""
+        roles = self.setup_fields()
+        unknown = set(knobs) - set(self.launcher_knobs) - set(roles)
+        if unknown:
+            raise ValueError(f"strategy={self.name} has no setup knob {', '.join(sorted(unknown))}; "
+                             f"its setup knobs are {', '.join([*self.launcher_knobs, *roles])}")
+        out = [(key, knobs[key]) for key in self.launcher_knobs if key in knobs]
+        for name, f in roles.items():
+            role = f.metadata["setup"]
+            if name not in knobs or any(knobs.get(k, self._default(k)) != v for k, v in role.when):
+                continue
+            if not (role.unless_default and knobs[name] == f.default):
+                out.append((name, knobs[name]))
+        return Setup(self.name, tuple(out))
+
+    def with_knobs(self, setup: Setup, **changes) -> Setup:
+        """``setup`` with some knobs changed (``checkpoint="always"``: what fits when it does not)."""
+        return self.setup(**{**dict(setup.knobs), **changes})
+
     def setup_of_run(self, params: dict[str, str], tags: dict[str, str]) -> Setup:
-        """The setup a measured run of this strategy used, in the terms of :meth:`candidates`."""
-        return Setup(self.name)
+        """The setup a measured run of this strategy used, in the terms of :meth:`candidates`: each
+        setup knob as its plan tagged it (the resolved value), else as its params give it (not for
+        a knob only its plan resolves), else what a run from before the knob used."""
+        knobs = {key: int(tags.get(key, 1)) for key in self.launcher_knobs}
+        for name, f in self.setup_fields().items():
+            role = f.metadata["setup"]
+            text = tags.get(name, None if role.resolved else params.get(f"strategy.{name}"))
+            knobs[name] = parsed(f, text) if text is not None else (f.default if role.absent is None else parsed(f, role.absent))
+        return self.setup(**knobs)
+
+    def label_knobs(self, tags: dict[str, str], params: dict[str, str]) -> list[str]:
+        """``key=value`` of a run's label: what its plan resolved (:attr:`resolved_tags`), then each
+        knob as its field's ``label`` says (:func:`ddlx.knobs.knob`), in field order."""
+        shown = [f"{key}={tags[key]}" for key in self.resolved_tags if tags.get(key) not in (None, "", "None")]
+        for f in fields(self.config):
+            how, value = f.metadata.get("label", "tag"), None
+            if f.name == "name" or how == "never":
+                continue
+            if how == "when_set":
+                value = params.get(f"strategy.{f.name}")
+            elif not (f.metadata.get("quiet") and tags.get(f.name) == str(f.default)):
+                value = tags.get(f.name)
+            if value not in (None, "", "None"):
+                shown.append(f"{f.name}={value}")
+        return shown
+
+    def setup_fields(self) -> dict[str, Field]:
+        """Its config's knobs that name a setup (those with a :class:`~ddlx.knobs.SetupRole`): what
+        the recommender varies and its models read."""
+        return {f.name: f for f in fields(self.config) if f.metadata.get("setup") is not None}
+
+    def _default(self, key: str):
+        return next((f.default for f in fields(self.config) if f.name == key), None)
 
     def candidates(self, hw: HardwareSpec, job: Job) -> list[Setup]:
         """The setups of it worth predicting on ``hw``, with the knobs a user would try."""
@@ -172,15 +237,19 @@ class StrategySpec:
 # ---- helpers the specs' plans share -----------------------------------------------------------
 
 
-def recompute_knob(params: dict[str, str]) -> tuple[tuple[str, object], ...]:
-    """A measured run's ``checkpoint`` knob, as a setup holds it (left out at its default, never)."""
-    value = params.get("strategy.checkpoint", "never")
-    return (("checkpoint", value),) if value != "never" else ()
-
-
-def with_recompute(setup: Setup) -> Setup:
-    """``setup`` recomputing its activations (``strategy.checkpoint=always``): what fits when it does not."""
-    return Setup(setup.strategy, (*setup.knobs, ("checkpoint", "always")))
+def parsed(f: Field, text: str):
+    """A knob's value from its run tag or param (text), by its field's type: a device list is
+    tagged as ``cpu,cpu``."""
+    if text in ("None", ""):
+        return None
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    if "int" in kind:
+        return int(text)
+    if "float" in kind:
+        return float(text)
+    if "bool" in kind:
+        return text == "True"
+    return tuple(text.split(",")) if kind == "Any" and "," in text else text
 
 
 def no_loss_scaling(why: str) -> dict[str, str]:

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..costmodel.costs import cost, cut_mb, link, memory_need
+from ..knobs import SetupRole, knob
 from ..costmodel.perf_models import split_s
 from .parts.halves import cut_point, halves_bytes
 from .spec import Setup, StrategyPlan, StrategySpec, accelerator_of, refuse_compile
@@ -16,13 +17,12 @@ class SplitConfig:
     pipelining (the Lerat et al. entry, section 2.4). devices: auto = two GPUs when there are, else [cpu, cpu]."""
 
     name: str = "split"
-    devices: Any = "auto"
+    devices: Any = knob("auto", setup=SetupRole(resolved=True, absent="cpu,cpu"))  # runs from before the tag: the CPU's
     cut_point: Optional[str] = None
 
 
 class Split(StrategySpec):
     name, config, order = "split", SplitConfig, 5
-    knob_tags = ("devices", "cut_point")
 
     def plan(self, cfg, accelerator, model, data) -> StrategyPlan:
         from ..parallel.devices import resolve_devices
@@ -39,11 +39,8 @@ class Split(StrategySpec):
         refuse_compile(self.name, "its two halves, cut and placed on their devices with their own hand-off, are "
                        "not compiled by ddlx yet", "use strategy=pipe strategy.engine=torch (stages of compiled layers)")
 
-    def setup_of_run(self, params, tags) -> Setup:
-        return Setup(self.name, (("devices", tuple(tags.get("devices", "cpu,cpu").split(","))),))
-
     def candidates(self, hw, job) -> list[Setup]:
-        return [Setup(self.name, (("devices", ("cuda:0", "cuda:1")),))] if hw.device_kind != "cpu" and hw.devices_per_node > 1 else []
+        return [self.setup(devices=("cuda:0", "cuda:1"))] if hw.device_kind != "cpu" and hw.devices_per_node > 1 else []
 
     def cost(self, setup, job, hw, profile, seq):
         b = job.batch_size

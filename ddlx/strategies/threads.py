@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..knobs import knob
+from ..knobs import ALWAYS, knob
 from ..costmodel.costs import (
     REPLICA_SHARE,
     cost,
@@ -22,12 +22,11 @@ class ThreadsConfig:
     shared weights (the Lerat et al. entry, section 2.5)."""
 
     name: str = "threads"
-    threads: int = knob(2, low=1)
+    threads: int = knob(2, low=1, setup=ALWAYS)
 
 
 class Threads(StrategySpec):
     name, config, order = "threads", ThreadsConfig, 1
-    knob_tags = ("threads",)
     splits_batch = True
 
     def plan(self, cfg, accelerator, model, data) -> StrategyPlan:
@@ -42,12 +41,9 @@ class Threads(StrategySpec):
         return StrategyPlan(trainer_kwargs={"strategy": strategy, "devices": 1, "accelerator": "cpu"},
                             tags={"threads": str(cfg.threads)})
 
-    def setup_of_run(self, params, tags) -> Setup:
-        return Setup(self.name, (("threads", int(params["strategy.threads"])),))
-
     def candidates(self, hw, job) -> list[Setup]:
         n = hw.devices_per_node
-        return [Setup(self.name, (("threads", n),))] if hw.device_kind == "cpu" and n > 1 else []
+        return [self.setup(threads=n)] if hw.device_kind == "cpu" and n > 1 else []
 
     def cost(self, setup, job, hw, profile, seq):
         k = setup.get("threads")

@@ -25,11 +25,16 @@ from ...costmodel.costs import (
 )
 from ...parallel.schedules import SCHEDULES, bubble_steps, in_flight, micro_batches, stage_owners, stages_of
 from ...costmodel.perf_models import Link, gpipe_comm_s, pipeline_schedule_s, ring_allreduce_s
-from ...knobs import knob_value
+from ...knobs import SetupRole, knob_value
 from ..spec import Setup, refuse_compile
 
 PIPE_CHECKPOINT = ("never", "except_last", "always")
 ENGINES = ("fairscale", "torch")
+# A data-parallel strategy's pipeline knobs name its setup only for PyTorch's pipelines (a
+# fairscale pipeline's are calibrated as one): local=pipe engine=torch.
+TORCH_PIPELINES = (("local", "pipe"), ("engine", "torch"))
+PIPELINE_KNOB = SetupRole(when=TORCH_PIPELINES)
+PIPELINE_KNOB_UNLESS_DEFAULT = SetupRole(unless_default=True, when=TORCH_PIPELINES)
 CHUNKS = (2, 4, 8, 16)  # the micro-batch counts a user would try
 
 
@@ -102,16 +107,6 @@ def engine_refused_precisions(knobs) -> dict[str, str]:
     return {"16-mixed": "16-mixed scales the loss before Lightning's backward, but PyTorch's schedule runs the backward "
                         "inside the forward, and each rank sees only its stages' gradients; use "
                         "trainer.precision=bf16-mixed (no loss scaling), or strategy.engine=fairscale for 16-mixed"}
-
-
-def torch_pipeline_knobs(params) -> tuple[tuple[str, object], ...]:
-    """The knobs of a data-parallel run's PyTorch pipelines (none for another local strategy), as
-    :class:`Setup` knobs, from the run's params."""
-    if params.get("strategy.local") != "pipe" or params.get("strategy.engine", "fairscale") != "torch":
-        return ()
-    checkpoint = params.get("strategy.checkpoint", "never")
-    return (("chunks", int(params["strategy.chunks"])), ("engine", "torch"), ("schedule", params.get("strategy.schedule", "gpipe")),
-            *((("checkpoint", checkpoint),) if checkpoint != "never" else ()))
 
 
 def checked_balance(balance, model, stages: int, per: str) -> list[int] | str:
@@ -233,16 +228,15 @@ def pipelines_memory(setup, replicas: int, per_node: int, job, hw, profile):
     return memory_need(hw, max(ranks))
 
 
-def pipelines_candidates(name: str, replicas: int, job, **knobs) -> list[Setup]:
+def pipelines_candidates(setup_of, replicas: int, job, **knobs) -> list[Setup]:
     """Data-parallel two-stage PyTorch pipelines, each schedule at the most micro-batches its
-    share of the batch allows (the smallest bubble)."""
+    share of the batch allows (the smallest bubble); ``setup_of``: the strategy's :meth:`setup`."""
     b = job.batch_size // replicas
     out = []
     for schedule in SCHEDULES:
         chunks = [c for c in CHUNKS if c <= b and b % c == 0 and c >= 2]
         if chunks:
-            out.append(Setup(name, (*knobs.items(), ("local", "pipe"), ("chunks", chunks[-1]), ("engine", "torch"),
-                                    ("schedule", schedule))))
+            out.append(setup_of(**knobs, local="pipe", chunks=chunks[-1], engine="torch", schedule=schedule))
     return out
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 from .allocator import SYSTEM
@@ -13,6 +14,7 @@ from .job import BASELINE, CPU_BASELINE_SETUP, FP32, Job, precision_of
 
 if TYPE_CHECKING:  # a type only: the record layer does not import the predictor's
     from .costmodel.hardware import HardwareSpec
+    from .strategies.spec import Setup
 
 # The workload: runs that differ in any of these are not comparable.
 WORKLOAD_PARAMS = (
@@ -79,6 +81,15 @@ class MeasuredRun:
     @property
     def is_baseline(self) -> bool:
         return self.strategy == BASELINE and (self.device != "cpu" or self.setup == CPU_BASELINE_SETUP)
+
+    @cached_property
+    def strategy_setup(self) -> Setup:
+        """The setup it ran, in the recommender's terms (its spec's :meth:`setup_of_run`), read from
+        its params and tags once."""
+        from .strategies import STRATEGIES, Setup
+
+        name = self.strategy if self.strategy != "?" else self.params.get("strategy.name", "?")
+        return STRATEGIES[name].setup_of_run(self.params, self.tags) if name in STRATEGIES else Setup(name)
 
 
 # What tells apart workloads whose short labels (model/data, size, batch) coincide.

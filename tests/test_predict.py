@@ -34,7 +34,6 @@ from ddlx.predict.setups import (
     model_batch_s,
     model_cost,
     overrides,
-    setup_of_run,
 )
 from ddlx.predict.sequential_time import ProbedBatch
 from ddlx.predict.validation import ValidationRow, pick, validate
@@ -476,7 +475,7 @@ def test_the_recommendation_is_the_predicted_fastest():
 def test_validation_keeps_workloads_apart_that_differ_only_in_dataset_size():
     hw = _hw()
     runs = _consistent_runs(hw)
-    bigger = [_run(f"{r.run_id}-n800", setup_of_run(r.params, r.tags), {**r.params, "data.num_images": "800", "train": "640"},
+    bigger = [_run(f"{r.run_id}-n800", r.strategy_setup, {**r.params, "data.num_images": "800", "train": "640"},
                    2 * r.mean_epoch_time_s, host=hw.host) for r in runs if r.params["model.name"] == "alexnet"]
     rows, picks = validate(Predictor(hw, runs + bigger, local=hw))
     alexnet = sorted(w for w in picks if w.startswith("alexnet"))

@@ -35,7 +35,6 @@ from .setups import (
     memory_need,
     model_cost,
     overrides,
-    setup_of_run,
     training_processes,
     worker_batch,
     workers_to_keep_up,
@@ -212,7 +211,7 @@ class Predictor:
         jobs: dict[str, list[Job]] = defaultdict(list)  # each sample's workload
         seqs: dict[Job, SequentialTime | None] = {}  # one T_seq per workload, not per run
         for run in source:
-            setup = setup_of_run(run.params, run.tags)
+            setup = run.strategy_setup
             group = calibration_group(setup)
             if group == BASELINE:
                 continue

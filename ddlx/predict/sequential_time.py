@@ -37,7 +37,7 @@ from ..strategies import BASELINE
 from ..costmodel.hardware import HardwareSpec, intra_op_threads
 from ..costmodel.numerics import numerics_of
 from ..costmodel.profile import ModelProfile
-from .setups import SequentialTime, calibration_group, setup_of_run, weight_seconds
+from .setups import SequentialTime, calibration_group, weight_seconds
 
 # Fraction of the peak a training step reaches when no run calibrates it: GPU convolution nets
 # in fp32 typically reach 30-50%; CPUs near their GEMM rate.
@@ -52,7 +52,7 @@ TENSOR_CORE_SPEEDUP = 2.7
 
 
 def is_one_device_baseline(run: MeasuredRun) -> bool:
-    return calibration_group(setup_of_run(run.params, run.tags)) == BASELINE
+    return calibration_group(run.strategy_setup) == BASELINE
 
 
 def baselines_on(hw: HardwareSpec, runs: Sequence[MeasuredRun]) -> list[MeasuredRun]:

@@ -13,7 +13,7 @@ from ..costmodel.hardware import HardwareSpec
 from ..costmodel.profile import ModelProfile
 
 __all__ = ["Cost", "MemoryNeed", "SequentialTime", "Setup", "calibration_group", "candidates", "check_tries", "loader_bound_s",
-           "memory_need", "model_batch_s", "model_cost", "overrides", "setup_of_run", "splits_batch", "training_processes",
+           "memory_need", "model_batch_s", "model_cost", "overrides", "splits_batch", "training_processes",
            "weight_seconds", "worker_batch"]
 
 
@@ -81,12 +81,6 @@ def check_tries(candidates: dict) -> tuple[dict, Batches]:
             chosen[knob] = values
         tries[name] = chosen
     return tries, own
-
-
-def setup_of_run(params: dict[str, str], tags: dict[str, str]) -> Setup:
-    """The setup a measured run used, in the same terms as :func:`candidates`."""
-    name = tags.get("strategy", params.get("strategy.name", "?"))
-    return STRATEGIES[name].setup_of_run(params, tags) if name in STRATEGIES else Setup(name)
 
 
 def calibration_group(setup: Setup) -> str:

@@ -13,7 +13,7 @@ import numpy as np
 from ..allocator import SYSTEM
 from ..records import MeasuredRun, distinct_labels, job_of_run, on_hardware
 from .prediction import Predictor
-from .setups import calibration_group, setup_of_run
+from .setups import calibration_group
 
 
 @dataclass
@@ -77,11 +77,11 @@ def validate(predictor: Predictor, cpu_allocator: str = SYSTEM) -> tuple[list[Va
     target = [r for r in predictor.runs if on_hardware(r, predictor.hw) and r.workload.cpu_allocator == cpu_allocator]
     labels = distinct_labels(r.workload for r in target)  # the report's workloads, named apart
     for run in target:
-        configs[labels[run.workload], setup_of_run(run.params, run.tags).label].append(run)
+        configs[labels[run.workload], run.strategy_setup.label].append(run)
     rows = []
     for (workload, label), group in sorted(configs.items()):
         ids = {r.run_id for r in group}
-        setup = setup_of_run(group[0].params, group[0].tags)
+        setup = group[0].strategy_setup
         job = job_of_run(group[0])
         rec = predictor.recommend(job, [setup], exclude=lambda r, ids=ids: r.run_id in ids)
         (pred,) = rec.predictions

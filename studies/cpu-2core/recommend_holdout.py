@@ -46,7 +46,7 @@ def main() -> None:
     from ddlx.records import job_of_run
     from ddlx.predict.prediction import Predictor, data_config_of_job
     from ddlx.predict.validation import ValidationRow, pick, pick_figures
-    from ddlx.predict.setups import calibration_group, setup_of_run
+    from ddlx.predict.setups import calibration_group
     from ddlx.predict.sequential_time import probe_batches
 
     held = {tuple(w.split(":")) for w in args.workloads}
@@ -71,7 +71,7 @@ def main() -> None:
                              f"with studies/cpu-2core/cpu_study.sh")
         measured: dict[str, list[float]] = {}
         for r in mine:
-            measured.setdefault(setup_of_run(r.params, r.tags).label, []).append(r.metrics["mean_epoch_time_s"])
+            measured.setdefault(r.strategy_setup.label, []).append(r.metrics["mean_epoch_time_s"])
         rec = predictor.recommend(job_of_run(mine[0]))
         print(f"\n{model} {size}px (T_seq {rec.sequential.basis})")
         rows = []  # the measured setups, as validation sees them

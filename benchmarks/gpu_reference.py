@@ -35,6 +35,21 @@ def summary(errors: list[float]) -> str:
             f"within 15%, {sum(e > 0.30 for e in absolute)} beyond 30%, largest {100 * max(absolute):.1f}%")
 
 
+# The goal's cells: these networks on each GPU, in each precision (fp32 with or without the optimizer step).
+GOAL_MODELS = ("resnet50", "resnet18", "vgg16", "alexnet")
+
+
+def by_cell(figures: list, errors: list[float]) -> list[float]:
+    """Each cell's error (GPU as its hw file names it, network, precision; the goal's networks
+    only): the median of its published figures' errors, as sources disagree on one cell by up to
+    25% (Lambda's A100 PCIe ResNet-50 AMP at batch 720: 1117 and 1393 img/s)."""
+    cells: dict[tuple, list[float]] = {}
+    for figure, error in zip(figures, errors):
+        if figure.model in GOAL_MODELS:
+            cells.setdefault((figure.hw, figure.model, figure.precision), []).append(error)
+    return [statistics.median(e) for e in cells.values()]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-loo", action="store_true", help="skip the leave-one-out fits")
@@ -45,13 +60,14 @@ def main() -> None:
     loo = dict((id(f), p) for f, p in leave_one_out(steps)) if not args.no_loo else {}
     print("| gpu | model | precision | batch | predicted img/s | published img/s | error | leave-one-out | source |")
     print("|---|---|---|---|---|---|---|---|---|")
-    errors, held = [], []
+    errors, held, held_figures = [], [], []
     for step, figure in steps:
         predicted = predicted_images_per_s(step, figure.batch, params)
         errors.append(predicted / figure.images_per_s - 1)
         out = loo.get(id(figure))
         if out is not None:
             held.append(out / figure.images_per_s - 1)
+            held_figures.append(figure)
         step_note = "" if figure.optimizer_step else " (no optimizer step)"
         print(f"| {figure.gpu} | {figure.model} | {figure.precision}{step_note} | {figure.batch} | {predicted:.0f} "
               f"| {figure.images_per_s:.0f} | {100 * errors[-1]:+.1f}% | {f'{100 * held[-1]:+.1f}%' if out is not None else '-'} "
@@ -59,6 +75,11 @@ def main() -> None:
     print(f"\nfitted to all: {summary(errors)}")
     if held:
         print(f"leave-one-out: {summary(held)}")
+    figures = [figure for _, figure in steps]
+    print(f"per cell ({', '.join(GOAL_MODELS)}; a cell's error the median of its figures'), fitted to all: "
+          f"{summary(by_cell(figures, errors))}")
+    if held:
+        print(f"per cell, leave-one-out: {summary(by_cell(held_figures, held))}")
     print("\nLeft out of the fit (the model's prediction beside them where it has the GPU and a stated batch):\n")
     print("| gpu | model | precision | batch | published img/s | predicted img/s | why left out | source |\n|---|---|---|---|---|---|---|---|")
     for figure in load_reference():

@@ -2,6 +2,7 @@
 
     python benchmarks/compile.py                                   # MobileNetV2 and ResNet18, 64 px, batch 32, 1 thread
     python benchmarks/compile.py --models alexnet --threads 2 --rounds 6
+    python benchmarks/compile.py --models resnet50 --image-size 224 --batch-size 128 --device cuda --precision bf16-mixed
 
 In one process, on the same model (same initial weights), batch, thread count and in-memory data,
 four runners alternate round after round, in rotating order:
@@ -36,6 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from handloop import AUTOCAST  # noqa: E402
+
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -46,6 +49,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=5, help="measured rounds (plus one with the compiles)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--epoch-images", type=int, default=10000, help="the epoch the break-even is counted in")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: ddlx with trainer=gpu")
+    parser.add_argument("--precision", default="32-true", choices=sorted(AUTOCAST))
     return parser.parse_args()
 
 
@@ -62,12 +67,14 @@ def measure_model(name: str, args: argparse.Namespace, root: Path) -> dict:
     torch.set_num_threads(args.threads)
     images = torch.randn(args.steps * args.batch_size, 3, args.image_size, args.image_size)
     labels = torch.randint(0, 3, (len(images),))
-    loader = DataLoader(TensorDataset(images, labels), batch_size=args.batch_size, shuffle=False)
+    device, autocast = torch.device(args.device), AUTOCAST[args.precision]
+    loader = DataLoader(TensorDataset(images, labels), batch_size=args.batch_size, shuffle=False,
+                        pin_memory=device.type == "cuda")
     base = build_model(name, 3, 3, args.image_size, 0.0)
 
-    hand_eager = copy.deepcopy(base)
+    hand_eager = copy.deepcopy(base).to(device)
     hand_eager_opt = sgd(hand_eager)
-    hand_model = copy.deepcopy(base)
+    hand_model = copy.deepcopy(base).to(device)
     hand_compiled = torch.compile(hand_model)
     hand_compiled_opt = sgd(hand_model)
     extra = ("optim.lr=0.001",)
@@ -88,8 +95,8 @@ def measure_model(name: str, args: argparse.Namespace, root: Path) -> dict:
         return run
 
     runners = {
-        "hand eager": lambda: hand_written_epoch(hand_eager, loader, hand_eager_opt),
-        "hand compiled": lambda: hand_written_epoch(hand_compiled, loader, hand_compiled_opt),
+        "hand eager": lambda: hand_written_epoch(hand_eager, loader, hand_eager_opt, device, autocast),
+        "hand compiled": lambda: hand_written_epoch(hand_compiled, loader, hand_compiled_opt, device, autocast),
         "ddlx eager": ddlx_epoch(ddlx_eager, "ddlx eager"),
         "ddlx compiled": ddlx_epoch(ddlx_compiled, "ddlx compiled"),
     }
@@ -125,7 +132,7 @@ def main() -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(tmp) / "inductor")  # a cold cache for the first compile
         for name in args.models:
             rows.append((name, measure_model(name, args, Path(tmp))))
-    print(f"\n{args.image_size}x{args.image_size}, batch {args.batch_size}, {args.threads} thread(s), {args.steps} steps "
+    print(f"\n{args.device}, {args.precision}, {args.image_size}x{args.image_size}, batch {args.batch_size}, {args.threads} thread(s), {args.steps} steps "
           f"a round, {args.rounds} rounds after the compiling one; ratios: median of per-round ratios [min-max]; "
           f"break-even in epochs of {args.epoch_images} images\n")
     header = ("model", "eager ms/step", "compiled ms/step", "gain (eager/compiled)", "ddlx/hand compiled",

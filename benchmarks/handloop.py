@@ -48,5 +48,5 @@ def hand_written_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimize
 
 
 def sgd(model: nn.Module) -> torch.optim.Optimizer:
-    """Source 000 section 3.2's optimizer, as ddlx's module builds it."""
+    """The optimizer of Lerat et al. 2022, section 3.2, as ddlx's module builds it."""
     return torch.optim.SGD(model.parameters(), lr=0.001, momentum=0.9)

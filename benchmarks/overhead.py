@@ -75,11 +75,15 @@ class DdlxRunner:
     """ddlx's training path for one model: a fresh Trainer per epoch, as in a run of train.py."""
 
     def __init__(self, cfg, model: torch.nn.Module, root: Path) -> None:
+        from dataclasses import asdict
+
+        from ddlx.config_check import typed_config
         from ddlx.module import ClassifierModule
         from ddlx.run import layered_model_meta
         from ddlx.strategies import build_strategy
         from ddlx.tracking import make_logger
 
+        cfg = typed_config(cfg)  # as ddlx.run.train reads it
         self.cfg, self.root = cfg, root
         self.plan = build_strategy(cfg.strategy, cfg.trainer.accelerator, layered_model_meta(cfg), cfg.data)
         class SteadyStateModule(ClassifierModule):
@@ -91,7 +95,8 @@ class DdlxRunner:
                     self._optimizer = super().configure_optimizers()
                 return self._optimizer
 
-        self.module = SteadyStateModule(model, cfg.data.num_classes, **cfg.optim)
+        self.module = SteadyStateModule(model, cfg.data.num_classes, **asdict(cfg.optim),
+                                        channels_last=cfg.model.memory_format == "channels_last")
         self.logger = make_logger(cfg.logger.tracking_uri, cfg.logger.experiment_name, cfg.logger.run_name,
                                   {"bench": "overhead"}, cfg.logger.artifact_location)
 

@@ -23,7 +23,7 @@ def test_imagenet_variants_match_torchvision_parameter_counts(arch, num_classes)
     assert _params(ours) == _params(reference)
 
 
-# Source 004 Appendix A small-image models (CIFAR-10 counts as in the reference implementations
+# Jansen's thesis, Appendix A: small-image models (CIFAR-10 counts as in the reference implementations
 # the thesis used: 10 classes).
 @pytest.mark.parametrize(
     "arch,expected",
@@ -77,7 +77,7 @@ def test_every_cut_point_composes_to_the_whole_model(arch, size):
 
 @pytest.mark.parametrize("arch,convs_before_split", [("alexnet", 4), ("vgg16", 8)])
 def test_paper_split_points(arch, convs_before_split):
-    """Source 003, section 2.4: AlexNet splits after its 4th convolution, VGG16 after its 8th."""
+    """The Lerat et al. entry, section 2.4: AlexNet splits after its 4th convolution, VGG16 after its 8th."""
     for size in (224, 32):
         with torch.device("meta"):
             model = build_model(arch, 3, 3, size)

@@ -744,7 +744,7 @@ def test_checkpointed_pipe_trades_time_for_memory():
 
 
 def test_a_batch_stated_per_worker_grows_with_each_setups_processes():
-    """Source 004 Table 3.3 states DDP's batch per GPU and GPipe's per pipeline, each its own."""
+    """Jansen's thesis, Table 3.3, states DDP's batch per GPU and GPipe's per pipeline, each its own."""
     job = Job("resnet18", "imagenet", 1000, 3, 224, 32, 1280000)
     per_worker = Batches("worker", (("pipe", 384),))
     assert per_worker.job_of(job, "ddp_nccl", 4).batch_size == 128

@@ -8,7 +8,7 @@ from PIL import Image
 from torchvision import transforms as T
 from torchvision.transforms import functional as TF
 
-# Source 000, section 3.2 (the ImageNet statistics).
+# Lerat et al. 2022, section 3.2 (the ImageNet statistics).
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 MASK64 = 2**64 - 1

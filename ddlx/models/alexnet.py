@@ -45,5 +45,5 @@ def build_alexnet(num_classes: int, in_channels: int, small_input: bool, dropout
     feature_layers = flatten_children(features)
     layers = [*feature_layers, pool, nn.Flatten(1), *flatten_children(classifier)]
     cuts = conv_cut_points(feature_layers)
-    # Source 003, section 2.4: AlexNet is split after its 4th convolution.
+    # The Lerat et al. entry, section 2.4: AlexNet is split after its 4th convolution.
     return LayeredModel(layers, cuts, split_point="after_conv4", arch="alexnet", small_input=small_input)

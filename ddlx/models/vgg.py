@@ -11,7 +11,7 @@ CONFIGS = {
     "vgg11": [64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"],
     "vgg16": [64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M"],
 }
-# Source 003, section 2.4: VGG16 is split after its 8th convolution; VGG11 at the same
+# The Lerat et al. entry, section 2.4: VGG16 is split after its 8th convolution; VGG11 at the same
 # place in its structure (end of the 4th block's first half: after its 6th convolution).
 SPLIT_POINTS = {"vgg11": "after_conv6", "vgg16": "after_conv8"}
 

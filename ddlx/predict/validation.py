@@ -44,7 +44,7 @@ RESAMPLES = 2000
 
 @dataclass
 class Pick:
-    """Source 004 Table 8.1's cell: the recommended and the measured fastest setup of a workload,
+    """Jansen's thesis Table 8.1's cell: the recommended and the measured fastest setup of a workload,
     and how much slower the recommended one measured."""
 
     recommended: str
@@ -120,7 +120,7 @@ def pick(rows: Sequence[ValidationRow]) -> Pick:
 
 
 def pick_figures(picks: Sequence[Pick]) -> dict[str, float | None]:
-    """Source 004 Table 8.1's figures over the workloads' picks (None for each with no picks):
+    """Jansen's thesis Table 8.1's figures over the workloads' picks (None for each with no picks):
     fractions correct (strict, or with runs overlapping the fastest's), what following the picks cost against the measured fastest (the strict
     fraction alone counts a 1% tie like a 2x miss), and the resampling figures of :class:`Pick`
     (``fastest_reproduced_fraction``: what naming the measured fastest could expect against a

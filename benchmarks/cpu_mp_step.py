@@ -204,6 +204,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="every setup this many times, interleaved; the steps pooled")
     parser.add_argument("--setups", nargs="*", default=list(SETUPS), choices=list(SETUPS))
     args = parser.parse_args()
+    if args.steps <= 3:
+        parser.error(f"--steps {args.steps}: the first 3 steps of each setup are warm-up; give --steps 4 or more")
     allocator = resolve_allocator(AUTO)
     apply_allocator(allocator)  # train.py's heap, here and, through the environment, in the ranks
     print(f"cpu_allocator={allocator}, {args.rounds} round(s) of {args.steps} steps per setup\n")

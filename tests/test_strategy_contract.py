@@ -121,8 +121,7 @@ def test_candidates_are_setups_as_the_spec_builds_them(name):
     spec = STRATEGIES[name]
     for hw_name in HW_FILES:
         for setup in spec.candidates(hw_file(hw_name, DEFAULT_HW_DIR), JOB):
-            if setup.get("trainer") is None:  # sequential on a GPU is named by its trainer, not a knob
-                assert setup.knobs == spec.setup(**dict(setup.knobs)).knobs, (hw_name, setup.label)
+            assert setup.knobs == spec.setup(**dict(setup.knobs)).knobs, (hw_name, setup.label)
 
 
 def test_a_setup_is_the_same_in_whatever_order_its_knobs_come():
@@ -161,3 +160,17 @@ def test_a_run_s_label_shows_its_tags_but_quiet_defaults_and_its_set_params():
     assert setup_label(hybrid, {}) == "hybrid processes=2 local=pipe chunks=2 checkpoint=always engine=torch"
     assert setup_label({"strategy": "mpi", "ranks": "4", "nodes": "2", "local": "sequential", "backend": "gloo"}, {}) == \
         "mpi ranks=4 nodes=2 local=sequential backend=gloo"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_each_setup_knob_can_be_tried_on_every_described_machine(name):
+    """recommend.py's ``candidates.<strategy>.<knob>=[...]``: each knob it accepts builds the
+    strategy's setups at that value on every machine (a GPU's sequential, named by its trainer, too)."""
+    from ddlx.predict.setups import candidates
+
+    spec = STRATEGIES[name]
+    tried = {k: f.default for k, f in spec.setup_fields().items() if f.default not in (None, "auto")}
+    for hw_name in HW_FILES:
+        for setup in candidates(hw_file(hw_name, DEFAULT_HW_DIR), JOB, tries={name: {k: [v] for k, v in tried.items()}}):
+            if setup.strategy == name and setup.get("trainer") is None:
+                assert all(setup.get(k, v) == v for k, v in tried.items()), (hw_name, setup.label)

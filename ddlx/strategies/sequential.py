@@ -28,13 +28,16 @@ class Sequential(StrategySpec):
         torch.set_num_threads(cfg.threads)
         return StrategyPlan(trainer_kwargs={"strategy": "auto", "devices": 1}, tags={"threads": str(cfg.threads)})
 
-    def setup_of_run(self, params, tags) -> Setup:
+    def setup(self, **knobs) -> Setup:
         """On a GPU, its setup is the trainer (``trainer=gpu``), not a knob: threads do not name it."""
-        return Setup(self.name, (("trainer", "gpu"),)) if tags.get("accelerator") == "gpu" else super().setup_of_run(params, tags)
+        return Setup(self.name, (("trainer", "gpu"),)) if knobs.get("trainer") == "gpu" else super().setup(**knobs)
+
+    def setup_of_run(self, params, tags) -> Setup:
+        return self.setup(trainer="gpu") if tags.get("accelerator") == "gpu" else super().setup_of_run(params, tags)
 
     def candidates(self, hw, job) -> list[Setup]:
         if hw.device_kind != "cpu":
-            return [Setup(self.name, (("trainer", "gpu"),))]
+            return [self.setup(trainer="gpu")]
         out = [self.setup(threads=1)]
         if hw.devices_per_node > 1:
             out.append(self.setup(threads=hw.devices_per_node))

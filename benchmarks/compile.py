@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from handloop import AUTOCAST  # noqa: E402
+from handloop import AUTOCAST, hand_written_epoch, sgd  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -56,7 +56,6 @@ def parse_args() -> argparse.Namespace:
 
 def measure_model(name: str, args: argparse.Namespace, root: Path) -> dict:
     import torch
-    from handloop import hand_written_epoch, sgd
     from overhead import DdlxRunner, compose
     from torch.utils.data import DataLoader, TensorDataset
 

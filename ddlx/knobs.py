@@ -60,7 +60,7 @@ class SetupRole:
     timeout, DDP's bucket size) changes how a setup runs, not which setup it is."""
 
     unless_default: bool = False  # left out at its default (a run that never set it is the same setup)
-    when: tuple[tuple[str, Any], ...] = ()  # only while these knobs have these values (schedule: engine=torch)
+    when: tuple[tuple[str, Any], ...] = ()  # only while these (setup) knobs have these values (schedule: engine=torch)
     resolved: bool = False  # read from its run tag only, the value its plan resolved (devices=auto: which)
     absent: Any = None  # what a run logged before the knob (or its tag) existed used (None: its default)
 
@@ -75,7 +75,7 @@ def knob(default: Any = NO_DEFAULT, *, low=None, high=None, low_open=False, high
     ``label="when_set"`` its param, only where the user set one (a resolved default that differs
     per model); ``label="never"``."""
     bound = Bound(low, high, low_open, high_open, tuple(choices) if choices is not None else None)
-    quiet = setup is not None and setup.unless_default if quiet is None else quiet
+    quiet = (setup is not None and setup.unless_default) if quiet is None else quiet
     metadata = {"bound": bound, "setup": setup, "label": label, "quiet": quiet}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=metadata)

@@ -115,7 +115,7 @@ class StrategySpec:
         out = [(key, knobs[key]) for key in self.launcher_knobs if key in knobs]
         for name, f in roles.items():
             role = f.metadata["setup"]
-            if name not in knobs or any(knobs.get(k, self._default(k)) != v for k, v in role.when):
+            if name not in knobs or any(knobs.get(k, roles[k].default) != v for k, v in role.when):
                 continue
             if not (role.unless_default and knobs[name] == f.default):
                 out.append((name, knobs[name]))
@@ -156,9 +156,6 @@ class StrategySpec:
         """Its config's knobs that name a setup (those with a :class:`~ddlx.knobs.SetupRole`): what
         the recommender varies and its models read."""
         return {f.name: f for f in fields(self.config) if f.metadata.get("setup") is not None}
-
-    def _default(self, key: str):
-        return next((f.default for f in fields(self.config) if f.name == key), None)
 
     def candidates(self, hw: HardwareSpec, job: Job) -> list[Setup]:
         """The setups of it worth predicting on ``hw``, with the knobs a user would try."""

@@ -1,7 +1,8 @@
 """The per-layer GPU time model against the published one-GPU training throughputs it is fitted to.
 
-    python benchmarks/gpu_reference.py              # fitted to all, and each figure left out in turn (~5 min)
+    python benchmarks/gpu_reference.py              # fitted to all, and each figure left out in turn (~17 min on 2 cores)
     python benchmarks/gpu_reference.py --no-loo     # the fit only
+    python benchmarks/gpu_reference.py --measured   # the GPUs ddlx measured per layer (~1 min): each step predicted
 
 Prints the fitted parameters, then a row per published figure (ddlx/costmodel/reference/
 gpu_training_throughput.csv): gpu | model | precision | batch | predicted | published | error
@@ -19,12 +20,23 @@ sys.path.insert(0, str(ROOT))
 
 from ddlx.costmodel.gpu_reference import (  # noqa: E402
     DEFAULT_HW_DIR,
+    GOAL_MODELS,
     arrays_of,
+    by_cell,
     fit,
+    fitted_model,
     fitted_steps,
     leave_one_out,
     load_reference,
     predicted_images_per_s,
+)
+from ddlx.costmodel.gpu_measured import arrays_of as measured_arrays  # noqa: E402
+from ddlx.costmodel.gpu_measured import (  # noqa: E402
+    leave_one_network_out,
+    load_measured,
+    measured_fit,
+    measurement_files,
+    predicted_step_s,
 )
 from ddlx.costmodel.hardware import hw_file  # noqa: E402
 
@@ -35,25 +47,15 @@ def summary(errors: list[float]) -> str:
             f"within 15%, {sum(e > 0.30 for e in absolute)} beyond 30%, largest {100 * max(absolute):.1f}%")
 
 
-# The goal's cells: these networks on each GPU, in each precision (fp32 with or without the optimizer step).
-GOAL_MODELS = ("resnet50", "resnet18", "vgg16", "alexnet")
-
-
-def by_cell(figures: list, errors: list[float]) -> list[float]:
-    """Each cell's error (GPU as its hw file names it, network, precision; the goal's networks
-    only): the median of its published figures' errors, as sources disagree on one cell by up to
-    25% (Lambda's A100 PCIe ResNet-50 AMP at batch 720: 1117 and 1393 img/s)."""
-    cells: dict[tuple, list[float]] = {}
-    for figure, error in zip(figures, errors):
-        if figure.model in GOAL_MODELS:
-            cells.setdefault((figure.hw, figure.model, figure.precision), []).append(error)
-    return [statistics.median(e) for e in cells.values()]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-loo", action="store_true", help="skip the leave-one-out fits")
+    parser.add_argument("--measured", action="store_true",
+                        help="only the GPUs measured per layer (ddlx/costmodel/reference/gpu_layers_*.csv): their steps "
+                             "predicted from the published fit, from their own layers, and leaving each network out")
     args = parser.parse_args()
+    if args.measured:
+        return measured()
     steps = fitted_steps(DEFAULT_HW_DIR)
     params = fit(steps)
     print(f"fitted to {len(steps)} published figures: {params}\n")
@@ -90,6 +92,26 @@ def main() -> None:
             predicted = f"{predicted_images_per_s(arrays_of(figure, hw_file(figure.hw, DEFAULT_HW_DIR)), figure.batch, params):.0f}"
         print(f"| {figure.gpu} | {figure.model} | {figure.precision} | {figure.batch or '?'} | {figure.images_per_s:.0f} "
               f"| {predicted} | {figure.excluded_because} | {figure.source} |")
+
+
+def measured() -> None:
+    for path in measurement_files():
+        steps = load_measured(path)
+        described = (hw_file(p.stem, DEFAULT_HW_DIR) for p in sorted(DEFAULT_HW_DIR.glob("*.yaml")))
+        hw = next(h for h in described if h.device_name == steps[0].device)
+        pairs = [(measured_arrays(s, hw), s) for s in steps]
+        print(f"\n{path.name}: {len(steps)} steps on an {steps[0].device} (hw={hw.name})\n")
+        print("| on its steps | median error | within 15% | largest |\n| --- | --- | --- | --- |")
+        published, own = fitted_model(DEFAULT_HW_DIR).params, measured_fit(hw).params
+        for name, predicted in (("fitted to the published throughputs (other GPUs)",
+                                 [(m, predicted_step_s(a, published)) for a, m in pairs]),
+                                ("fitted to its layers", [(m, predicted_step_s(a, own)) for a, m in pairs]),
+                                ("leave one network out (fitted to the others)", leave_one_network_out(pairs))):
+            errors = [(p / m.step_s - 1, m.label) for m, p in predicted]
+            worst = max(errors, key=lambda e: abs(e[0]))
+            absolute = [abs(e) for e, _ in errors]
+            print(f"| {name} | {100 * statistics.median(absolute):.1f}% | {sum(e <= 0.15 for e in absolute)} of "
+                  f"{len(absolute)} | {100 * worst[0]:+.1f}% ({worst[1]}) |")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from conftest import CONF_DIR
 
 from ddlx.costmodel.gpu_reference import (
     DEFAULT_HW_DIR,
+    by_cell,
     fit,
     fitted_model,
     fitted_steps,
@@ -17,9 +18,10 @@ from ddlx.costmodel.gpu_reference import (
     load_reference,
     predicted_images_per_s,
 )
-from ddlx.costmodel.gpu_time import BOUNDS, step_time
+from ddlx.costmodel.gpu_time import BOUNDS, seconds, step_arrays, step_time
 from ddlx.costmodel.hardware import hw_file
 from ddlx.costmodel.kernels import kernel_profile
+from ddlx.models import build_model
 
 
 def test_a_step_s_kernels_are_traced_per_layer_and_pass():
@@ -36,6 +38,49 @@ def test_a_step_s_kernels_are_traced_per_layer_and_pass():
     assert bytes_of(mixed) < 0.6 * bytes_of(fp32)
     winograd = [p.winograd for layer in fp32.layers for p in layer.forward.products if p.kind == "convolution"]
     assert winograd and all(w == 1.0 for w in winograd), "VGG's 3x3 stride-1 convolutions"
+    channels = [p.channels_in for layer in fp32.layers for p in layer.forward.products if p.kind == "convolution"]
+    assert channels[0] == 3 and min(channels[1:]) == 64, "the image's channels, then the feature maps'"
+
+
+def test_batch_normalization_and_max_pooling_are_told_apart_from_element_wise_kernels():
+    """ResNet-18: batch normalization moves a share of the bytes of every layer that has it (the
+    stem's and each block's), max pooling only in its own layer; neither in the classifier."""
+    kernels = kernel_profile("resnet18", 10, 3, 64, False)
+    names = [type(m).__name__ for m in build_model("resnet18", 10, 3, 64)]
+    for name, layer in zip(names, kernels.layers):
+        for kernels_of_pass in (layer.forward, layer.backward):
+            assert 0 <= kernels_of_pass.normalization_bytes + kernels_of_pass.pooling_bytes <= kernels_of_pass.memory_bytes
+            assert (kernels_of_pass.normalization_bytes > 0) == (name in ("BatchNorm2d", "BasicBlock")), name
+            assert (kernels_of_pass.pooling_bytes > 0) == (name == "MaxPool2d"), name
+
+
+def test_a_small_batch_is_bound_by_the_host_issuing_kernels_a_large_one_by_the_gpu():
+    """At one sample nearly all of a step is the host issuing kernels; at a large batch the GPU's
+    work is longer and the host's time hides behind it. No pass is ever faster than its issue."""
+    params = fitted_model(DEFAULT_HW_DIR).params
+    a100 = hw_file("a100_sxm4_80gb_8x", CONF_DIR / "hw")
+    kernels = kernel_profile("resnet50", 1000, 3, 224, True)
+    share = {}
+    for batch in (1, 256):
+        step = step_arrays(kernels, batch, a100)
+        per_segment, _ = seconds(step, params)
+        host = step.kernels * params.issue_us * 1e-6
+        assert all(per_segment >= host)
+        share[batch] = per_segment[per_segment == host].sum() / per_segment.sum()
+    assert share[1] > 0.9 and share[256] < 0.1, share
+
+
+def test_a_convolution_of_the_image_s_few_channels_runs_on_the_fp32_units():
+    """cuDNN's tensor-core kernels take 8 channels a tile: the stem's 3 run on the fp32 units, at
+    their own (fitted) share of the peak, in fp32 and under autocast alike."""
+    params = fitted_model(DEFAULT_HW_DIR).params
+    h100 = hw_file("h100_1x", CONF_DIR / "hw")
+    for mixed in (False, True):
+        step = step_arrays(kernel_profile("resnet50", 1000, 3, 224, mixed), 64, h100)
+        stem = step.segment < 2  # the first layer, forward and backward
+        assert step.narrow[stem].all() and not step.narrow[~stem].any()
+        assert (step.peak[stem] == h100.peak_tflops * 1e12).all() and not step.tensor[stem].any()
+    assert params.narrow_efficiency < params.fp32_efficiency
 
 
 def test_the_units_and_the_batch_set_a_step_s_time():
@@ -65,17 +110,25 @@ def test_the_model_fitted_to_the_published_figures_predicts_them():
     steps = fitted_steps(DEFAULT_HW_DIR)
     params = fitted_model(DEFAULT_HW_DIR).params
     assert all(low <= value <= high for value, (low, high) in zip(params.as_tuple(), BOUNDS))
-    errors = [abs(predicted_images_per_s(step, f.batch, params) / f.images_per_s - 1) for step, f in steps]
-    assert statistics.median(errors) < 0.10 and max(errors) < 0.40
-    assert sum(e <= 0.15 for e in errors) >= 0.7 * len(errors)
+    signed = [predicted_images_per_s(step, f.batch, params) / f.images_per_s - 1 for step, f in steps]
+    errors = [abs(e) for e in signed]
+    assert statistics.median(errors) < 0.10 and max(errors) < 0.30
+    assert sum(e <= 0.15 for e in errors) >= 0.8 * len(errors)
+    cells = [abs(e) for e in by_cell([f for _, f in steps], signed)]  # the goal: 80% of cells within 15%, none beyond 30%
+    assert len(cells) >= 20 and sum(e <= 0.15 for e in cells) >= 0.8 * len(cells) and max(cells) <= 0.30
 
 
 @pytest.mark.slow
 def test_each_published_figure_is_predicted_from_the_others():
-    """Leave-one-out: the model fitted without a figure predicts it (~5 min: one fit per figure)."""
-    errors = [abs(predicted / f.images_per_s - 1) for f, predicted in leave_one_out(fitted_steps(DEFAULT_HW_DIR))]
-    assert statistics.median(errors) < 0.10 and max(errors) < 0.40
-    assert sum(e <= 0.15 for e in errors) >= 0.7 * len(errors)
+    """Leave-one-out: the model fitted without a figure predicts it (~17 min on 2 cores: one fit
+    per figure); the issue's goal holds for the cells left out too."""
+    held = leave_one_out(fitted_steps(DEFAULT_HW_DIR))
+    signed = [predicted / f.images_per_s - 1 for f, predicted in held]
+    errors = [abs(e) for e in signed]
+    assert statistics.median(errors) < 0.10 and max(errors) < 0.30
+    assert sum(e <= 0.15 for e in errors) >= 0.8 * len(errors)
+    cells = [abs(e) for e in by_cell([f for f, _ in held], signed)]
+    assert sum(e <= 0.15 for e in cells) >= 0.8 * len(cells) and max(cells) <= 0.30
 
 
 def test_a_fit_recovers_the_parameters_it_was_made_from():

@@ -14,6 +14,7 @@ import hashlib
 import json
 import math
 import os
+import statistics
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -26,6 +27,8 @@ from .kernels import kernel_profile
 from .numerics import numerics_of
 from .profile import _cache_path
 
+# The goal's cells (issue 41): these networks on each GPU, in each precision.
+GOAL_MODELS = ("resnet50", "resnet18", "vgg16", "alexnet")
 REFERENCE = Path(__file__).resolve().parent / "reference" / "gpu_training_throughput.csv"
 DEFAULT_HW_DIR = Path(__file__).resolve().parents[2] / "conf" / "hw"  # the project's descriptions of the GPUs it cites
 NUM_CLASSES = 1000  # ImageNet's: every published figure is of it
@@ -48,6 +51,17 @@ class Figure:
     @property
     def label(self) -> str:
         return f"{self.gpu} {self.model} {self.precision} b{self.batch}"
+
+
+def by_cell(figures: list[Figure], errors: list[float]) -> list[float]:
+    """Each cell's error (GPU as its hw file names it, network, precision; the goal's networks
+    only): the median of its published figures' errors, as sources disagree on one cell by up to
+    25% (Lambda's A100 PCIe ResNet-50 AMP at batch 720: 1117 and 1393 img/s)."""
+    cells: dict[tuple, list[float]] = {}
+    for figure, error in zip(figures, errors):
+        if figure.model in GOAL_MODELS:
+            cells.setdefault((figure.hw, figure.model, figure.precision), []).append(error)
+    return [statistics.median(e) for e in cells.values()]
 
 
 def load_reference(path: Path = REFERENCE) -> list[Figure]:

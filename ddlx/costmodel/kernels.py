@@ -1,7 +1,9 @@
 """The kernels one training step of a model runs, per top-level layer and pass, traced on fake
 tensors (shapes and dtypes, no memory, no compute): each matrix product (a convolution, a
-fully connected layer) with its FLOPs and the bytes it reads and writes, the other operations as
-the bytes they move, and how many kernels there are. In fp32 and under autocast (2-byte
+fully connected layer) with its FLOPs, the bytes it reads and writes and a convolution's input
+channels, the other operations as the bytes they move (batch normalization's and max pooling's
+told apart: they reach less of the bandwidth than element-wise kernels), and how many kernels
+there are. In fp32 and under autocast (2-byte
 products), per sample and per step (what does not grow with the batch: the weights). The GPU
 time model (:mod:`.gpu_time`) reads only this.
 
@@ -25,6 +27,9 @@ from .profile import _cache_path
 
 BATCHES = (2, 4)  # per sample is their difference; the rest is per step
 CONVOLUTIONS = (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default)
+NORMALIZATION = {torch.ops.aten.native_batch_norm, torch.ops.aten._native_batch_norm_legit,
+                 torch.ops.aten._native_batch_norm_legit_functional, torch.ops.aten.native_batch_norm_backward}
+POOLING = {torch.ops.aten.max_pool2d_with_indices, torch.ops.aten.max_pool2d_with_indices_backward}
 PRODUCTS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.convolution,
             torch.ops.aten.convolution_backward}
 
@@ -40,6 +45,7 @@ class Product:
     winograd: float  # the share of its operations cuDNN may run as Winograd (a dense 3x3 stride-1 convolution's
     #                  forward and input gradient; not its weight gradient)
     dense: bool  # not grouped (depthwise convolutions are bound by memory, not by the product units)
+    channels_in: int  # a convolution's input channels per group (an image's 3 are too few for the product units' tiles)
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,8 @@ class PassKernels:
     memory_bytes: float  # per sample: what the other kernels read and write
     memory_fixed_bytes: float  # per step
     kernels: int  # launches, products included
+    normalization_bytes: float  # per sample: the share of memory_bytes batch normalization moves
+    pooling_bytes: float  # per sample: the share max pooling moves (its backward scatters through indices)
 
 
 @dataclass(frozen=True)
@@ -86,7 +94,8 @@ def kernel_profile(arch: str, num_classes: int, in_channels: int, image_size: in
 
 def _from_json(kept: dict) -> KernelProfile:
     def passes(p: dict) -> PassKernels:
-        return PassKernels(tuple(Product(**q) for q in p["products"]), p["memory_bytes"], p["memory_fixed_bytes"], p["kernels"])
+        return PassKernels(tuple(Product(**q) for q in p["products"]), p["memory_bytes"], p["memory_fixed_bytes"], p["kernels"],
+                           p["normalization_bytes"], p["pooling_bytes"])
 
     return KernelProfile(kept["arch"], kept["image_size"], kept["mixed"], kept["params"],
                          tuple(LayerKernels(passes(layer["forward"]), passes(layer["backward"])) for layer in kept["layers"]))
@@ -100,6 +109,8 @@ class _Op:
     weight_bytes: float
     winograd: float
     dense: bool
+    memory_kind: str = ""  # of a kernel that is no product: normalization | pooling | "" (element-wise and the rest)
+    channels_in: int = 0
 
 
 class _Recorder(TorchDispatchMode):
@@ -125,9 +136,13 @@ class _Recorder(TorchDispatchMode):
             flops = _flops(func, args, kwargs, out)
             winograd, dense = _convolution_shape(func, args)
             kind = "convolution" if func in CONVOLUTIONS else "matmul"
-            self.ops.append(_Op(kind, float(flops), moved - weight, weight, winograd, dense))
+            channels = 0
+            if kind == "convolution":  # the weight's second dimension: input channels per group
+                channels = int((args[2] if func is torch.ops.aten.convolution_backward.default else args[1]).shape[1])
+            self.ops.append(_Op(kind, float(flops), moved - weight, weight, winograd, dense, channels_in=channels))
         else:
-            self.ops.append(_Op("", 0.0, moved - weight, weight, 0.0, True))
+            kind = "normalization" if packet in NORMALIZATION else "pooling" if packet in POOLING else ""
+            self.ops.append(_Op("", 0.0, moved - weight, weight, 0.0, True, kind))
         return out
 
 
@@ -198,10 +213,14 @@ def _scaled(ops_a: list[_Op], ops_b: list[_Op], a: int, b: int) -> PassKernels:
         return p.weight_bytes + max(0.0, p.bytes - a * per_sample(p.bytes, q.bytes))
 
     products = tuple(Product(p.product, per_sample(p.flops, q.flops), per_sample(p.bytes, q.bytes), fixed(p, q), p.winograd,
-                             p.dense) for p, q in zip(ops_a, ops_b) if p.product)
+                             p.dense, p.channels_in) for p, q in zip(ops_a, ops_b) if p.product)
     memory = [(p, q) for p, q in zip(ops_a, ops_b) if not p.product]
+
+    def of_kind(kind: str) -> float:
+        return sum(per_sample(p.bytes, q.bytes) for p, q in memory if p.memory_kind == kind)
+
     return PassKernels(products, sum(per_sample(p.bytes, q.bytes) for p, q in memory), sum(fixed(p, q) for p, q in memory),
-                       len(ops_a))
+                       len(ops_a), of_kind("normalization"), of_kind("pooling"))
 
 
 def _trace_at(arch: str, num_classes: int, in_channels: int, image_size: int, mixed: bool, batch: int):

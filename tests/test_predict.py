@@ -1243,3 +1243,24 @@ def test_compiling_is_recommended_only_where_it_pays_for_the_epochs_asked():
     assert not rec.compile_pays and "not faster" in compile_lines(rec, best, [])[0]
     rec.compile_gain = None
     assert "no compiled run of resnet18" in compile_lines(rec, best, [])[0]
+
+
+def test_a_gpu_pipeline_of_more_than_two_stages_is_predicted_on_the_cut_balance_auto_finds():
+    """A pipe run of more than two stages balances by profiled layer time (``balance=auto``); its
+    prediction cuts the layers' predicted times the same way (the contiguous split whose slowest
+    stage is fastest), so ResNet-18's slow stem gets a stage of fewer layers than even FLOPs give it.
+    Without per-layer times (CPU) the FLOPs cut stands in; two stages keep the split point."""
+    from ddlx.parallel.balance import contiguous_balance
+    from ddlx.predict.sequential_time import from_gpu_model
+    from ddlx.strategies.parts.pipelines import default_balance
+
+    hw = hardware(load_hw_file(CONF_DIR / "hw" / "titanrtx_4x.yaml"))
+    job = Job("resnet18", "imagenet", 1000, 3, 224, 32, 1000)
+    profile, seq = profile_model("resnet18", 1000, 3, 224), from_gpu_model(job, hw)
+    times = [f + b for f, b in seq.layers_s(32)]
+    cut = default_balance(profile, 4, seq, 32)
+    assert cut == contiguous_balance(times, 4) and cut != profile.even_balance(4)
+    slowest = lambda balance: max(seq.stage_s(balance, 32))  # noqa: E731
+    assert slowest(cut) < slowest(profile.even_balance(4))
+    assert default_balance(profile, 4, SequentialTime(0.01, 0.001, "cpu"), 32) == profile.even_balance(4)
+    assert default_balance(profile, 2, seq, 32) == [profile.split_index, len(profile.layers) - profile.split_index]

@@ -36,8 +36,8 @@ class PipeConfig:
     timeout_s: float = knob(TIMEOUT_S, low=0, low_open=True)  # engine=torch
 
 
-def pipe_balance(setup: Setup, profile) -> list[int]:
-    return default_balance(profile, len(setup.get("devices")))
+def pipe_balance(setup: Setup, profile, seq=None, micro: int = 1) -> list[int]:
+    return default_balance(profile, len(setup.get("devices")), seq, micro)
 
 
 class Pipe(StrategySpec):
@@ -132,12 +132,13 @@ class Pipe(StrategySpec):
         weights = weight_traffic_s(seq, hw, traffic, w) if hw.device_kind == "cpu" else seq.weight_s * traffic / w
         recomputed = recomputed_share(setup.get("checkpoint", "never"), m)
         again = 1 + recomputed * FORWARD_SHARE  # their forward again in backward
-        stages = seq.stage_s(pipe_balance(setup, profile), micro)
+        balance = pipe_balance(setup, profile, seq, micro)
+        stages = seq.stage_s(balance, micro)
         if stages is not None:  # each stage as slow as its layers: the slowest paces the pipeline (W + #mb - 1 steps)
             compute = pipeline_schedule_s([t * again for t in stages], m, w - 1) + weights
         else:
             compute = gpipe_compute_s(m * micro * seq.per_sample_at(micro) * again, w, m) + weights
-        boundaries = [x / 1e6 for x in profile.boundary_bytes(pipe_balance(setup, profile))]
+        boundaries = [x / 1e6 for x in profile.boundary_bytes(balance)]
         if all(d == "cpu" for d in devices):  # CPU stages: one memory, no link to cross
             links = [Link(hw.intra_node.latency_us * 1e-6, hw.memory_bandwidth_gb_s * 1e3)] * (w - 1)
         else:

@@ -23,6 +23,7 @@ from ...costmodel.costs import (
     recomputes,
     weight_traffic_s,
 )
+from ...parallel.balance import contiguous_balance
 from ...parallel.schedules import SCHEDULES, bubble_steps, in_flight, micro_batches, stage_owners, stages_of
 from ...costmodel.perf_models import Link, gpipe_comm_s, pipeline_schedule_s, ring_allreduce_s
 from ...knobs import SetupRole, knob_value
@@ -127,10 +128,18 @@ def checked_balance(balance, model, stages: int, per: str) -> list[int] | str:
     return balance
 
 
-def default_balance(profile, stages: int) -> list[int]:
+def default_balance(profile, stages: int, seq=None, micro: int = 1) -> list[int]:
     """The cut a pipeline runs by default, as the models see it: the split point for two stages,
-    else even FLOPs (standing in for profiled time)."""
-    return [profile.split_index, len(profile.layers) - profile.split_index] if stages == 2 else profile.even_balance(stages)
+    else the cut ``balance=auto`` finds on the device (:func:`~ddlx.parallel.balance.contiguous_balance`
+    of each layer's forward and backward time), here of the layers' predicted times at ``micro``
+    samples where ``seq`` knows them per layer, else of their FLOPs. The memory models, which have
+    no times, see the FLOPs cut."""
+    if stages == 2:
+        return [profile.split_index, len(profile.layers) - profile.split_index]
+    layers = seq.layers_s_at(micro, profile) if seq is not None else None
+    if layers and stages <= len(layers):
+        return contiguous_balance([f + b for f, b in layers], stages)
+    return profile.even_balance(stages)
 
 
 def chunk_counts(job) -> list[int]:
@@ -143,9 +152,8 @@ def torch_batch_s(setup, hw, profile, seq, b: int) -> tuple[float, float]:
     stage's weights again; activations cross between ranks (loopback between CPU processes,
     the GPUs' link), in lockstep as in Eq. 6.2."""
     devices, m, name = setup.get("devices"), setup.get("chunks"), setup.get("schedule", "gpipe")
-    w = len(devices)
-    balance = default_balance(profile, w * SCHEDULES[name].stages_per_rank)
-    micro = max(1, b // m)
+    w, micro = len(devices), max(1, b // m)
+    balance = default_balance(profile, w * SCHEDULES[name].stages_per_rank, seq, micro)
     again = recompute_factor(setup, SCHEDULES[name].backward_passes)
     stages = seq.stage_s(balance, micro)
     if stages is None:  # shares of the FLOPs stand in for the stages' times
@@ -209,7 +217,7 @@ def pipelines_cost(setup, replicas: int, per_node: int, job, hw, profile, seq):
         share = max(1.0, 2 * per_node / hw.devices_per_node)
         compute, total = compute * share, total * share
     name = pipe.get("schedule")
-    parts = profile.partitions(default_balance(profile, 2 * SCHEDULES[name].stages_per_rank))
+    parts = profile.partitions(default_balance(profile, 2 * SCHEDULES[name].stages_per_rank, seq, max(1, b // pipe.get("chunks"))))
     gradients = [sum(layer.params for i in stages_of(name, r, 2) for layer in parts[i]) / profile.params * profile.gradient_mb
                  for r in range(2)]
     fixed = hw.allreduce_fixed_us * 1e-6

@@ -19,12 +19,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from ddlx.costmodel.gpu_reference import (  # noqa: E402
-    DEFAULT_HW_DIR,
     GOAL_MODELS,
     arrays_of,
     by_cell,
     fit,
-    fitted_model,
     fitted_steps,
     leave_one_out,
     load_reference,
@@ -38,7 +36,7 @@ from ddlx.costmodel.gpu_measured import (  # noqa: E402
     measurement_files,
     predicted_step_s,
 )
-from ddlx.costmodel.hardware import hw_file  # noqa: E402
+from ddlx.predict.hw_files import DEFAULT_HW_DIR, cited_hardware, hw_file, published_fit  # noqa: E402
 
 
 def summary(errors: list[float]) -> str:
@@ -56,7 +54,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.measured:
         return measured()
-    steps = fitted_steps(DEFAULT_HW_DIR)
+    steps = fitted_steps(cited_hardware())
     params = fit(steps)
     print(f"fitted to {len(steps)} published figures: {params}\n")
     loo = dict((id(f), p) for f, p in leave_one_out(steps)) if not args.no_loo else {}
@@ -102,7 +100,7 @@ def measured() -> None:
         pairs = [(measured_arrays(s, hw), s) for s in steps]
         print(f"\n{path.name}: {len(steps)} steps on an {steps[0].device} (hw={hw.name})\n")
         print("| on its steps | median error | within 15% | largest |\n| --- | --- | --- | --- |")
-        published, own = fitted_model(DEFAULT_HW_DIR).params, measured_fit(hw).params
+        published, own = published_fit().params, measured_fit(hw).params
         for name, predicted in (("fitted to the published throughputs (other GPUs)",
                                  [(m, predicted_step_s(a, published)) for a, m in pairs]),
                                 ("fitted to its layers", [(m, predicted_step_s(a, own)) for a, m in pairs]),

@@ -22,8 +22,8 @@ from ddlx.costmodel.gpu_measured import (
     predicted_step_s,
     working_memory_residuals,
 )
-from ddlx.costmodel.gpu_reference import DEFAULT_HW_DIR
-from ddlx.costmodel.hardware import GB, hw_file
+from ddlx.costmodel.hardware import GB
+from ddlx.predict.hw_files import DEFAULT_HW_DIR, hw_file
 
 ROOT = Path(__file__).resolve().parents[1]
 H200 = "NVIDIA H200"

@@ -9,17 +9,15 @@ import pytest
 from conftest import CONF_DIR
 
 from ddlx.costmodel.gpu_reference import (
-    DEFAULT_HW_DIR,
     by_cell,
     fit,
-    fitted_model,
     fitted_steps,
     leave_one_out,
     load_reference,
     predicted_images_per_s,
 )
 from ddlx.costmodel.gpu_time import BOUNDS, seconds, step_arrays, step_time
-from ddlx.costmodel.hardware import hw_file
+from ddlx.predict.hw_files import cited_hardware, hw_file, published_fit
 from ddlx.costmodel.kernels import kernel_profile
 from ddlx.models import build_model
 
@@ -57,7 +55,7 @@ def test_batch_normalization_and_max_pooling_are_told_apart_from_element_wise_ke
 def test_a_small_batch_is_bound_by_the_host_issuing_kernels_a_large_one_by_the_gpu():
     """At one sample nearly all of a step is the host issuing kernels; at a large batch the GPU's
     work is longer and the host's time hides behind it. No pass is ever faster than its issue."""
-    params = fitted_model(DEFAULT_HW_DIR).params
+    params = published_fit().params
     a100 = hw_file("a100_sxm4_80gb_8x", CONF_DIR / "hw")
     kernels = kernel_profile("resnet50", 1000, 3, 224, True)
     share = {}
@@ -73,7 +71,7 @@ def test_a_small_batch_is_bound_by_the_host_issuing_kernels_a_large_one_by_the_g
 def test_a_convolution_of_the_image_s_few_channels_runs_on_the_fp32_units():
     """cuDNN's tensor-core kernels take 8 channels a tile: the stem's 3 run on the fp32 units, at
     their own (fitted) share of the peak, in fp32 and under autocast alike."""
-    params = fitted_model(DEFAULT_HW_DIR).params
+    params = published_fit().params
     h100 = hw_file("h100_1x", CONF_DIR / "hw")
     for mixed in (False, True):
         step = step_arrays(kernel_profile("resnet50", 1000, 3, 224, mixed), 64, h100)
@@ -86,7 +84,7 @@ def test_a_convolution_of_the_image_s_few_channels_runs_on_the_fp32_units():
 def test_the_units_and_the_batch_set_a_step_s_time():
     """Small batches leave the units idle (images/s rises with the batch, then levels off); the
     same step is faster on a GPU with more of what bounds it."""
-    model = fitted_model(DEFAULT_HW_DIR)
+    model = published_fit()
     v100 = hw_file("v100_8x", CONF_DIR / "hw")
     kernels = kernel_profile("resnet50", 1000, 3, 224, True)
     rate = [b / step_time(kernels, b, v100, model.params).total_s for b in (1, 8, 64, 256)]
@@ -107,8 +105,8 @@ def test_every_published_figure_names_its_source_and_every_left_out_one_why():
 def test_the_model_fitted_to_the_published_figures_predicts_them():
     """Fitted to every cited figure (in-sample): the median error and the worst stated in
     docs/validation.md; each parameter within what the hardware allows."""
-    steps = fitted_steps(DEFAULT_HW_DIR)
-    params = fitted_model(DEFAULT_HW_DIR).params
+    steps = fitted_steps(cited_hardware())
+    params = published_fit().params
     assert all(low <= value <= high for value, (low, high) in zip(params.as_tuple(), BOUNDS))
     signed = [predicted_images_per_s(step, f.batch, params) / f.images_per_s - 1 for step, f in steps]
     errors = [abs(e) for e in signed]
@@ -122,7 +120,7 @@ def test_the_model_fitted_to_the_published_figures_predicts_them():
 def test_each_published_figure_is_predicted_from_the_others():
     """Leave-one-out: the model fitted without a figure predicts it (~17 min on 2 cores: one fit
     per figure); the issue's goal holds for the cells left out too."""
-    held = leave_one_out(fitted_steps(DEFAULT_HW_DIR))
+    held = leave_one_out(fitted_steps(cited_hardware()))
     signed = [predicted / f.images_per_s - 1 for f, predicted in held]
     errors = [abs(e) for e in signed]
     assert statistics.median(errors) < 0.10 and max(errors) < 0.30
@@ -133,8 +131,8 @@ def test_each_published_figure_is_predicted_from_the_others():
 
 def test_a_fit_recovers_the_parameters_it_was_made_from():
     """Figures made by the model itself at known parameters are fitted back to the same images/s."""
-    steps = fitted_steps(DEFAULT_HW_DIR)[:12]
-    truth = fitted_model(DEFAULT_HW_DIR).params
+    steps = fitted_steps(cited_hardware())[:12]
+    truth = published_fit().params
     made = [(step, replace(f, images_per_s=predicted_images_per_s(step, f.batch, truth))) for step, f in steps]
     again = fit(made)
     for step, figure in made:

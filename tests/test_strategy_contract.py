@@ -15,8 +15,7 @@ from omegaconf import OmegaConf
 from ddlx.entry import register_config
 from ddlx.errors import ConfigError
 from ddlx.job import Job
-from ddlx.costmodel.gpu_reference import DEFAULT_HW_DIR
-from ddlx.costmodel.hardware import hw_file
+from ddlx.predict.hw_files import DEFAULT_HW_DIR, hw_file
 from ddlx.predict.prediction import Predictor
 from ddlx.run import layered_model_meta
 from ddlx.strategies import STRATEGIES, Setup, build_strategy

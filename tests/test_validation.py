@@ -10,7 +10,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from ddlx.costmodel.hardware import from_dict
+from ddlx.predict.hw_files import from_dict
 from ddlx.predict.prediction import Predictor
 from ddlx.predict.validation import pick_figures, validate
 from ddlx.records import measured_run

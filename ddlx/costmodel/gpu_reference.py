@@ -5,7 +5,8 @@ repository, a file and its commit, where in it); those marked ``fit=yes`` (PyTor
 precision as AMP, the batch stated, NCHW as ddlx trains, a GPU with a description in
 ``conf/hw``) are what the parameters of :class:`~.gpu_time.GpuParams` are fitted to, by least
 squares on the logarithm of predicted over published images/s; the others say why they are left
-out. :func:`leave_one_out` predicts each fitted figure from the others.
+out. :func:`leave_one_out` predicts each fitted figure from the others. The GPUs' descriptions
+come typed from the caller (``ddlx.predict.hw_files.cited_hardware`` reads ``conf/hw``).
 """
 from __future__ import annotations
 
@@ -15,14 +16,14 @@ import json
 import math
 import os
 import statistics
-from dataclasses import dataclass
-from functools import lru_cache
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
 from .gpu_time import BOUNDS, GpuParams, StepArrays, seconds, step_arrays
-from .hardware import HardwareSpec, hw_file
+from .hardware import HardwareSpec
 from .kernels import kernel_profile
 from .numerics import numerics_of
 from .profile import _cache_path
@@ -30,7 +31,6 @@ from .profile import _cache_path
 # The goal's cells (issue 41): these networks on each GPU, in each precision.
 GOAL_MODELS = ("resnet50", "resnet18", "vgg16", "alexnet")
 REFERENCE = Path(__file__).resolve().parent / "reference" / "gpu_training_throughput.csv"
-DEFAULT_HW_DIR = Path(__file__).resolve().parents[2] / "conf" / "hw"  # the project's descriptions of the GPUs it cites
 NUM_CLASSES = 1000  # ImageNet's: every published figure is of it
 
 
@@ -142,10 +142,15 @@ def _nelder_mead(f, x0: np.ndarray, step: float = 1.0, iterations: int = 1500, t
     return points[int(np.argmin(values))]
 
 
-def fitted_steps(hw_dir: Path, figures: list[Figure] | None = None) -> list[tuple[StepArrays, Figure]]:
+def fitted_steps(hws: Mapping[str, HardwareSpec], figures: list[Figure] | None = None) -> list[tuple[StepArrays, Figure]]:
+    """Each fitted figure's step on its GPU (``hws``: the descriptions by the names the figures cite)."""
     figures = [f for f in (figures if figures is not None else load_reference()) if f.fit]
-    hws = {name: hw_file(name, hw_dir) for name in {f.hw for f in figures}}
     return [(arrays_of(f, hws[f.hw]), f) for f in figures]
+
+
+def cited_names(figures: list[Figure] | None = None) -> set[str]:
+    """The ``conf/hw`` names of the GPUs the fitted figures ran on."""
+    return {f.hw for f in (figures if figures is not None else load_reference()) if f.fit}
 
 
 @dataclass(frozen=True)
@@ -158,15 +163,15 @@ class FittedModel:
         return f"per-layer GPU model fitted to {self.figures} published one-GPU training throughputs"
 
 
-@lru_cache(maxsize=4)
-def fitted_model(hw_dir: Path) -> FittedModel:
+def fitted_model(hws: Mapping[str, HardwareSpec]) -> FittedModel:
     """The parameters fitted to the reference table, kept on disk beside the model profiles (the
-    fit takes seconds) and keyed by the table, the hw files it reads and this code."""
+    fit takes seconds) and keyed by the table, the descriptions it reads and this code."""
     def compute() -> dict:
-        steps = fitted_steps(hw_dir)
+        steps = fitted_steps(hws)
         return {"params": fit(steps).as_tuple(), "figures": len(steps)}
 
-    kept = kept_fit("gpu-model", [REFERENCE, *sorted(hw_dir.glob("*.yaml"))], compute)
+    described = json.dumps({name: asdict(hw) for name, hw in sorted(hws.items())}, sort_keys=True, default=str)
+    kept = kept_fit("gpu-model", [REFERENCE], compute, also=described)
     return FittedModel(GpuParams.of(kept["params"]), kept["figures"])
 
 

@@ -2,7 +2,8 @@
 
 A typed structured config: ``recommend.py`` registers :class:`HardwareSpec` as the schema of
 the ``hw`` group, so an unknown key, a wrong type or a missing field is a Hydra error naming
-it; :func:`validate` then checks the values. For CPU machines a *device* is a core: CPU
+it (a file read outside Hydra is typed on the same schema by :mod:`ddlx.predict.hw_files`);
+:func:`validate` then checks the values. For CPU machines a *device* is a core: CPU
 strategies place processes and threads on cores.
 """
 from __future__ import annotations
@@ -94,29 +95,6 @@ class HardwareSpec:
 
     def ring_links(self, devices: list[int]) -> list[LinkSpec]:
         return [self.link(devices[i], devices[(i + 1) % len(devices)]) for i in range(len(devices))]
-
-
-def load_hw_file(path: Path):
-    """A ``conf/hw`` file outside Hydra's composition, on the same typed schema (a DictConfig)."""
-    from omegaconf import OmegaConf
-
-    described = OmegaConf.load(path)
-    described.pop("defaults", None)
-    return OmegaConf.merge(OmegaConf.structured(HardwareSpec), described)
-
-
-def hw_file(name: str, hw_dir: Path) -> HardwareSpec:
-    """``conf/hw/<name>.yaml`` (in ``hw_dir``), typed and checked."""
-    from omegaconf import OmegaConf
-
-    return validate(OmegaConf.to_object(load_hw_file(hw_dir / f"{name}.yaml")))
-
-
-def from_dict(fields: dict) -> HardwareSpec:
-    """A description written out as plain data (``dataclasses.asdict``), typed and checked again."""
-    from omegaconf import OmegaConf
-
-    return validate(OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(HardwareSpec), fields)))
 
 
 def validate(spec: HardwareSpec) -> HardwareSpec:

@@ -20,7 +20,7 @@ from ..models import check_request
 from ..records import left_out
 from ..strategies import BASELINE
 from ..tracking import check_tracking_uri, load_runs, log_result_run, store_exists
-from ..costmodel.hardware import GB, HardwareSpec, detect_local, load_hw_file, machine_identity, validate
+from ..costmodel.hardware import GB, HardwareSpec, detect_local, machine_identity, validate
 from .kept_probes import forget, kept
 from .machines import compare
 from .prediction import Predictor, Recommendation, data_config_of_job
@@ -36,6 +36,7 @@ from .render import (
 from ..costmodel.numerics import numerics_of, numerics_on
 from .sequential_time import ProbedBatch, probe_batches, probe_loading
 from .validation import group_errors, pick_figures
+from .hw_files import load_hw_file
 from .validation import validate as leave_one_out
 
 MODES = ("recommend", "validate", "probe")

@@ -130,14 +130,14 @@ def from_gpu_model(job: Job, hw: HardwareSpec, hw_dir=None) -> SequentialTime | 
     format other than fp32 and the 2-byte ones): its optimizer step is the weight traffic, the
     rest is shared out per sample."""
     from ..costmodel.gpu_measured import measured_fit
-    from ..costmodel.gpu_reference import DEFAULT_HW_DIR, fitted_model
+    from .hw_files import DEFAULT_HW_DIR, published_fit
     from ..costmodel.gpu_time import step_time
     from ..costmodel.kernels import kernel_profile
 
     numerics = numerics_of(job.precision)
     if hw.device_kind != "gpu" or numerics.activation_bytes not in (2, 4) or numerics.compute == "fp64":
         return None
-    model = measured_fit(hw) or fitted_model(hw_dir or DEFAULT_HW_DIR)  # the GPU's own layers, where measured
+    model = measured_fit(hw) or published_fit(hw_dir or DEFAULT_HW_DIR)  # the GPU's own layers, where measured
     kernels = kernel_profile(job.model, job.num_classes, job.channels, job.image_size, numerics.activation_bytes == 2)
 
     @functools.lru_cache(maxsize=64)

@@ -43,7 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ddlx.allocator import AUTO, apply_allocator, resolve_allocator  # noqa: E402
 from ddlx.models import build_model  # noqa: E402
-from ddlx.parallel.balance import contiguous_balance, layer_times  # noqa: E402
+from ddlx.parallel.balance import layer_times  # noqa: E402
+from ddlx.parallel.cuts import contiguous_balance  # noqa: E402
 
 
 def main() -> None:

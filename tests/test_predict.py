@@ -1250,7 +1250,7 @@ def test_a_gpu_pipeline_of_more_than_two_stages_is_predicted_on_the_cut_balance_
     prediction cuts the layers' predicted times the same way (the contiguous split whose slowest
     stage is fastest), so ResNet-18's slow stem gets a stage of fewer layers than even FLOPs give it.
     Without per-layer times (CPU) the FLOPs cut stands in; two stages keep the split point."""
-    from ddlx.parallel.balance import contiguous_balance
+    from ddlx.parallel.cuts import contiguous_balance
     from ddlx.predict.sequential_time import from_gpu_model
     from ddlx.strategies.parts.pipelines import default_balance
 

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ..models.layered import out_of_place
+from .cuts import contiguous_balance
 from .deferred_weight_grads import DeferredWeightGrads
 
 log = logging.getLogger(__name__)
@@ -63,32 +64,6 @@ def _synchronize(device: torch.device) -> None:
     """Wait for the GPU's queued work, so a timer around it times the work, not its launch."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def contiguous_balance(costs: list[float], partitions: int) -> list[int]:
-    """Layer counts of ``partitions`` contiguous, non-empty stages minimising the largest stage cost."""
-    n = len(costs)
-    if not 1 <= partitions <= n:
-        raise ValueError(f"cannot cut {n} layers into {partitions} non-empty stages")
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    inf = float("inf")
-    # best[k][i]: the smallest largest-stage cost of the first i layers in k stages; cut[k][i]: where the last starts.
-    best = [[inf] * (n + 1) for _ in range(partitions + 1)]
-    cut = [[0] * (n + 1) for _ in range(partitions + 1)]
-    best[0][0] = 0.0
-    for k in range(1, partitions + 1):
-        for i in range(k, n + 1):
-            for j in range(k - 1, i):
-                value = max(best[k - 1][j], prefix[i] - prefix[j])
-                if value < best[k][i]:
-                    best[k][i], cut[k][i] = value, j
-    sizes, i = [], n
-    for k in range(partitions, 0, -1):
-        sizes.append(i - cut[k][i])
-        i = cut[k][i]
-    return sizes[::-1]
 
 
 def balance_by_time(model: nn.Sequential, partitions: int, sample: torch.Tensor, deferred_of: int = 0) -> list[int]:

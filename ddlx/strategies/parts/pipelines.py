@@ -23,7 +23,7 @@ from ...costmodel.costs import (
     recomputes,
     weight_traffic_s,
 )
-from ...parallel.balance import contiguous_balance
+from ...parallel.cuts import contiguous_balance
 from ...parallel.schedules import SCHEDULES, bubble_steps, in_flight, micro_batches, stage_owners, stages_of
 from ...costmodel.perf_models import Link, gpipe_comm_s, pipeline_schedule_s, ring_allreduce_s
 from ...knobs import SetupRole, knob_value
@@ -130,7 +130,7 @@ def checked_balance(balance, model, stages: int, per: str) -> list[int] | str:
 
 def default_balance(profile, stages: int, seq=None, micro: int = 1) -> list[int]:
     """The cut a pipeline runs by default, as the models see it: the split point for two stages,
-    else the cut ``balance=auto`` finds on the device (:func:`~ddlx.parallel.balance.contiguous_balance`
+    else the cut ``balance=auto`` finds on the device (:func:`~ddlx.parallel.cuts.contiguous_balance`
     of each layer's forward and backward time), here of the layers' predicted times at ``micro``
     samples where ``seq`` knows them per layer, else of their FLOPs. The memory models, which have
     no times, see the FLOPs cut."""

@@ -322,7 +322,7 @@ def check_job(cfg: DictConfig, multirun: bool) -> None:
     problem = preflight.run_folder_problem(folder, key) if folder else None
     if problem:
         raise ConfigError(problem)
-    preflight.check_job(check_config(cfg))
+    preflight.check_job(typed_config(cfg))
 
 
 def check_recommend_job(cfg: DictConfig, multirun: bool, hw_dir: Path) -> None:

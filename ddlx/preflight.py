@@ -12,21 +12,20 @@ import sys
 import tempfile
 from pathlib import Path
 
-from omegaconf import DictConfig
-
+from .config import TrainConfig
 from .errors import ConfigError, missing_data_root
 from .job import batch_split_problems
 from .strategies import STRATEGIES
 
 
-def check_job(cfg: DictConfig) -> None:
+def check_job(cfg: TrainConfig) -> None:
     """Every problem of the typed train config ``cfg`` found without torch, as one :class:`ConfigError`."""
     problems = [*consistency_problems(cfg), *path_problems(cfg), *machine_problems(cfg)]
     if problems:
         raise ConfigError("; ".join(problems))
 
 
-def consistency_problems(cfg: DictConfig) -> list[str]:
+def consistency_problems(cfg: TrainConfig) -> list[str]:
     problems = []
     m, epochs = cfg.measure, cfg.trainer.max_epochs
     if epochs not in (None, -1) and m.warmup_epochs >= epochs:
@@ -48,7 +47,7 @@ def consistency_problems(cfg: DictConfig) -> list[str]:
     return problems
 
 
-def path_problems(cfg: DictConfig) -> list[str]:
+def path_problems(cfg: TrainConfig) -> list[str]:
     problems = []
     if cfg.data.root is not None and not Path(cfg.data.root).expanduser().is_dir():
         problems.append(missing_data_root(cfg.data.root))
@@ -87,7 +86,7 @@ def run_folder_problem(folder: str, key: str) -> str | None:
     return None
 
 
-def machine_problems(cfg: DictConfig) -> list[str]:
+def machine_problems(cfg: TrainConfig) -> list[str]:
     spec = STRATEGIES[cfg.strategy.name]
     if not spec.needs_gpu(cfg.strategy, cfg.trainer.accelerator) or gpu_may_be_present():
         return []

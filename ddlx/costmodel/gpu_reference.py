@@ -165,7 +165,7 @@ class FittedModel:
 
 def fitted_model(hws: Mapping[str, HardwareSpec]) -> FittedModel:
     """The parameters fitted to the reference table, kept on disk beside the model profiles (the
-    fit takes seconds) and keyed by the table, the descriptions it reads and this code."""
+    fit takes seconds) and keyed by the table, the descriptions it is given and this code."""
     def compute() -> dict:
         steps = fitted_steps(hws)
         return {"params": fit(steps).as_tuple(), "figures": len(steps)}

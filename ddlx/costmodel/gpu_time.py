@@ -128,15 +128,15 @@ def step_arrays(kernels: KernelProfile, batch: int, hw: HardwareSpec, half: str 
             for product in kernels_of_pass.products:
                 flops.append(product.flops * batch)
                 moved.append(product.bytes * batch + product.fixed_bytes)
-                slim = product.kind == "convolution" and product.dense and product.channels_in < NARROW_CHANNELS
-                if not product.dense or slim:  # on the fp32 units
+                is_narrow = product.kind == "convolution" and product.dense and product.channels_in < NARROW_CHANNELS
+                if not product.dense or is_narrow:  # on the fp32 units
                     peak.append(grouped_peak), tensor.append(False), winograd.append(0.0)
                 elif product.kind == "matmul":
                     peak.append(matmul_peak), tensor.append(matmul_tensor), winograd.append(0.0)
                 else:
                     peak.append(conv_peak), tensor.append(conv_tensor), winograd.append(0.0 if conv_tensor else product.winograd)
                 segment.append(2 * index + which)
-                narrow.append(slim)
+                narrow.append(is_narrow)
                 convolution.append(product.kind == "convolution" and tensor[-1])
             memory.append(kernels_of_pass.memory_bytes * batch + kernels_of_pass.memory_fixed_bytes)
             launches.append(kernels_of_pass.kernels)

@@ -3,9 +3,8 @@ tensors (shapes and dtypes, no memory, no compute): each matrix product (a convo
 fully connected layer) with its FLOPs, the bytes it reads and writes and a convolution's input
 channels, the other operations as the bytes they move (batch normalization's and max pooling's
 told apart: they reach less of the bandwidth than element-wise kernels), and how many kernels
-there are. In fp32 and under autocast (2-byte
-products), per sample and per step (what does not grow with the batch: the weights). The GPU
-time model (:mod:`.gpu_time`) reads only this.
+there are. In fp32 and under autocast (2-byte products), per sample and per step (what does not
+grow with the batch: the weights). The GPU time model (:mod:`.gpu_time`) reads only this.
 
 Each layer is traced as a pipeline stage runs it: its input a leaf that needs a gradient (but
 the first layer's, whose input gradient training never computes), so its backward is its own.

@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from handloop import AUTOCAST, hand_written_epoch, sgd  # noqa: E402
+from handloop import AUTOCAST, hand_written_epoch, premade_batches, sgd  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -51,24 +51,21 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--epoch-images", type=int, default=10000, help="the epoch the break-even is counted in")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: ddlx with trainer=gpu")
     parser.add_argument("--precision", default="32-true", choices=sorted(AUTOCAST))
+    parser.add_argument("--profile", action="store_true",
+                        help="after the rounds, one more epoch of each runner under torch.profiler: where its step goes")
     return parser.parse_args()
 
 
 def measure_model(name: str, args: argparse.Namespace, root: Path) -> dict:
     import torch
     from overhead import DdlxRunner, compose
-    from torch.utils.data import DataLoader, TensorDataset
 
     from ddlx.compiling import WHOLE_MODEL, compile_model
     from ddlx.models import build_model
 
-    torch.manual_seed(0)
     torch.set_num_threads(args.threads)
-    images = torch.randn(args.steps * args.batch_size, 3, args.image_size, args.image_size)
-    labels = torch.randint(0, 3, (len(images),))
     device, autocast = torch.device(args.device), AUTOCAST[args.precision]
-    loader = DataLoader(TensorDataset(images, labels), batch_size=args.batch_size, shuffle=False,
-                        pin_memory=device.type == "cuda")
+    loader = premade_batches(args.steps, args.batch_size, args.image_size, device)
     base = build_model(name, 3, 3, args.image_size, 0.0)
 
     hand_eager = copy.deepcopy(base).to(device)
@@ -90,6 +87,8 @@ def measure_model(name: str, args: argparse.Namespace, root: Path) -> dict:
             if key not in compile_s and runner.timer.compiled() > 0:
                 compile_s[key] = runner.timer.compiled()
                 first_done.append(key)
+            elif runner.timer.compiled() > 0:  # each round is a new Trainer: torch must not compile again
+                print(f"  {key} compiled again for {runner.timer.compiled():.1f} s (kept out of its step)", file=sys.stderr)
             return timed
         return run
 
@@ -117,7 +116,26 @@ def measure_model(name: str, args: argparse.Namespace, root: Path) -> dict:
               file=sys.stderr)
     steady_hand = statistics.median(step_times["hand compiled"]) * args.steps
     compile_s["hand compiled"] = first_round["hand compiled"] - steady_hand
-    return {"steps": step_times, "compile_s": compile_s, "first": first_done[0] if first_done else ""}
+    profiles = {key: profile_epoch(run) for key, run in runners.items()} if args.profile else {}
+    return {"steps": step_times, "compile_s": compile_s, "first": first_done[0] if first_done else "",
+            "profiles": profiles}
+
+
+def profile_epoch(run) -> dict:
+    """One epoch of ``run`` under torch.profiler: per step, its wall time, the time the device ran
+    kernels (the sum of their own times: below the wall time by what the device idled, waiting
+    for the host), and the host operations that took the most of the host's own time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        seconds, steps = run()
+    events = prof.key_averages()
+    device_us = sum(e.self_device_time_total for e in events)
+    top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:8]
+    return {"wall_ms": 1000 * seconds / steps, "device_ms": device_us / 1000 / steps,
+            "host_top": [(e.key, e.self_cpu_time_total / 1000 / steps) for e in top]}
 
 
 def ratios(a: list[float], b: list[float]) -> list[float]:
@@ -153,6 +171,11 @@ def main() -> None:
               f"{statistics.median(vs_hand):.3f} [{min(vs_hand):.3f}-{max(vs_hand):.3f}] | "
               f"{statistics.median(hand_gain):.3f} | {ddlx_c:.1f}{cold('ddlx compiled')} | "
               f"{c['hand compiled']:.1f}{cold('hand compiled')} | {even} |")
+    for name, r in rows:
+        for key, p in r["profiles"].items():
+            print(f"\nprofile, {name} {key}: {p['wall_ms']:.1f} ms a step (under the profiler), device kernels "
+                  f"{p['device_ms']:.1f} ms; host's own time a step, largest: "
+                  + ", ".join(f"{op} {ms:.2f} ms" for op, ms in p["host_top"]))
 
 
 if __name__ == "__main__":

@@ -47,6 +47,23 @@ def hand_written_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimize
     return time.perf_counter() - start, steps
 
 
+def premade_batches(steps: int, batch_size: int, image_size: int, device: torch.device):
+    """``steps`` batches of random images made once, for both loops to read alike: a loader
+    over whole batches (no collation, which on one host thread would take a GPU step's time:
+    stacking 128 images at 224 px copies 77 MB), in pinned memory on a GPU run so that each
+    batch's copy is asynchronous."""
+    from torch.utils.data import DataLoader
+
+    torch.manual_seed(0)
+    pin = device.type == "cuda"
+    batches = []
+    for _ in range(steps):
+        images = torch.randn(batch_size, 3, image_size, image_size)
+        labels = torch.randint(0, 3, (batch_size,))
+        batches.append((images.pin_memory(), labels.pin_memory()) if pin else (images, labels))
+    return DataLoader(batches, batch_size=None, shuffle=False)
+
+
 def sgd(model: nn.Module) -> torch.optim.Optimizer:
     """The optimizer of Lerat et al. 2022, section 3.2, as ddlx's module builds it."""
     return torch.optim.SGD(model.parameters(), lr=0.001, momentum=0.9)

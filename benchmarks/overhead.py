@@ -5,7 +5,7 @@
     python benchmarks/overhead.py --models resnet50 alexnet --image-size 224 --batch-size 64 --device cuda --precision bf16-mixed
 
 In one process, on the same model (same initial weights), batch, thread count and in-memory
-data (one DataLoader over pre-made tensors, so image decoding is not in either figure), it
+data (one loader over batches made beforehand, so neither decoding nor collation is in either figure), it
 alternates, round after round and in rotating order:
 
 - ``hand``: the loop of benchmarks/handloop.py (zero_grad, forward, loss, backward, step,
@@ -31,12 +31,11 @@ import tempfile
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader, TensorDataset
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from handloop import AUTOCAST, hand_written_epoch, sgd  # noqa: E402
+from handloop import AUTOCAST, hand_written_epoch, premade_batches, sgd  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -113,12 +112,8 @@ class DdlxRunner:
 def measure_model(name: str, args: argparse.Namespace, root: Path) -> dict[str, list[float]]:
     from ddlx.models import build_model
 
-    torch.manual_seed(0)
-    images = torch.randn(args.steps * args.batch_size, 3, args.image_size, args.image_size)
-    labels = torch.randint(0, 3, (len(images),))
     device = torch.device(args.device)
-    loader = DataLoader(TensorDataset(images, labels), batch_size=args.batch_size, shuffle=False,
-                        pin_memory=device.type == "cuda")
+    loader = premade_batches(args.steps, args.batch_size, args.image_size, device)
     base = build_model(name, 3, 3, args.image_size, 0.0)
 
     hand_model = copy.deepcopy(base).to(device)

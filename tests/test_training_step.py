@@ -1,0 +1,75 @@
+"""A training step never makes the host wait for the device.
+
+On a GPU, an operation whose result the host must read (an ``.item()``, the length of a
+``torch.unique``, a boolean mask's selection) stops the host until every kernel queued before it
+has run: the next kernels are issued only then, and the GPU idles for the host's share of every
+step. That share grows as the GPU's shrinks (a compiled step on an H200 took 23 ms, docs/compile.md),
+so a read added to the loss, the metrics or a callback costs most where ddlx should be fastest.
+The check runs on CPU tensors: it records the operations that cannot know their result's size or
+value without the device, from each batch's start to its end.
+"""
+from __future__ import annotations
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ddlx import run as run_module
+from ddlx.run import train
+
+aten = torch.ops.aten
+# Operations whose output's size or value the host needs before it can go on (on a GPU: a sync).
+HOST_READS = {aten._local_scalar_dense.default, aten._unique2.default, aten.unique_dim.default,
+              aten.unique_consecutive.default, aten.nonzero.default, aten.masked_select.default,
+              aten.bincount.default, aten.is_nonzero.default, aten.equal.default}
+
+
+class HostReads(TorchDispatchMode):
+    """The operations of :data:`HOST_READS` called while the mode is on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        if func in HOST_READS:
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+class Start(pl.Callback):
+    def __init__(self, mode: HostReads) -> None:
+        self.mode = mode
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        self.mode.__enter__()
+
+
+class End(Start):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        pass
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        self.mode.__exit__(None, None, None)
+
+
+def around(callbacks: list[pl.Callback], mode: HostReads) -> list[pl.Callback]:
+    """``callbacks`` with the recording on from after the first (ddlx's timer, which run.train
+    reads as the first) to after the last."""
+    return [callbacks[0], Start(mode), *callbacks[1:], End(mode)]
+
+
+@pytest.mark.integration
+def test_a_training_step_reads_nothing_back_from_the_device(tiny_config, tmp_path, monkeypatch):
+    """ddlx's own training path: its module (loss, accuracy, logging), Lightning's loop, the
+    optimizer step and ddlx's measuring callbacks, between the first one's batch start and the last
+    one's batch end."""
+    mode = HostReads()
+    measured = run_module.measurement_callbacks
+    monkeypatch.setattr(run_module, "measurement_callbacks", lambda cfg: around(measured(cfg), mode))
+    train(tiny_config("trainer.max_epochs=2", "measure.monitor=true"), tmp_path / "run")
+    assert mode.calls > 0
+    assert mode.seen == []

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytorch_lightning as pl
 import torch
 from torch import nn
+from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from .compiling import optimizer_flags
@@ -20,6 +21,10 @@ class ClassifierModule(pl.LightningModule):
         self.implementation = implementation  # the optimizer step's (ddlx.compiling.optimizer_flags)
         self.channels_last = channels_last  # images handed to the model NHWC, as its weights are
         self.loss = nn.CrossEntropyLoss()
+        # The epoch's loss and accuracy build up on the device and are logged once, at the epoch's
+        # end: a self.log a step cost the host more than the rest of Lightning's step, which shows
+        # once a GPU step is short (docs/compile.md). No NaN check: it reads a value back each step.
+        self.train_loss, self.val_loss = MeanMetric(nan_strategy="disable"), MeanMetric(nan_strategy="disable")
         self.train_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
         self.val_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
 
@@ -32,17 +37,37 @@ class ClassifierModule(pl.LightningModule):
         images, labels = batch
         logits = self(images)
         loss = self.loss(logits, labels)
-        self.train_acc(logits, labels)
-        self.log("train_loss", loss, on_step=False, on_epoch=True, prog_bar=True, sync_dist=True)
-        self.log("train_acc", self.train_acc, on_step=False, on_epoch=True, prog_bar=True)
+        self._add(self.train_loss, self.train_acc, loss.detach(), logits, labels)
         return loss
 
     def validation_step(self, batch, batch_idx: int) -> None:
         images, labels = batch
         logits = self(images)
-        self.val_acc(logits, labels)
-        self.log("val_loss", self.loss(logits, labels), on_epoch=True, prog_bar=True, sync_dist=True)
-        self.log("val_acc", self.val_acc, on_epoch=True, prog_bar=True)
+        self._add(self.val_loss, self.val_acc, self.loss(logits, labels), logits, labels)
+
+    def on_train_epoch_end(self) -> None:
+        self._log_epoch("train", self.train_loss, self.train_acc)
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_epoch("val", self.val_loss, self.val_acc)
+
+    @staticmethod
+    def _add(loss_mean: MeanMetric, accuracy: MulticlassAccuracy, loss: torch.Tensor, logits: torch.Tensor,
+             labels: torch.Tensor) -> None:
+        # The batch's loss once per sample, so that the epoch's mean weighs each batch by its size
+        # as Lightning's did (torchmetrics ignores a weight when its NaN check is off; a number
+        # from the host would be copied to the device, and that copy waits for the device).
+        loss_mean.update(loss.to(loss_mean.mean_value.device).expand(len(labels)))
+        accuracy.update(logits, labels)
+
+    def _log_epoch(self, stage: str, loss_mean: MeanMetric, accuracy: MulticlassAccuracy) -> None:
+        """The epoch's mean loss and accuracy over every rank (torchmetrics gathers them: every rank
+        calls this at the same point), then a fresh start for the next epoch."""
+        if loss_mean.update_count:  # sync_dist: the same value on every rank, and no warning that it is not synced
+            self.log(f"{stage}_loss", loss_mean.compute(), prog_bar=True, sync_dist=True)
+            self.log(f"{stage}_acc", accuracy.compute(), prog_bar=True, sync_dist=True)
+        loss_mean.reset()
+        accuracy.reset()
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay,

@@ -3,6 +3,8 @@
     python benchmarks/gpu_reference.py              # fitted to all, and each figure left out in turn (~17 min on 2 cores)
     python benchmarks/gpu_reference.py --no-loo     # the fit only
     python benchmarks/gpu_reference.py --measured   # the GPUs ddlx measured per layer (~1 min): each step predicted
+    python benchmarks/gpu_reference.py --ship-fits  # rewrite ddlx/costmodel/reference/fits.json (after a change to the
+                                                    # model, its reference files or conf/hw; ~1 min with an empty cache)
 
 Prints the fitted parameters, then a row per published figure (ddlx/costmodel/reference/
 gpu_training_throughput.csv): gpu | model | precision | batch | predicted | published | error
@@ -11,6 +13,7 @@ gpu_training_throughput.csv): gpu | model | precision | batch | predicted | publ
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -20,6 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 from ddlx.costmodel.gpu_reference import (  # noqa: E402
     GOAL_MODELS,
+    SHIPPED_FITS,
     arrays_of,
     by_cell,
     fit,
@@ -27,6 +31,7 @@ from ddlx.costmodel.gpu_reference import (  # noqa: E402
     leave_one_out,
     load_reference,
     predicted_images_per_s,
+    record_fits,
 )
 from ddlx.costmodel.gpu_measured import arrays_of as measured_arrays  # noqa: E402
 from ddlx.costmodel.gpu_measured import (  # noqa: E402
@@ -36,7 +41,7 @@ from ddlx.costmodel.gpu_measured import (  # noqa: E402
     measurement_files,
     predicted_step_s,
 )
-from ddlx.predict.hw_files import DEFAULT_HW_DIR, cited_hardware, hw_file, published_fit  # noqa: E402
+from ddlx.predict.hw_files import DEFAULT_HW_DIR, cited_hardware, every_fit, hw_file, published_fit  # noqa: E402
 
 
 def summary(errors: list[float]) -> str:
@@ -51,9 +56,12 @@ def main() -> None:
     parser.add_argument("--measured", action="store_true",
                         help="only the GPUs measured per layer (ddlx/costmodel/reference/gpu_layers_*.csv): their steps "
                              "predicted from the published fit, from their own layers, and leaving each network out")
+    parser.add_argument("--ship-fits", action="store_true", help=f"rewrite {SHIPPED_FITS.relative_to(ROOT)}")
     args = parser.parse_args()
     if args.measured:
         return measured()
+    if args.ship_fits:
+        return ship_fits()
     steps = fitted_steps(cited_hardware())
     params = fit(steps)
     print(f"fitted to {len(steps)} published figures: {params}\n")
@@ -110,6 +118,12 @@ def measured() -> None:
             absolute = [abs(e) for e, _ in errors]
             print(f"| {name} | {100 * statistics.median(absolute):.1f}% | {sum(e <= 0.15 for e in absolute)} of "
                   f"{len(absolute)} | {100 * worst[0]:+.1f}% ({worst[1]}) |")
+
+
+def ship_fits() -> None:
+    fits = record_fits(every_fit)
+    SHIPPED_FITS.write_text(json.dumps(fits, indent=1, sort_keys=True) + "\n")
+    print(f"{SHIPPED_FITS.relative_to(ROOT)}: " + ", ".join(f"{f['name']} ({key})" for key, f in fits.items()))
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    """The keys of :class:`ddlx.data.ImageFolderDataModule` (the datamodule is built from them)."""
+    """The keys of :class:`ddlx.data.datamodule.ImageFolderDataModule` (the datamodule is built from them)."""
 
     # null (data=imagefolder): read from the folder at root (ddlx.data.folder)
     name: Optional[str] = None

@@ -14,16 +14,9 @@ from PIL import Image
 
 from ddlx.allocator import keep_freed_possible
 from ddlx.config import DataConfig
-from ddlx.data import (
-    IMAGENET_MEAN,
-    IMAGENET_STD,
-    ImageFolderDataModule,
-    SyntheticSpec,
-    build_transform,
-    ensure_synthetic_imagefolder,
-    flips,
-)
-from ddlx.data.datamodule import build_datamodule
+from ddlx.data.datamodule import ImageFolderDataModule, build_datamodule
+from ddlx.data.synthetic import SyntheticSpec, ensure_synthetic_imagefolder
+from ddlx.data.transforms import IMAGENET_MEAN, IMAGENET_STD, build_transform, flips
 from ddlx.errors import ConfigError
 
 FIRE = ("fire", "nofire", "smoke")

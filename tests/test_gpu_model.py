@@ -138,3 +138,21 @@ def test_a_fit_recovers_the_parameters_it_was_made_from():
     again = fit(made)
     for step, figure in made:
         assert predicted_images_per_s(step, figure.batch, again) == pytest.approx(figure.images_per_s, rel=0.02)
+
+
+def test_a_question_on_a_new_machine_reads_the_shipped_fits(monkeypatch, tmp_path):
+    """Every fit a question may need is in ddlx/costmodel/reference/fits.json under the key of
+    this code, these reference files and conf/hw: none is computed on an empty cache. If this
+    fails after a change to the model, its reference files or conf/hw, run
+    ``python benchmarks/gpu_reference.py --ship-fits`` and commit fits.json."""
+    from ddlx.costmodel import gpu_reference
+    from ddlx.predict.hw_files import every_fit
+
+    def refuse(compute):
+        raise AssertionError("a fit is not shipped for this code: python benchmarks/gpu_reference.py --ship-fits")
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(gpu_reference, "run_fit", refuse)
+    assert {f["name"] for f in gpu_reference.record_fits(every_fit).values()} == {
+        "gpu-model", "gpu-measured", "gpu-working-memory"}
+    assert not list(tmp_path.rglob("*.json")), "nothing fitted or traced on the way"

@@ -1,6 +1,5 @@
-"""Datamodules, synthetic dataset writers and the paper's transforms."""
-from .datamodule import ImageFolderDataModule
-from .synthetic import SyntheticSpec, ensure_synthetic_imagefolder
-from .transforms import IMAGENET_MEAN, IMAGENET_STD, build_transform, flips
+"""Datamodules (``datamodule``), synthetic dataset writers (``synthetic``), the paper's transforms
+(``transforms``), dataset folders and their defaults (``folder``).
 
-__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "ImageFolderDataModule", "SyntheticSpec", "build_transform", "ensure_synthetic_imagefolder", "flips"]
+Nothing is imported here: the recommender reads ``folder``'s defaults and should not load
+Lightning, which ``datamodule`` needs, to do so."""

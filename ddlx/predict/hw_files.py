@@ -41,3 +41,14 @@ def cited_hardware(hw_dir: Path = DEFAULT_HW_DIR) -> dict[str, HardwareSpec]:
 def published_fit(hw_dir: Path = DEFAULT_HW_DIR) -> FittedModel:
     """The GPU time model fitted to the published throughputs, on ``hw_dir``'s descriptions of their GPUs."""
     return fitted_model(cited_hardware(hw_dir))
+
+
+def every_fit(hw_dir: Path = DEFAULT_HW_DIR) -> None:
+    """Reads, or fits, every fit a question on ``hw_dir``'s descriptions may need: the published
+    throughputs', each measured GPU's and the working memory's (what ``fits.json`` ships)."""
+    from ..costmodel.gpu_measured import gpu_working_memory, measured_fit
+
+    published_fit.__wrapped__(hw_dir)
+    for path in sorted(hw_dir.glob("*.yaml")):
+        measured_fit(hw_file(path.stem, hw_dir))
+    gpu_working_memory()

@@ -249,7 +249,7 @@ def _first_line(err: BaseException) -> str:
 
 def check_command_line(argv: Sequence[str], config_dir: Path, config_name: str, check=None) -> None:
     """Compose every job the command line asks for (each job of a ``-m`` sweep) and check it
-    (``check(cfg, multirun)``, default :func:`check_job`: train.py's), so a bad value is reported
+    (``check(cfg, multirun)``, default :func:`check_train_job`: train.py's), so a bad value is reported
     in about a second, before Hydra starts any job; print the errors and exit with status 2.
     Hydra's own flags (--help, --cfg, ...) are left to Hydra."""
     from hydra._internal.utils import get_args_parser
@@ -257,7 +257,7 @@ def check_command_line(argv: Sequence[str], config_dir: Path, config_name: str, 
     args = get_args_parser().parse_args(list(argv))
     if args.help or args.hydra_help or args.info or args.shell_completion or args.cfg or args.config_path or args.config_dir:
         return  # Hydra answers these itself (another config folder: its own schema, if any)
-    errors = list(_job_errors(args.overrides, args.multirun, config_dir, args.config_name or config_name, check or check_job))
+    errors = list(_job_errors(args.overrides, args.multirun, config_dir, args.config_name or config_name, check or check_train_job))
     for job, swept, err in errors:
         label = f"sweep job {' '.join(swept)}: " if args.multirun and swept else ""
         print(f"ddlx: error: {label}{err}", file=sys.stderr)
@@ -306,7 +306,7 @@ def _job_errors(overrides: list[str], multirun: bool, config_dir: Path, config_n
                 yield job, swept, explain(cause) if isinstance(cause, OmegaConfBaseException) else ConfigError(_hydra_message(err))
 
 
-def check_job(cfg: DictConfig, multirun: bool) -> None:
+def check_train_job(cfg: DictConfig, multirun: bool) -> None:
     """One job of the command line (composed with Hydra's own config): its folder can be made,
     its config is typed and within bounds (:func:`check_config`), and what else can be known
     before torch loads holds (:mod:`ddlx.preflight`)."""
@@ -322,7 +322,7 @@ def check_job(cfg: DictConfig, multirun: bool) -> None:
     problem = preflight.run_folder_problem(folder, key) if folder else None
     if problem:
         raise ConfigError(problem)
-    preflight.check_job(typed_config(cfg))
+    preflight.check_before_torch(typed_config(cfg))
 
 
 def check_recommend_job(cfg: DictConfig, multirun: bool, hw_dir: Path) -> None:

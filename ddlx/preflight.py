@@ -18,7 +18,7 @@ from .job import batch_split_problems
 from .strategies import STRATEGIES
 
 
-def check_job(cfg: TrainConfig) -> None:
+def check_before_torch(cfg: TrainConfig) -> None:
     """Every problem of the typed train config ``cfg`` found without torch, as one :class:`ConfigError`."""
     problems = [*consistency_problems(cfg), *path_problems(cfg), *machine_problems(cfg)]
     if problems:

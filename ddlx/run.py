@@ -53,7 +53,7 @@ from .parallel.network import stages_run
 from .parallel.same_job import SameJobOnEveryRank
 from .costmodel.memory import GIB, estimate_training_memory
 from .costmodel.numerics import CPU_FP16, PRECISION_NUMERICS
-from .preflight import check_job as check_job_before_torch
+from .preflight import check_before_torch
 from .records import run_name
 from .slurm import run_tags as slurm_run_tags
 from .stopping import StopAtSignal, StopSignals, disable_lightning_signal_handlers
@@ -203,7 +203,7 @@ def train(cfg, output_dir: str | os.PathLike, extra_tags: Mapping[str, str] | No
     """
     silence_known_noise()
     cfg: TrainConfig = typed_config(cfg)  # train.py checked its command line; a caller's config may not have been
-    check_job_before_torch(cfg)
+    check_before_torch(cfg)
     output_dir = Path(output_dir)
     pl.seed_everything(cfg.seed, workers=True)
     rank0 = launch_rank() == 0  # only global rank 0 talks to MLflow: its client may create the store
@@ -217,7 +217,7 @@ def train(cfg, output_dir: str | os.PathLike, extra_tags: Mapping[str, str] | No
     try:
         complete_data_config(cfg.data)  # data=imagefolder: classes, counts, channels and name from the folder
         tags = run_tags(cfg, extra_tags)
-        saved, plan, datamodule = check_job(cfg, tags, rank0)
+        saved, plan, datamodule = prepare_job(cfg, tags, rank0)
         resolved = asdict(cfg)  # as the checks left it (cpu_allocator resolved, a worker's batch made global)
         apply_allocator(cfg.cpu_allocator)  # before the model and the ranks (they inherit it)
         # The resolved config: an MLflow artifact, and the job description the other ranks start from.
@@ -314,7 +314,7 @@ def forward_gflops(cfg: TrainConfig) -> float:
     return profile.forward_flops_per_sample / 1e9
 
 
-def check_job(cfg: TrainConfig, tags: dict, rank0: bool):
+def prepare_job(cfg: TrainConfig, tags: dict, rank0: bool):
     """What the job needs checked and prepared before a run: the allocator, the checkpoint it
     resumes from, the strategy's plan, the data (written if synthetic) and, on rank 0, the store
     and the run to resume. Returns (the saved run or None, plan, datamodule)."""

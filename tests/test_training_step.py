@@ -73,3 +73,39 @@ def test_a_training_step_reads_nothing_back_from_the_device(tiny_config, tmp_pat
     train(tiny_config("trainer.max_epochs=2", "measure.monitor=true"), tmp_path / "run")
     assert mode.calls > 0
     assert mode.seen == []
+
+
+class Losses(pl.Callback):
+    """Each training step's loss and batch size, as the step returned it."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[float, int]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        self.seen.append((float(outputs["loss"]), len(batch[1])))
+
+
+@pytest.mark.integration
+def test_the_epoch_s_loss_is_its_steps_mean_weighted_by_batch_size(tmp_path):
+    """What the module logs once an epoch is what Lightning's per-step logging gave: the mean of
+    the steps' losses weighted by their batch sizes (the last batch is smaller), and the accuracy
+    over every sample of the epoch."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from ddlx.models import build_model
+    from ddlx.module import ClassifierModule
+
+    torch.manual_seed(0)
+    images, labels = torch.randn(10, 3, 32, 32), torch.randint(0, 3, (10,))
+    losses = Losses()
+    trainer = pl.Trainer(accelerator="cpu", max_epochs=1, limit_val_batches=0, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[losses],
+                         default_root_dir=tmp_path)
+    module = ClassifierModule(build_model("alexnet", 3, 3, 32, 0.0), 3, lr=0.0)  # lr 0: the weights stay as they are
+    trainer.fit(module, DataLoader(TensorDataset(images, labels), batch_size=4))
+    assert [n for _, n in losses.seen] == [4, 4, 2]
+    want = sum(loss * n for loss, n in losses.seen) / 10
+    assert float(trainer.callback_metrics["train_loss"]) == pytest.approx(want, rel=1e-5)
+    with torch.no_grad():
+        correct = (module(images).argmax(1) == labels).float().mean()
+    assert float(trainer.callback_metrics["train_acc"]) == pytest.approx(float(correct), rel=1e-5)

@@ -57,8 +57,9 @@ class ClassifierModule(pl.LightningModule):
         # The batch's loss once per sample, so that the epoch's mean weighs each batch by its size
         # as Lightning's did (torchmetrics ignores a weight when its NaN check is off; a number
         # from the host would be copied to the device, and that copy waits for the device).
+        # On the metrics' device: a pipeline's last stage may hold the logits on another one.
         loss_mean.update(loss.to(loss_mean.mean_value.device).expand(len(labels)))
-        accuracy.update(logits, labels)
+        accuracy.update(logits.to(accuracy.tp.device), labels.to(accuracy.tp.device))
 
     def _log_epoch(self, stage: str, loss_mean: MeanMetric, accuracy: MulticlassAccuracy) -> None:
         """The epoch's mean loss and accuracy over every rank (torchmetrics gathers them: every rank

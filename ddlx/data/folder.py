@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from PIL import Image, UnidentifiedImageError
-from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from ..errors import ConfigError, missing_data_root
 from .transforms import IMAGENET_MEAN, IMAGENET_STD
@@ -43,6 +42,8 @@ def scan_imagefolder(root: Path) -> tuple[list[str], list[tuple[str, int]]]:
         raise ConfigError(f"data.root={root} has {found}; a classifier needs an ImageFolder with one sub-folder "
                           f"per class and at least two classes: add the other classes' folders")
     samples: list[tuple[str, int]] = []
+    from torchvision.datasets.folder import IMG_EXTENSIONS  # here: torchvision takes seconds to import
+
     for index, name in enumerate(classes):
         files = sorted(str(p) for p in (root / name).iterdir() if p.is_file() and p.suffix.lower() in IMG_EXTENSIONS)
         if not files:

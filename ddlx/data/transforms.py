@@ -5,8 +5,9 @@ from collections.abc import Sequence
 
 import torch
 from PIL import Image
-from torchvision import transforms as T
-from torchvision.transforms import functional as TF
+
+# torchvision is imported where it is used: the recommender reads this module's statistics
+# (through ``folder``) and should not pay torchvision's import (seconds) to do so.
 
 # Lerat et al. 2022, section 3.2 (the ImageNet statistics).
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -22,13 +23,17 @@ class ImageTransform:
     def __init__(self, image_size: int, mean: Sequence[float], std: Sequence[float]) -> None:
         self.image_size = image_size
         self.mean, self.std = list(mean), list(std)
+        from torchvision import transforms as T
+        from torchvision.transforms import functional as TF
+
         self._scale = T.Compose([T.Resize(image_size), T.CenterCrop(image_size), T.PILToTensor()])
+        self._normalize = TF.normalize
 
     def decode(self, image: Image.Image) -> torch.Tensor:
         return self._scale(image).contiguous()
 
     def to_input(self, pixels: torch.Tensor) -> torch.Tensor:
-        return TF.normalize(pixels.float().div(255), self.mean, self.std)  # ToTensor's division, then Normalize's
+        return self._normalize(pixels.float().div(255), self.mean, self.std)  # ToTensor's division, then Normalize's
 
     def __call__(self, image: Image.Image) -> torch.Tensor:
         return self.to_input(self.decode(image))

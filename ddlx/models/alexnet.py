@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 from torch import nn
-from torchvision import models as tvm
 
 from .layered import LayeredModel, conv_cut_points, flatten_children
 
 
 def build_alexnet(num_classes: int, in_channels: int, small_input: bool, dropout: float = 0.5) -> LayeredModel:
+    from torchvision import models as tvm  # here: torchvision takes seconds to import, the recommender rarely builds
+
     if small_input:
         # Small images cannot survive the 11x11/stride-4 stem; keep AlexNet's five convolutions
         # and three-layer classifier with 3x3 kernels (the usual CIFAR-10 adaptation).

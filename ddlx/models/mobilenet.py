@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 from torch import nn
-from torchvision import models as tvm
-from torchvision.ops.misc import Conv2dNormActivation
 
 from .layered import LayeredModel
 
@@ -14,6 +12,9 @@ SMALL_SETTING = [[1, 16, 1, 1], [6, 24, 2, 1], [6, 32, 3, 2], [6, 64, 4, 2], [6,
 
 
 def build_mobilenet_v2(num_classes: int, in_channels: int, small_input: bool, dropout: float = 0.2) -> LayeredModel:
+    from torchvision import models as tvm  # here: torchvision takes seconds to import, the recommender rarely builds
+    from torchvision.ops.misc import Conv2dNormActivation
+
     setting = SMALL_SETTING if small_input else IMAGENET_SETTING
     net = tvm.mobilenet_v2(weights=None, num_classes=num_classes, inverted_residual_setting=setting, dropout=dropout)
     if small_input or in_channels != 3:

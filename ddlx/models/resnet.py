@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from torch import nn
-from torchvision import models as tvm
 
 from .layered import LayeredModel
 
@@ -13,6 +12,8 @@ STAGE_NAMES = ("conv2_x", "conv3_x", "conv4_x", "conv5_x")
 
 
 def build_resnet(arch: str, num_classes: int, in_channels: int, small_input: bool) -> LayeredModel:
+    from torchvision import models as tvm  # here: torchvision takes seconds to import, the recommender rarely builds
+
     if arch not in ARCHS:
         raise ValueError(f"unknown ResNet variant {arch!r}; expected one of {list(ARCHS)}")
     net = getattr(tvm, arch)(weights=None, num_classes=num_classes)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from torch import nn
-from torchvision import models as tvm
 
 from .layered import LayeredModel, conv_cut_points, flatten_children
 
@@ -30,6 +29,8 @@ def _small_features(config: list, in_channels: int) -> nn.Sequential:
 
 
 def build_vgg(arch: str, num_classes: int, in_channels: int, small_input: bool, dropout: float = 0.5) -> LayeredModel:
+    from torchvision import models as tvm  # here: torchvision takes seconds to import, the recommender rarely builds
+
     if arch not in CONFIGS:
         raise ValueError(f"unknown VGG variant {arch!r}; expected one of {sorted(CONFIGS)}")
     if small_input:

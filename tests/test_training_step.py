@@ -40,18 +40,17 @@ class HostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-class Start(pl.Callback):
+class Recording(pl.Callback):
     def __init__(self, mode: HostReads) -> None:
         self.mode = mode
 
+
+class Start(Recording):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         self.mode.__enter__()
 
 
-class End(Start):
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
-        pass
-
+class End(Recording):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         self.mode.__exit__(None, None, None)
 

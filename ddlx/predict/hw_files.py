@@ -48,7 +48,9 @@ def every_fit(hw_dir: Path = DEFAULT_HW_DIR) -> None:
     throughputs', each measured GPU's and the working memory's (what ``fits.json`` ships)."""
     from ..costmodel.gpu_measured import gpu_working_memory, measured_fit
 
+    # Past the lru caches of the two that have one: a cached answer reads no fit, and
+    # gpu_reference.record_fits must see each one read.
     published_fit.__wrapped__(hw_dir)
     for path in sorted(hw_dir.glob("*.yaml")):
         measured_fit(hw_file(path.stem, hw_dir))
-    gpu_working_memory.__wrapped__()  # lru-cached: read again, so that record_fits sees it
+    gpu_working_memory.__wrapped__()

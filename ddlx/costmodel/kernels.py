@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 
 import torch
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
@@ -188,7 +189,14 @@ def _convolution_shape(func, args) -> tuple[float, bool]:
 
 
 def _trace(arch: str, num_classes: int, in_channels: int, image_size: int, mixed: bool) -> KernelProfile:
-    traced = [_trace_at(arch, num_classes, in_channels, image_size, mixed, batch) for batch in BATCHES]
+    """The training step traced on fake tensors at both batches, on one model: building it on fake
+    tensors costs as much as a step."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        model = build_model(arch, num_classes, in_channels, image_size).train()
+        traced = [_trace_at(model, in_channels, image_size, mixed, batch) for batch in BATCHES]
+        params = sum(p.numel() for p in model.parameters())
     (a, ops_a), (b, ops_b) = traced[0], traced[1]
     layers = []
     for layer_a, layer_b in zip(ops_a, ops_b):
@@ -198,8 +206,6 @@ def _trace(arch: str, num_classes: int, in_channels: int, image_size: int, mixed
                 raise ValueError(f"{arch}: the kernels of a training step depend on the batch; cannot scale them")
             passes.append(_scaled(pass_a, pass_b, a, b))
         layers.append(LayerKernels(*passes))
-    with torch.device("meta"):
-        params = sum(p.numel() for p in build_model(arch, num_classes, in_channels, image_size).parameters())
     return KernelProfile(arch, image_size, mixed, params, tuple(layers))
 
 
@@ -222,34 +228,32 @@ def _scaled(ops_a: list[_Op], ops_b: list[_Op], a: int, b: int) -> PassKernels:
                        len(ops_a), of_kind("normalization"), of_kind("pooling"))
 
 
-def _trace_at(arch: str, num_classes: int, in_channels: int, image_size: int, mixed: bool, batch: int):
-    """Per layer, (forward ops, backward ops) of a training step at ``batch`` samples; the loss's
-    go with the last layer."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    with FakeTensorMode():
-        model = build_model(arch, num_classes, in_channels, image_size).train()
-        weights = {p.untyped_storage()._cdata for p in model.parameters()}
-        x = torch.empty(batch, in_channels, image_size, image_size)
-        y = torch.zeros(batch, dtype=torch.long)
-        autocast = torch.autocast("cpu", torch.bfloat16) if mixed else nullcontext()
-        traced = []
-        inputs, outputs = [], []
-        for i, layer in enumerate(model):
-            leaf = x.detach().requires_grad_(i > 0)
-            start = leaf.clone() if i > 0 else leaf  # an in-place head must not write into the leaf
-            with _Recorder(weights) as forward, autocast:
-                out = layer(start)
-                if i == len(model) - 1:
-                    out = torch.nn.functional.cross_entropy(out, y)
-            inputs.append(leaf)
-            outputs.append(out)
-            traced.append([forward.ops, []])
-            x = out
-        grad = None
-        for i in reversed(range(len(model))):
-            with _Recorder(weights) as backward:
-                torch.autograd.backward(outputs[i], grad)
-            traced[i][1] = backward.ops
-            grad = inputs[i].grad
+def _trace_at(model: nn.Module, in_channels: int, image_size: int, mixed: bool, batch: int):
+    """Per layer of ``model`` (on fake tensors), (forward ops, backward ops) of a training step at
+    ``batch`` samples; the loss's go with the last layer. The weights' gradients are dropped after
+    it, so that the next step's backward writes them afresh rather than adding to them."""
+    weights = {p.untyped_storage()._cdata for p in model.parameters()}
+    x = torch.empty(batch, in_channels, image_size, image_size)
+    y = torch.zeros(batch, dtype=torch.long)
+    autocast = torch.autocast("cpu", torch.bfloat16) if mixed else nullcontext()
+    traced = []
+    inputs, outputs = [], []
+    for i, layer in enumerate(model):
+        leaf = x.detach().requires_grad_(i > 0)
+        start = leaf.clone() if i > 0 else leaf  # an in-place head must not write into the leaf
+        with _Recorder(weights) as forward, autocast:
+            out = layer(start)
+            if i == len(model) - 1:
+                out = torch.nn.functional.cross_entropy(out, y)
+        inputs.append(leaf)
+        outputs.append(out)
+        traced.append([forward.ops, []])
+        x = out
+    grad = None
+    for i in reversed(range(len(model))):
+        with _Recorder(weights) as backward:
+            torch.autograd.backward(outputs[i], grad)
+        traced[i][1] = backward.ops
+        grad = inputs[i].grad
+    model.zero_grad(set_to_none=True)
     return batch, traced

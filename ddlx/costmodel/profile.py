@@ -214,7 +214,7 @@ def _count_profile(arch: str, num_classes: int, in_channels: int, image_size: in
             with FlopCounterMode(display=False) as counter:
                 x = layer(x)
             flops.append(float(counter.get_total_flops()))
-    fp32, mixed = (saved_by_layer(arch, num_classes, in_channels, image_size, autocast) for autocast in (False, True))
+    fp32, mixed = saved_by_layer(arch, num_classes, in_channels, image_size)
     layers = [LayerProfile(
         params=sum(p.numel() for p in layer.parameters()),
         forward_flops=flops[i],
@@ -298,11 +298,20 @@ class SavedBytes:
     outputs: list[int]
 
 
-def saved_by_layer(arch: str, num_classes: int, in_channels: int, image_size: int, mixed: bool) -> SavedBytes:
-    """What each top-level layer's training forward saves for backward (under CPU autocast to bf16
-    with ``mixed``, whose choice of ops in 2 bytes stands in for the GPU's), counted at two batches."""
-    (saved_a, out_a), (saved_b, out_b) = (_saved_at(arch, num_classes, in_channels, image_size, mixed, batch)
-                                          for batch in SAVED_BATCHES)
+def saved_by_layer(arch: str, num_classes: int, in_channels: int, image_size: int) -> tuple[SavedBytes, SavedBytes]:
+    """What each top-level layer's training forward saves for backward, in fp32 and under CPU
+    autocast to bf16 (whose choice of ops in 2 bytes stands in for the GPU's), each counted at two
+    batches. On fake tensors: no memory, no compute; autocast runs on them, where the meta device
+    has none. One model serves the four forwards: building it on fake tensors costs as much as one."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        model = build_model(arch, num_classes, in_channels, image_size).train()
+        return tuple(_saved_bytes(model, in_channels, image_size, mixed) for mixed in (False, True))
+
+
+def _saved_bytes(model: nn.Module, in_channels: int, image_size: int, mixed: bool) -> SavedBytes:
+    (saved_a, out_a), (saved_b, out_b) = (_saved_at(model, in_channels, image_size, mixed, batch) for batch in SAVED_BATCHES)
     a, b = SAVED_BATCHES
     per_sample = [(y - x) // (b - a) for x, y in zip(saved_a, saved_b)]
     return SavedBytes(per_sample, [max(0, x - a * p) for x, p in zip(saved_a, per_sample)],
@@ -323,33 +332,27 @@ class _WeightCopies(TorchDispatchMode):
         return out
 
 
-def _saved_at(arch: str, num_classes: int, in_channels: int, image_size: int, mixed: bool,
-              batch: int) -> tuple[list[int], list[int]]:
-    """Per top-level layer at ``batch`` samples: the bytes of the storages autograd saves in its
-    forward that no earlier layer saved, the parameters and autocast's copies of them left out,
-    and the bytes of its output. On fake tensors: no memory, no compute; autocast runs on them,
-    where the meta device has none."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+def _saved_at(model: nn.Module, in_channels: int, image_size: int, mixed: bool, batch: int) -> tuple[list[int], list[int]]:
+    """Per top-level layer of ``model`` (on fake tensors) at ``batch`` samples: the bytes of the
+    storages autograd saves in its forward that no earlier layer saved, the parameters and
+    autocast's copies of them left out, and the bytes of its output."""
+    x = torch.empty(batch, in_channels, image_size, image_size)
+    parameters = {p.untyped_storage()._cdata for p in model.parameters()}
+    seen, saved, outputs, layer_saved = set(parameters), [], [], [0]
+    copies = _WeightCopies(parameters)
 
-    with FakeTensorMode():
-        model = build_model(arch, num_classes, in_channels, image_size).train()
-        x = torch.empty(batch, in_channels, image_size, image_size)
-        parameters = {p.untyped_storage()._cdata for p in model.parameters()}
-        seen, saved, outputs, layer_saved = set(parameters), [], [], [0]
-        copies = _WeightCopies(parameters)
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage._cdata not in seen and storage._cdata not in copies.copies:
+            seen.add(storage._cdata)
+            layer_saved[0] += storage.nbytes()
+        return tensor
 
-        def pack(tensor: torch.Tensor) -> torch.Tensor:
-            storage = tensor.untyped_storage()
-            if storage._cdata not in seen and storage._cdata not in copies.copies:
-                seen.add(storage._cdata)
-                layer_saved[0] += storage.nbytes()
-            return tensor
-
-        autocast = torch.autocast("cpu", torch.bfloat16) if mixed else nullcontext()
-        with copies, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), autocast:
-            for layer in model:
-                layer_saved[0] = 0
-                x = layer(x)
-                saved.append(layer_saved[0])
-                outputs.append(x.numel() * x.element_size())
+    autocast = torch.autocast("cpu", torch.bfloat16) if mixed else nullcontext()
+    with copies, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), autocast:
+        for layer in model:
+            layer_saved[0] = 0
+            x = layer(x)
+            saved.append(layer_saved[0])
+            outputs.append(x.numel() * x.element_size())
     return saved, outputs

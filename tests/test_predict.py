@@ -218,6 +218,28 @@ def test_memory_filter_refuses_what_does_not_fit():
     assert pipe.fits and ddp.fits
 
 
+def test_a_pipelines_memory_is_of_the_cut_its_time_model_times():
+    """balance=auto cuts a pipeline by its layers' times on the device; where the prediction knows
+    them per layer, the memory column holds the stages of that cut, not of the FLOPs'."""
+    from ddlx.costmodel.costs import stage_bytes
+    from ddlx.parallel.cuts import contiguous_balance
+
+    profile = profile_model("vgg16", 3, 3, 224)
+    job = Job("vgg16", "firesmall", 3, 3, 224, 256, 633)
+    gpu = _hw(device_kind="gpu", memory_per_device_gb=16, devices_per_node=4)
+    times = ((1.0, 2.0),) + ((0.01, 0.02),) * (len(profile.layers) - 1)  # the first layer is the slow one
+    seq = SequentialTime(0.01, 0.0, "test", layers_s=lambda samples: times)
+    cut = contiguous_balance([f + b for f, b in times], 4)
+    devices = ("cuda:0", "cuda:1", "cuda:2", "cuda:3")
+    fairscale = Setup("pipe", (("chunks", 8), ("devices", devices)))
+    torch_gpipe = Setup("pipe", (("chunks", 8), ("devices", devices), ("engine", "torch"), ("schedule", "gpipe")))
+    for setup in (fairscale, torch_gpipe):
+        by_flops, by_time = memory_need(setup, job, gpu, profile), memory_need(setup, job, gpu, profile, seq)
+        assert by_time.per_device_gb != pytest.approx(by_flops.per_device_gb), setup.label
+    expected = max(stage_bytes(profile, cut, job.batch_size, 8, "never")) / GB
+    assert memory_need(fairscale, job, gpu, profile, seq).per_device_gb == pytest.approx(expected, rel=0.05)
+
+
 def test_recommendation_ranks_fitting_setups_first():
     gpu = _hw(device_kind="gpu", memory_per_device_gb=8, devices_per_node=4, peak_tflops=10.0)
     rec = Predictor(gpu, []).recommend(Job("vgg16", "firesmall", 3, 3, 224, 256, 633))

@@ -281,7 +281,7 @@ class Predictor:
             epoch = batch_s * theirs.steps
             calibrated = not their_seq.estimated and (group == BASELINE or group in calibrations)
             stated = batches.stated(setup.strategy)
-            predictions.append(Prediction(setup, epoch, baseline * job.steps / epoch, memory_need(setup, theirs, self.hw, profile),
+            predictions.append(Prediction(setup, epoch, baseline * job.steps / epoch, memory_need(setup, theirs, self.hw, profile, their_seq),
                                           f"T_seq {their_seq.basis}{how}", calibrated, theirs.batch_size,
                                           (f"data.batch_size={stated}",) if stated else ()))
         predictions.sort(key=lambda p: (not p.memory.fits, p.epoch_s))

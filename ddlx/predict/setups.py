@@ -110,9 +110,11 @@ def model_batch_s(setup: Setup, job: Job, hw: HardwareSpec, profile: ModelProfil
     return model_cost(setup, job, hw, profile, seq).total_s
 
 
-def memory_need(setup: Setup, job: Job, hw: HardwareSpec, profile: ModelProfile) -> MemoryNeed:
-    """Bytes per device (per node's RAM for CPU setups, where every process shares it)."""
-    return spec_of(setup.strategy).memory(setup, job, hw, profile)
+def memory_need(setup: Setup, job: Job, hw: HardwareSpec, profile: ModelProfile,
+                seq: SequentialTime | None = None) -> MemoryNeed:
+    """Bytes per device (per node's RAM for CPU setups, where every process shares it); a
+    pipeline's stages cut by ``seq``'s layer times where given, as its time model cuts them."""
+    return spec_of(setup.strategy).memory(setup, job, hw, profile, seq)
 
 
 def training_processes(setup: Setup) -> int:

@@ -80,7 +80,7 @@ class CpuMp(StrategySpec):
                  + weight_traffic_s(seq, hw, repeated, p))
         return cost(work / p, total)
 
-    def memory(self, setup, job, hw, profile):
+    def memory(self, setup, job, hw, profile, seq=None):
         """Each rank's activations (the split layers' inputs for the whole batch) and gradient
         (of the split layers only its rows), one shared copy of the weights, the optimizer state
         once over the slices, and the shared gradient slots (one per rank, of the layers not split)."""

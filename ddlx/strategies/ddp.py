@@ -105,7 +105,7 @@ class Ddp(StrategySpec):
     def cost(self, setup, job, hw, profile, seq):
         return data_parallel_cost(setup, setup.get("processes"), job, hw, profile, seq)
 
-    def memory(self, setup, job, hw, profile):
+    def memory(self, setup, job, hw, profile, seq=None):
         return data_parallel_memory(setup, setup.get("processes"), job, hw, profile)
 
 

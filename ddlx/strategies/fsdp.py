@@ -144,7 +144,7 @@ class Fsdp(StrategySpec):
             comm = data_parallel_s(0.0, w, volume, largest, ring(hw, w), fixed, overlap=not shared_bus)
         return cost(compute, compute + comm + weight_traffic_s(seq, hw, local, local))
 
-    def memory(self, setup, job, hw, profile):
+    def memory(self, setup, job, hw, profile, seq=None):
         """A replica's activations at its share of the batch; the state sharded by level: full
         keeps 1/W of the weights, gradients and momentum plus the largest layer gathered (hybrid:
         1/shard_size), grad_op the whole weights and 1/W of the rest, none all of it."""

@@ -114,10 +114,10 @@ class Hybrid(StrategySpec):
         work = b * (seq.per_sample_at(b / p) + seq.load_per_sample_s)
         return cost(work / p, hybrid_s(local, p, profile.gradient_mb, bucket, ring, hw.allreduce_fixed_us * 1e-6))
 
-    def memory(self, setup, job, hw, profile):
+    def memory(self, setup, job, hw, profile, seq=None):
         if setup.get("engine") == "torch":
             dims = ParallelDims(2 * setup.get("processes"), 2)
-            return pipelines_memory(setup, dims.replicas, dims.replicas_per_node, job, hw, profile)
+            return pipelines_memory(setup, dims.replicas, dims.replicas_per_node, job, hw, profile, seq)
         return memory_need(hw, halves_bytes(profile, hw, job.batch_size // setup.get("processes")))
 
 

@@ -133,10 +133,10 @@ class Mpi(StrategySpec):
             return pipelines_cost(setup, dims.replicas, dims.replicas_per_node, job, hw, profile, seq)
         return data_parallel_cost(setup, setup.get("ranks"), job, hw, profile, seq)
 
-    def memory(self, setup, job, hw, profile):
+    def memory(self, setup, job, hw, profile, seq=None):
         if setup.get("engine") == "torch":
             dims = self._dims(setup, hw)
-            return pipelines_memory(setup, dims.replicas, dims.replicas_per_node, job, hw, profile)
+            return pipelines_memory(setup, dims.replicas, dims.replicas_per_node, job, hw, profile, seq)
         return data_parallel_memory(setup, setup.get("ranks"), job, hw, profile)
 
     @staticmethod

@@ -145,15 +145,16 @@ class Pipe(StrategySpec):
             links = [link(hw.link(gpu_index(devices[j]), gpu_index(devices[j + 1]))) for j in range(w - 1)]
         return compute + gpipe_comm_s(micro, m, boundaries, links)
 
-    def _torch_memory(self, setup, job, hw, profile):
-        ranks = torch_rank_bytes(setup, job.batch_size, hw, profile)
+    def _torch_memory(self, setup, job, hw, profile, seq):
+        ranks = torch_rank_bytes(setup, job.batch_size, hw, profile, seq)
         return memory_need(hw, sum(ranks) if hw.device_kind == "cpu" else max(ranks))
 
-    def memory(self, setup, job, hw, profile):
+    def memory(self, setup, job, hw, profile, seq=None):
         if setup.get("engine") == "torch":
-            return self._torch_memory(setup, job, hw, profile)
-        stages = stage_bytes(profile, pipe_balance(setup, profile), job.batch_size, setup.get("chunks", 1),
-                             setup.get("checkpoint", "never"))
+            return self._torch_memory(setup, job, hw, profile, seq)
+        chunks = setup.get("chunks", 1)
+        stages = stage_bytes(profile, pipe_balance(setup, profile, seq, max(1, job.batch_size // chunks)), job.batch_size,
+                             chunks, setup.get("checkpoint", "never"))
         return memory_need(hw, sum(stages) if hw.device_kind == "cpu" else max(stages))
 
     def calibration_group(self, setup) -> str:

@@ -48,7 +48,7 @@ class Sequential(StrategySpec):
         compute = job.batch_size * seq.per_sample_s / threads + job.batch_size * seq.load_per_sample_s
         return cost(compute, compute + weight_traffic_s(seq, hw, 1, threads))
 
-    def memory(self, setup, job, hw, profile):
+    def memory(self, setup, job, hw, profile, seq=None):
         return memory_need(hw, replica_bytes(job, job.batch_size))
 
     def calibration_group(self, setup) -> str:

@@ -169,8 +169,10 @@ class StrategySpec:
         """Modelled seconds of one global batch, before calibration."""
         raise NotImplementedError(f"no performance model for strategy {self.name!r}")
 
-    def memory(self, setup: Setup, job: Job, hw: HardwareSpec, profile: ModelProfile) -> MemoryNeed:
-        """Memory per device (per node's RAM on CPU, where its processes share it)."""
+    def memory(self, setup: Setup, job: Job, hw: HardwareSpec, profile: ModelProfile,
+               seq: SequentialTime | None = None) -> MemoryNeed:
+        """Memory per device (per node's RAM on CPU, where its processes share it). ``seq``, where
+        known, finds a pipeline's cut as :meth:`cost` does; without it, the cut of the FLOPs."""
         raise NotImplementedError(f"no memory model for strategy {self.name!r}")
 
     def overrides(self, setup: Setup) -> str:

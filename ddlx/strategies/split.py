@@ -47,7 +47,7 @@ class Split(StrategySpec):
         between = link(hw.link(0, 1)) if hw.devices_per_node > 1 else link(hw.intra_node)
         return cost(b * (seq.per_sample_s + seq.load_per_sample_s), split_s(seq.batch_s(b), b, cut_mb(profile), between))
 
-    def memory(self, setup, job, hw, profile):
+    def memory(self, setup, job, hw, profile, seq=None):
         return memory_need(hw, halves_bytes(profile, hw, job.batch_size))
 
 

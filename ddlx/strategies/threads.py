@@ -50,7 +50,7 @@ class Threads(StrategySpec):
         compute, load = job.batch_size * seq.per_sample_s, job.batch_size * seq.load_per_sample_s
         return cost(compute / k + load, threads_s(compute, k) + load + weight_traffic_s(seq, hw, 1 + (k - 1) * REPLICA_SHARE, k))
 
-    def memory(self, setup, job, hw, profile):
+    def memory(self, setup, job, hw, profile, seq=None):
         return memory_need(hw, replica_bytes(job, job.batch_size))
 
     def worker_batch(self, setup, job) -> int:

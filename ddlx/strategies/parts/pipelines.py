@@ -132,8 +132,8 @@ def default_balance(profile, stages: int, seq=None, micro: int = 1) -> list[int]
     """The cut a pipeline runs by default, as the models see it: the split point for two stages,
     else the cut ``balance=auto`` finds on the device (:func:`~ddlx.parallel.cuts.contiguous_balance`
     of each layer's forward and backward time), here of the layers' predicted times at ``micro``
-    samples where ``seq`` knows them per layer, else of their FLOPs. The memory models, which have
-    no times, see the FLOPs cut."""
+    samples where ``seq`` knows them per layer, else of their FLOPs. The time and memory models
+    of one setup see the same cut."""
     if stages == 2:
         return [profile.split_index, len(profile.layers) - profile.split_index]
     layers = seq.layers_s_at(micro, profile) if seq is not None else None
@@ -175,14 +175,15 @@ def torch_batch_s(setup, hw, profile, seq, b: int) -> tuple[float, float]:
     return compute, compute + weights + comm
 
 
-def torch_rank_bytes(setup, batch: int, hw, profile) -> list[float]:
+def torch_rank_bytes(setup, batch: int, hw, profile, seq=None) -> list[float]:
     """Per rank: its stages' weights, gradients and optimizer state, and the activations of the
     micro-batches the schedule keeps in flight (recomputing: their blocks' inputs, and one
     block's activations at a time); on CPU each rank's process also holds the other stages'
-    weights (the whole model is built in every process)."""
+    weights (the whole model is built in every process). The stages are cut as
+    :func:`torch_batch_s` cuts them."""
     devices, m, name = setup.get("devices"), setup.get("chunks"), setup.get("schedule", "gpipe")
     w, micro = len(devices), max(1, batch // m)
-    balance = default_balance(profile, w * SCHEDULES[name].stages_per_rank)
+    balance = default_balance(profile, w * SCHEDULES[name].stages_per_rank, seq, micro)
     parts, bounds = profile.partitions(balance), [0, *itertools.accumulate(balance)]
     recompute = recomputes(setup)
     ranks = []
@@ -228,9 +229,9 @@ def pipelines_cost(setup, replicas: int, per_node: int, job, hw, profile, seq):
     return cost(compute + load, total + average + load)
 
 
-def pipelines_memory(setup, replicas: int, per_node: int, job, hw, profile):
+def pipelines_memory(setup, replicas: int, per_node: int, job, hw, profile, seq=None):
     """Each rank of a pipeline at its share of the batch; a CPU node holds its ``per_node`` pipelines' ranks."""
-    ranks = torch_rank_bytes(one_pipeline(setup, hw), job.batch_size // replicas, hw, profile)
+    ranks = torch_rank_bytes(one_pipeline(setup, hw), job.batch_size // replicas, hw, profile, seq)
     if hw.device_kind == "cpu":
         return memory_need(hw, sum(ranks), per_node)
     return memory_need(hw, max(ranks))

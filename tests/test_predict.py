@@ -147,6 +147,37 @@ def test_a_profile_is_kept_on_disk_read_back_equal_and_counted_again_when_unread
     profile.profile_model.cache_clear()
 
 
+def test_a_question_counts_its_model_in_a_child_while_it_reads_the_runs(tmp_path, monkeypatch):
+    """recommend.py's child fills the profile cache with what this process would count (the
+    answer then reads it instead of counting); a child that fails says nothing and leaves the
+    count to the answer."""
+    from ddlx.costmodel import kernels, profile
+    from ddlx.predict.count_ahead import count_ahead, wait_for
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    job = Job("resnet18", "firesmall", 3, 3, 32, 16, 64, precision="bf16-mixed")
+    child = count_ahead(job, gpu=True)
+    wait_for(child)
+    assert child.exitcode == 0
+    kept = sorted(path.name for path in (tmp_path / "ddlx" / "profiles").iterdir())
+    assert len(kept) == 2 and kept[1].endswith(".kernels-1.json"), kept
+    calls = []
+    monkeypatch.setattr(profile, "_count_profile", lambda *args: calls.append(args))
+    monkeypatch.setattr(kernels, "_trace", lambda *args: calls.append(args))
+    profile.profile_model.cache_clear()
+    kernels.kernel_profile.cache_clear()
+    read = profile.profile_model("resnet18", 3, 3, 32), kernels.kernel_profile("resnet18", 3, 3, 32, True)
+    assert calls == [], "the answer reads the child's count"
+    monkeypatch.undo()
+    assert read == (profile._count_profile("resnet18", 3, 3, 32), kernels._trace("resnet18", 3, 3, 32, True))
+    profile.profile_model.cache_clear()
+    kernels.kernel_profile.cache_clear()
+
+    failing = count_ahead(replace(job, model="no_such_net"), gpu=False)
+    wait_for(failing)
+    assert failing.exitcode == 1
+
+
 def test_partitions_and_boundaries_follow_the_balance():
     profile = profile_model("alexnet", 3, 3, 64)
     balance = profile.even_balance(3)

@@ -21,6 +21,7 @@ from ..records import left_out
 from ..strategies import BASELINE
 from ..tracking import check_tracking_uri, load_runs, log_result_run, store_exists
 from ..costmodel.hardware import GB, HardwareSpec, detect_local, machine_identity, validate
+from .count_ahead import count_ahead, wait_for
 from .kept_probes import forget, kept
 from .machines import compare
 from .prediction import Predictor, Recommendation, data_config_of_job
@@ -160,7 +161,9 @@ def run(composed: DictConfig, out_dir: Path, hw_dir: Path, job_overrides: list[s
         return
     local = local_hardware(target, hw_dir, detected_dir)
     apply_allocator(cfg.cpu_allocator)  # the probes train as the job would
+    counting = count_ahead(job, target.device_kind == "gpu") if job is not None else None
     runs, note = measured_runs(cfg)
+    wait_for(counting)
     probe = loading = None
     if cfg.probe:
         probe, loading = kept_probes(cfg, runs, local, detected_dir)

@@ -121,6 +121,40 @@ def test_timer_summary_means_the_epochs_after_warm_up():
     assert timer.summary() == {"mean_epoch_time_s": 3.0, "mean_samples_per_s": 20.0, "measured_epochs": 2.0}
 
 
+@pytest.mark.parametrize("max_steps", [-1, 5])
+def test_an_epoch_ends_when_its_last_step_is_done_on_the_device(monkeypatch, max_steps):
+    """A GPU still runs the last steps after the host has issued them: the timer waits for the
+    devices once, at the epoch's last step (max_steps cuts the second epoch short), and the wait
+    counts in the epoch (here a sleep stands in for the queued work)."""
+    import pytorch_lightning as pl
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from ddlx.measure import timing
+
+    class Tiny(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 2)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.cross_entropy(self.layer(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    waits = []
+    monkeypatch.setattr(timing, "wait_for_devices", lambda module: waits.append(module.global_step) or time.sleep(0.3))
+    timer = EpochTimer()
+    data = DataLoader(TensorDataset(torch.randn(12, 4), torch.randint(0, 2, (12,))), batch_size=4)
+    trainer = pl.Trainer(max_epochs=2, max_steps=max_steps, callbacks=[timer], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", num_sanity_val_steps=0)
+    trainer.fit(Tiny(), data)
+    assert waits == ([3, 6] if max_steps < 0 else [3, 5]), "once an epoch, at its last step"
+    assert len(timer.epoch_times) == 2 and min(timer.epoch_times) >= 0.3, timer.epoch_times
+
+
 @pytest.mark.integration
 def test_warm_up_that_leaves_no_epoch_is_refused(tiny_config):
     with pytest.raises(ConfigError, match=r"measure.warmup_epochs=1 with trainer.max_epochs=1"):

@@ -91,12 +91,15 @@ class EpochTimer(pl.Callback):
         self._compile_mark = self.clock.now()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        last = batch_idx + 1 >= trainer.num_training_batches
+        if last or 0 <= trainer.max_steps <= trainer.global_step:  # the epoch's last step (max_steps cuts it short)
+            wait_for_devices(pl_module)
         now = time.perf_counter()
         compiling = self.clock.now() - self._compile_mark  # not the step's: torch compiling a graph
         self.step_times.append((self._batch_start - self._mark, now - self._batch_start - compiling))
         self._mark = now
         self._samples += _batch_size(batch) * trainer.world_size
-        if batch_idx + 1 >= trainer.num_training_batches:
+        if last:
             self._finish_epoch(trainer, pl_module)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -149,6 +152,17 @@ class EpochTimer(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.is_global_zero and trainer.logger is not None and self.epoch_times:
             trainer.logger.log_metrics(self.summary(), step=trainer.global_step)
+
+
+def wait_for_devices(module) -> None:
+    """Wait until the GPUs holding ``module`` have run what the host has queued. A step returns to
+    the host once its kernels are issued, and a GPU may still be running the last few steps' while
+    the host goes on: an epoch is over when they are done, else its time leaves them out (they
+    would fall in validation's, whose first read waits for them). Once an epoch: waiting every
+    step would stop the host from issuing the next step while the GPU runs this one."""
+    for device in {p.device for p in module.parameters()}:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
 
 def _batch_size(batch) -> int:

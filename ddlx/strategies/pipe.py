@@ -15,7 +15,8 @@ from ..costmodel.costs import (FORWARD_SHARE, RECOMPUTE, REPLICA_SHARE, cost, gp
 from ..parallel.schedules import SCHEDULES
 from ..costmodel.perf_models import Link, gpipe_comm_s, gpipe_compute_s, pipeline_schedule_s
 from .parts.pipelines import (ENGINES, PIPE_CHECKPOINT, chunk_counts, compile_by_layers_or_refuse, default_balance, engine_group,
-                        engine_refused_precisions, pipe_knobs, torch_batch_s, torch_pipeline, torch_rank_bytes)
+                        TorchPipeline, engine_refused_precisions, pipe_knobs, torch_batch_s, torch_pipeline,
+                        torch_rank_bytes)
 from .spec import TIMEOUT_S, Setup, StrategyPlan, StrategySpec, accelerator_of
 
 
@@ -116,7 +117,7 @@ class Pipe(StrategySpec):
     def cost(self, setup, job, hw, profile, seq):
         b, load = job.batch_size, job.batch_size * seq.load_per_sample_s
         if setup.get("engine") == "torch":
-            compute, total = torch_batch_s(setup, hw, profile, seq, b)
+            compute, total = torch_batch_s(TorchPipeline.of(setup), hw, profile, seq, b)
             return cost(compute + load, total + load)
         w, m = len(setup.get("devices")), setup.get("chunks")
         return cost(gpipe_compute_s(m * max(1, b // m) * seq.per_sample_at(b // m), w, m) + load,
@@ -146,7 +147,7 @@ class Pipe(StrategySpec):
         return compute + gpipe_comm_s(micro, m, boundaries, links)
 
     def _torch_memory(self, setup, job, hw, profile, seq):
-        ranks = torch_rank_bytes(setup, job.batch_size, hw, profile, seq)
+        ranks = torch_rank_bytes(TorchPipeline.of(setup), job.batch_size, hw, profile, seq)
         return memory_need(hw, sum(ranks) if hw.device_kind == "cpu" else max(ranks))
 
     def memory(self, setup, job, hw, profile, seq=None):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import dataclass
 
 from ...compiling import EACH_LAYER
 from ...errors import ConfigError
@@ -142,19 +143,35 @@ def default_balance(profile, stages: int, seq=None, micro: int = 1) -> list[int]
     return profile.even_balance(stages)
 
 
+@dataclass(frozen=True)
+class TorchPipeline:
+    """One PyTorch pipeline as the time and memory models read it: a ``pipe engine=torch`` setup, or
+    one of a data-parallel job's two-stage pipelines (:func:`one_pipeline`)."""
+
+    devices: tuple[str, ...]
+    chunks: int
+    schedule: str = "gpipe"
+    checkpoint: str = "never"
+
+    @classmethod
+    def of(cls, setup: Setup) -> TorchPipeline:
+        return cls(tuple(setup.get("devices")), setup.get("chunks"), setup.get("schedule", "gpipe"),
+                   setup.get("checkpoint", "never"))
+
+
 def chunk_counts(job) -> list[int]:
     return [c for c in CHUNKS if c <= job.batch_size]
 
 
-def torch_batch_s(setup, hw, profile, seq, b: int) -> tuple[float, float]:
+def torch_batch_s(pipe: TorchPipeline, hw, profile, seq, b: int) -> tuple[float, float]:
     """(compute, total) of one batch under PyTorch's schedule: #mb steps of the slowest rank
     (its stages' share of the FLOPs) plus the schedule's bubble; each micro-batch reads its
     stage's weights again; activations cross between ranks (loopback between CPU processes,
     the GPUs' link), in lockstep as in Eq. 6.2."""
-    devices, m, name = setup.get("devices"), setup.get("chunks"), setup.get("schedule", "gpipe")
+    devices, m, name = pipe.devices, pipe.chunks, pipe.schedule
     w, micro = len(devices), max(1, b // m)
     balance = default_balance(profile, w * SCHEDULES[name].stages_per_rank, seq, micro)
-    again = recompute_factor(setup, SCHEDULES[name].backward_passes)
+    again = recompute_factor(pipe, SCHEDULES[name].backward_passes)
     stages = seq.stage_s(balance, micro)
     if stages is None:  # shares of the FLOPs stand in for the stages' times
         flops = [sum(layer.forward_flops for layer in part) for part in profile.partitions(balance)]
@@ -175,17 +192,17 @@ def torch_batch_s(setup, hw, profile, seq, b: int) -> tuple[float, float]:
     return compute, compute + weights + comm
 
 
-def torch_rank_bytes(setup, batch: int, hw, profile, seq=None) -> list[float]:
+def torch_rank_bytes(pipe: TorchPipeline, batch: int, hw, profile, seq=None) -> list[float]:
     """Per rank: its stages' weights, gradients and optimizer state, and the activations of the
     micro-batches the schedule keeps in flight (recomputing: their blocks' inputs, and one
     block's activations at a time); on CPU each rank's process also holds the other stages'
     weights (the whole model is built in every process). The stages are cut as
     :func:`torch_batch_s` cuts them."""
-    devices, m, name = setup.get("devices"), setup.get("chunks"), setup.get("schedule", "gpipe")
+    devices, m, name = pipe.devices, pipe.chunks, pipe.schedule
     w, micro = len(devices), max(1, batch // m)
     balance = default_balance(profile, w * SCHEDULES[name].stages_per_rank, seq, micro)
     parts, bounds = profile.partitions(balance), [0, *itertools.accumulate(balance)]
-    recompute = recomputes(setup)
+    recompute = recomputes(pipe)
     ranks = []
     for r in range(w):
         mine = stages_of(name, r, w)
@@ -200,11 +217,10 @@ def torch_rank_bytes(setup, batch: int, hw, profile, seq=None) -> list[float]:
     return ranks
 
 
-def one_pipeline(setup: Setup, hw) -> Setup:
-    """The ``pipe`` setup of one of a data-parallel job's two-stage PyTorch pipelines (its first)."""
+def one_pipeline(setup: Setup, hw) -> TorchPipeline:
+    """One of a data-parallel job's two-stage PyTorch pipelines (its first)."""
     devices = ("cpu", "cpu") if hw.device_kind == "cpu" else ("cuda:0", "cuda:1")
-    return Setup("pipe", (("chunks", setup.get("chunks")), ("devices", devices), ("engine", "torch"),
-                          ("schedule", setup.get("schedule", "gpipe")), ("checkpoint", setup.get("checkpoint", "never"))))
+    return TorchPipeline(devices, setup.get("chunks"), setup.get("schedule", "gpipe"), setup.get("checkpoint", "never"))
 
 
 def pipelines_cost(setup, replicas: int, per_node: int, job, hw, profile, seq):
@@ -217,8 +233,8 @@ def pipelines_cost(setup, replicas: int, per_node: int, job, hw, profile, seq):
     if hw.device_kind == "cpu":
         share = max(1.0, 2 * per_node / hw.devices_per_node)
         compute, total = compute * share, total * share
-    name = pipe.get("schedule")
-    parts = profile.partitions(default_balance(profile, 2 * SCHEDULES[name].stages_per_rank, seq, max(1, b // pipe.get("chunks"))))
+    name = pipe.schedule
+    parts = profile.partitions(default_balance(profile, 2 * SCHEDULES[name].stages_per_rank, seq, max(1, b // pipe.chunks)))
     gradients = [sum(layer.params for i in stages_of(name, r, 2) for layer in parts[i]) / profile.params * profile.gradient_mb
                  for r in range(2)]
     fixed = hw.allreduce_fixed_us * 1e-6

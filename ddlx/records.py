@@ -80,7 +80,16 @@ class MeasuredRun:
 
     @property
     def is_baseline(self) -> bool:
-        return self.strategy == BASELINE and (self.device != "cpu" or self.setup == CPU_BASELINE_SETUP)
+        """A run of what speedups are over: sequential on one core or one GPU, eager (a compiled
+        one is a setup of its own, faster or slower by what compiling gives)."""
+        return (self.strategy == BASELINE and (self.device != "cpu" or self.setup == CPU_BASELINE_SETUP)
+                and not speed_knobs_set(self))
+
+    @property
+    def setup_as_run(self) -> str:
+        """Its setup with the speed knobs it set (``sequential threads=1 compile.enable=True``): the
+        report's row, so a compiled run is not taken for an eager one of the same setup."""
+        return " ".join([self.setup, *_knob_words(self.params)])
 
     @cached_property
     def strategy_setup(self) -> Setup:
@@ -124,14 +133,18 @@ def setup_label(tags: dict[str, str], params: dict[str, str] | None = None) -> s
 
 
 def run_name(params: dict[str, str], tags: dict[str, str]) -> str:
-    """What MLflow's runs table shows a run as: its strategy with its knobs, model, data, image
-    size, global batch and, unless fp32, its precision (``cpu_mp processes=2 alexnet/firesmall
-    224px b32``), so the runs of a sweep are told apart at a glance; the setup first, as the
-    table's narrow column shows a name's start."""
+    """What MLflow's runs table shows a run as: its strategy with its knobs and the speed knobs it
+    set, model, data, image size, global batch and, unless fp32, its precision (``cpu_mp
+    processes=2 alexnet/firesmall 224px b32``), so the runs of a sweep are told apart at a glance;
+    the setup first, as the table's narrow column shows a name's start."""
     precision = precision_of(tags.get("precision", params.get("trainer.precision")))
-    return " ".join([setup_label(tags, params), f"{params.get('model.name')}/{params.get('data.name')}",
+    return " ".join([setup_label(tags, params), *_knob_words(params), f"{params.get('model.name')}/{params.get('data.name')}",
                      f"{params.get('data.image_size')}px", f"b{params.get('data.batch_size')}",
                      *([precision] if precision != FP32 else [])])
+
+
+def _knob_words(params: dict[str, str]) -> list[str]:
+    return [f"{key}={value}" for key, value in speed_knobs_of(params).items()]
 
 
 # Values of a param that mean the same (every batch: Lightning's default, written out or not).
@@ -237,9 +250,14 @@ def not_measured_because(run: MeasuredRun) -> str | None:
 EAGER_DEFAULTS = {"compile.enable": "False", "model.memory_format": "contiguous", "optim.implementation": "auto"}
 
 
+def speed_knobs_of(params: dict[str, str]) -> dict[str, str]:
+    """The speed knobs a run's ``params`` set off their defaults (runs from before a knob existed
+    count as its default)."""
+    return {key: params[key] for key, default in EAGER_DEFAULTS.items() if params.get(key, default) != default}
+
+
 def speed_knobs_set(run: MeasuredRun) -> dict[str, str]:
-    """``run``'s speed knobs off their defaults (runs from before a knob existed count as its default)."""
-    return {key: run.params[key] for key, default in EAGER_DEFAULTS.items() if run.params.get(key, default) != default}
+    return speed_knobs_of(run.params)
 
 
 def unmodelled(run: MeasuredRun) -> str | None:

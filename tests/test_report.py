@@ -105,6 +105,26 @@ def test_another_precision_is_another_workload(store):
     assert any("trainer.precision=bf16-mixed" in m for m in built.missing_baselines)
 
 
+def test_a_compiled_run_is_a_row_of_its_own_and_never_the_baseline(store):
+    """compile.enable changes the time, not the setup's name: mixed into the eager row, a compiled
+    run would move its median, and taken for the one-core baseline, every speedup."""
+    from ddlx.records import run_name
+
+    client = MlflowClient(store)
+    exp = client.get_experiment_by_name("ddlx").experiment_id
+    _log(client, exp, "sequential", 15.0, tags={"threads": "1"}, params={"compile.enable": "True"})
+    _log(client, exp, "cpu_mp", 5.0, tags={"processes": "2"}, params={"compile.enable": "True"})
+    built = report.build_report(load_runs(store, ["ddlx"]))
+    alexnet = {r.setup: r for r in built.rows if r.workload.model == "alexnet" and r.workload.batch_size == "32"}
+    assert alexnet["sequential threads=1"].speedup == pytest.approx(1.0) and alexnet["sequential threads=1"].runs == 1
+    assert alexnet["sequential threads=1 compile.enable=True"].speedup == pytest.approx(2.0), "over the eager baseline"
+    assert alexnet["cpu_mp processes=2"].mean_epoch_time_s == pytest.approx(10.0), "the eager row as it was"
+    assert alexnet["cpu_mp processes=2 compile.enable=True"].speedup == pytest.approx(6.0)
+    params = {**WORKLOAD, "compile.enable": "True"}
+    assert run_name(params, {"strategy": "sequential", "threads": "1"}).startswith("sequential threads=1 compile.enable=True ")
+    assert "compile" not in run_name({**WORKLOAD, "compile.enable": "False"}, {"strategy": "sequential", "threads": "1"})
+
+
 def test_a_run_that_did_not_leave_out_its_start_up_is_listed_not_counted(store):
     """No warm-up epoch and 5 steps (one epoch of 160 samples, batch 32): start-up is most of it."""
     client = MlflowClient(store)

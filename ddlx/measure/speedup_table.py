@@ -57,7 +57,7 @@ def build_report(runs: list[MeasuredRun]) -> Report:
         elif not_measured_because(run) is not None:
             report.unmeasured.append(run)
         else:
-            groups[run.workload, run.device][run.setup].append(run.mean_epoch_time_s)
+            groups[run.workload, run.device][run.setup_as_run].append(run.mean_epoch_time_s)
             if run.is_baseline:
                 baselines[run.workload, run.device].append(run.mean_epoch_time_s)
     for (workload, device), setups in sorted(groups.items(), key=lambda kv: (report.label(kv[0][0]), kv[0][1])):
@@ -128,10 +128,10 @@ def _notes(report: Report) -> list[str]:
     for line in report.missing_baselines:
         notes.append(f"missing baseline: {line}")
     for run in report.failed:
-        notes.append(f"failed: {report.label(run.workload)} {run.setup} (run {run.run_id}): {run.error or 'no error recorded'}")
+        notes.append(f"failed: {report.label(run.workload)} {run.setup_as_run} (run {run.run_id}): {run.error or 'no error recorded'}")
     for run in report.unmeasured:
         why = not_measured_because(run)
-        notes.append(f"not counted: {report.label(run.workload)} {run.setup} (run {run.run_id}): {why}")
+        notes.append(f"not counted: {report.label(run.workload)} {run.setup_as_run} (run {run.run_id}): {why}")
     return notes
 
 

@@ -82,6 +82,9 @@ class DdlxRunner:
         from ddlx.strategies import build_strategy
         from ddlx.tracking import make_logger
 
+        from ddlx.console import silence_known_noise
+
+        silence_known_noise()  # as train.py: Lightning's cloud-logger tip and srun hint once a round are noise
         cfg = typed_config(cfg)  # as ddlx.run.train reads it
         self.cfg, self.root = cfg, root
         self.plan = build_strategy(cfg.strategy, cfg.trainer.accelerator, layered_model_meta(cfg), cfg.data)

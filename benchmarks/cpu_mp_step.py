@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 
 from ddlx.allocator import AUTO, apply_allocator, resolve_allocator  # noqa: E402
 from ddlx.models import build_model  # noqa: E402
-from ddlx.parallel.cpu_mp import CpuMultiProcessStrategy  # noqa: E402
+from ddlx.parallel.shared_weight_ranks import CpuMultiProcessStrategy  # noqa: E402
 from ddlx.parallel.pinning import core_share  # noqa: E402
 from ddlx.parallel import split_linear  # noqa: E402
 from ddlx.parallel.shared_memory import SharedWeights  # noqa: E402

@@ -262,7 +262,7 @@ def check_command_line(argv: Sequence[str], config_dir: Path, config_name: str, 
         label = f"sweep job {' '.join(swept)}: " if args.multirun and swept else ""
         print(f"ddlx: error: {label}{err}", file=sys.stderr)
     if errors:
-        from .parallel.mpi import abort_job
+        from .parallel.mpi_ranks import abort_job
 
         abort_job(2, show_traceback=False)  # one rank of mpirun or srun refused alone: the others would wait for it
         raise SystemExit(2)

@@ -83,7 +83,7 @@ def report_config_errors(fn: Callable[[], Any], in_sweep: bool = False) -> Any:
     except ConfigError as err:
         print(f"ddlx: error: {err}", file=sys.stderr)
         if not in_sweep and not isinstance(err, RanksDisagree):  # RanksDisagree: every rank refuses together
-            from .parallel.mpi import abort_job
+            from .parallel.mpi_ranks import abort_job
 
             abort_job(2, show_traceback=False)
         if in_sweep:
@@ -112,7 +112,7 @@ def run_training_job(fn: Callable[[], Any], in_sweep: bool, overrides: list[str]
     except CheckpointNotWritten as err:
         _end_job_with_error(err)
     except Exception:
-        from .parallel.mpi import abort_job
+        from .parallel.mpi_ranks import abort_job
 
         abort_job(1)  # under mpirun: the other ranks may be gone (their node lost), and MPI's exit would wait for them
         raise
@@ -134,7 +134,7 @@ def run_training_job(fn: Callable[[], Any], in_sweep: bool, overrides: list[str]
 
 def _end_job_with_error(err: BaseException) -> None:
     """An error the run has recorded (FAILED, tag ``error``) and one line says in full: no traceback."""
-    from .parallel.mpi import abort_job
+    from .parallel.mpi_ranks import abort_job
 
     print(f"ddlx: error: {err}", file=sys.stderr, flush=True)
     abort_job(1, show_traceback=False)

@@ -10,8 +10,8 @@ import torch
 
 from ddlx.errors import ConfigError
 from ddlx.models import build_model
-from ddlx.parallel.pipe import PipeForward
-from ddlx.parallel.threads import ThreadedForward
+from ddlx.parallel.fairscale_pipe import PipeForward
+from ddlx.parallel.sub_batch_threads import ThreadedForward
 
 
 def _forward(kind: str, model):

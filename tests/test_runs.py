@@ -523,7 +523,7 @@ def test_a_run_that_is_not_mpi_leaves_mpi_alone(tiny_config, tmp_path, monkeypat
     an OpenMPI orted); an error outside an MPI job ends the process without MPI_Abort's banner."""
     from lightning_fabric.plugins.environments import MPIEnvironment
 
-    from ddlx.parallel.mpi import abort_job
+    from ddlx.parallel.mpi_ranks import abort_job
 
     def detect():
         raise AssertionError("MPIEnvironment.detect imports mpi4py")

@@ -164,7 +164,7 @@ def meshes(monkeypatch) -> list[tuple[int, ...]]:
 def split_layers(monkeypatch) -> list[tuple[int, int]]:
     """(in, out) of the layers cpu_mp split by rows on rank 0: the weights alone would match the
     sequential run's were every layer left data parallel."""
-    from ddlx.parallel import cpu_mp
+    from ddlx.parallel import shared_weight_ranks as cpu_mp
 
     shapes, split = [], cpu_mp.split_linears
     monkeypatch.setattr(cpu_mp, "split_linears", lambda *a, **kw: (layers := split(*a, **kw),

@@ -84,7 +84,7 @@ def test_parallel_dims_name_what_does_not_divide():
 
 
 def test_mpi_pipelines_on_an_odd_number_of_ranks_per_node_are_refused_with_the_launch_that_works(monkeypatch):
-    import ddlx.parallel.mpi as mpi
+    import ddlx.parallel.mpi_ranks as mpi
 
     monkeypatch.setattr(mpi, "mpi_layout", lambda: (3, 3, 1))
     monkeypatch.setattr(mpi, "set_rank_threads", lambda local_size: 1)

@@ -41,7 +41,7 @@ class CpuMp(StrategySpec):
     splits_batch = True
 
     def plan(self, cfg, accelerator, model, data) -> StrategyPlan:
-        from ..parallel.cpu_mp import CpuMultiProcessStrategy
+        from ..parallel.shared_weight_ranks import CpuMultiProcessStrategy
 
         require_cpu(self.name, accelerator)
         warn_oversubscription(self.name, cfg.processes, "processes")

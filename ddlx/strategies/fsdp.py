@@ -55,7 +55,7 @@ class Fsdp(StrategySpec):
         import torch
 
         from ..parallel.devices import gpu_count
-        from ..parallel.fsdp import FullyShardedStrategy
+        from ..parallel.fully_shard import FullyShardedStrategy
         from ..parallel.launch import ranks_per_node
 
         p = cfg.processes

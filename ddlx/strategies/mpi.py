@@ -52,7 +52,7 @@ class Mpi(StrategySpec):
         from lightning_fabric.plugins.environments import MPIEnvironment
 
         from ..parallel.devices import gpu_count
-        from ..parallel.mpi import mpi_layout, set_rank_threads
+        from ..parallel.mpi_ranks import mpi_layout, set_rank_threads
         from ..parallel.network import DataParallelNetworkStrategy
 
         world, local_size, nodes = mpi_layout()

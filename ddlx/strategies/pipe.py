@@ -47,7 +47,7 @@ class Pipe(StrategySpec):
     def plan(self, cfg, accelerator, model, data) -> StrategyPlan:
         from ..parallel.devices import resolve_devices
         from ..parallel.network import NetworkStrategy
-        from ..parallel.pipe import pipe_parallelizer
+        from ..parallel.fairscale_pipe import pipe_parallelizer
 
         devices = cfg.devices
         stages = 2 if devices in (None, "auto") or isinstance(devices, str) else len(devices)

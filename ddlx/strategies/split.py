@@ -27,7 +27,7 @@ class Split(StrategySpec):
     def plan(self, cfg, accelerator, model, data) -> StrategyPlan:
         from ..parallel.devices import resolve_devices
         from ..parallel.network import NetworkStrategy
-        from ..parallel.split import split_parallelizer
+        from ..parallel.two_device_split import split_parallelizer
 
         devices = resolve_devices(cfg.devices, 2, self.name)
         cut = cut_point(cfg, model, self.name)

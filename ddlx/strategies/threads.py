@@ -33,7 +33,7 @@ class Threads(StrategySpec):
         import torch
 
         from ..parallel.network import NetworkStrategy
-        from ..parallel.threads import threads_parallelizer
+        from ..parallel.sub_batch_threads import threads_parallelizer
 
         require_cpu(self.name, accelerator)
         warn_oversubscription(self.name, cfg.threads, "threads")

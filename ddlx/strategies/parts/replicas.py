@@ -80,16 +80,16 @@ def local_parallelizer(cfg, model, data, processes: int, name: str, devices_of):
     if local == "sequential":
         return None, {"local": local}
     if local == "threads":
-        from ...parallel.threads import threads_parallelizer
+        from ...parallel.sub_batch_threads import threads_parallelizer
 
         # Inside DDP, whose reducer expects each gradient once per step.
         return threads_parallelizer(cfg.threads, accumulate_once=True), {"local": local, "threads": str(cfg.threads)}
     if local == "split":
-        from ...parallel.split import split_parallelizer
+        from ...parallel.two_device_split import split_parallelizer
 
         cut = cut_point(cfg, model, name)
         return split_parallelizer(devices_of, cut), {"local": local, "cut_point": cut}
-    from ...parallel.pipe import pipe_parallelizer
+    from ...parallel.fairscale_pipe import pipe_parallelizer
 
     chunks, balance, checkpoint, sample = pipe_knobs(cfg, model, data, data.batch_size // processes, 2)
     return pipe_parallelizer(devices_of, chunks, balance, checkpoint, sample), {"local": local, "chunks": str(chunks),

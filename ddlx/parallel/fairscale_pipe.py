@@ -18,7 +18,7 @@ from ..models import LayeredModel
 from ..models.layered import out_of_place
 from .autocast import CarriedAutocast
 from .balance import balance_by_time
-from .split import DevicesOf
+from .two_device_split import DevicesOf
 
 log = logging.getLogger(__name__)
 

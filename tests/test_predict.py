@@ -8,6 +8,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import time
 from dataclasses import replace
 
 import pytest
@@ -176,6 +177,12 @@ def test_a_question_counts_its_model_in_a_child_while_it_reads_the_runs(tmp_path
     failing = count_ahead(replace(job, model="no_such_net"), gpu=False)
     wait_for(failing)
     assert failing.exitcode == 1
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "stuck"))  # nothing kept: the child must count
+    monkeypatch.setattr(profile, "_count_profile", lambda *args: time.sleep(60))
+    stuck = count_ahead(job, gpu=False)
+    started = time.perf_counter()
+    wait_for(stuck, timeout_s=1.0)
+    assert not stuck.is_alive() and stuck.exitcode != 0 and time.perf_counter() - started < 30, "stopped, not awaited"
 
 
 def test_partitions_and_boundaries_follow_the_balance():

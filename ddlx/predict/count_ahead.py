@@ -33,8 +33,17 @@ def count_ahead(job: Job, gpu: bool):
     return child
 
 
-def wait_for(child) -> None:
-    if child is not None:
+# Longer than any count takes (ResNet-152 at 224 px: about 10 s on one core of the build machine):
+# a child stuck past it is stopped, and the answer counts for itself rather than wait forever.
+WAIT_S = 300.0
+
+
+def wait_for(child, timeout_s: float = WAIT_S) -> None:
+    if child is None:
+        return
+    child.join(timeout_s)
+    if child.is_alive():
+        child.kill()
         child.join()
 
 

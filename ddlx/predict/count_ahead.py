@@ -15,6 +15,7 @@ import sys
 
 from ..costmodel.numerics import numerics_of
 from ..job import Job
+from .sequential_time import priced_per_layer
 
 
 def count_ahead(job: Job, gpu: bool):
@@ -23,7 +24,7 @@ def count_ahead(job: Job, gpu: bool):
     if not sys.platform.startswith("linux"):
         return None
     numerics = numerics_of(job.precision)
-    kernels = gpu and numerics.activation_bytes in (2, 4) and numerics.compute != "fp64"  # as from_gpu_model reads them
+    kernels = gpu and priced_per_layer(numerics)  # as from_gpu_model reads them
     sys.stdout.flush()  # the child must not write out this process's buffered lines a second time
     sys.stderr.flush()
     child = multiprocessing.get_context("fork").Process(

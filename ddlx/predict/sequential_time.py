@@ -125,6 +125,12 @@ def efficiency_from_runs(runs: Sequence[MeasuredRun], hw_of_run: Callable[[Measu
     return out
 
 
+def priced_per_layer(numerics) -> bool:
+    """Whether the per-layer GPU model prices a step in ``numerics``: fp32 and the 2-byte formats,
+    not fp64 (its kernels are traced in the format's activation bytes)."""
+    return numerics.activation_bytes in (2, 4) and numerics.compute != "fp64"
+
+
 def from_gpu_model(job: Job, hw: HardwareSpec, hw_dir=None) -> SequentialTime | None:
     """The per-layer GPU model's step at the job's batch (None where it has none: fp64, a
     format other than fp32 and the 2-byte ones): its optimizer step is the weight traffic, the
@@ -135,7 +141,7 @@ def from_gpu_model(job: Job, hw: HardwareSpec, hw_dir=None) -> SequentialTime | 
     from ..costmodel.kernels import kernel_profile
 
     numerics = numerics_of(job.precision)
-    if hw.device_kind != "gpu" or numerics.activation_bytes not in (2, 4) or numerics.compute == "fp64":
+    if hw.device_kind != "gpu" or not priced_per_layer(numerics):
         return None
     model = measured_fit(hw) or published_fit(hw_dir or DEFAULT_HW_DIR)  # the GPU's own layers, where measured
     kernels = kernel_profile(job.model, job.num_classes, job.channels, job.image_size, numerics.activation_bytes == 2)

@@ -154,8 +154,10 @@ class TorchPipeline:
     checkpoint: str = "never"
 
     @classmethod
-    def of(cls, setup: Setup) -> TorchPipeline:
-        return cls(tuple(setup.get("devices")), setup.get("chunks"), setup.get("schedule", "gpipe"),
+    def of(cls, setup: Setup, devices: tuple[str, ...] | None = None) -> TorchPipeline:
+        """The pipeline of ``setup``'s knobs, over its ``devices`` or the ones given (a composite's
+        setup names none)."""
+        return cls(devices or tuple(setup.get("devices")), setup.get("chunks"), setup.get("schedule", "gpipe"),
                    setup.get("checkpoint", "never"))
 
 
@@ -220,7 +222,7 @@ def torch_rank_bytes(pipe: TorchPipeline, batch: int, hw, profile, seq=None) -> 
 def one_pipeline(setup: Setup, hw) -> TorchPipeline:
     """One of a data-parallel job's two-stage PyTorch pipelines (its first)."""
     devices = ("cpu", "cpu") if hw.device_kind == "cpu" else ("cuda:0", "cuda:1")
-    return TorchPipeline(devices, setup.get("chunks"), setup.get("schedule", "gpipe"), setup.get("checkpoint", "never"))
+    return TorchPipeline.of(setup, devices)
 
 
 def pipelines_cost(setup, replicas: int, per_node: int, job, hw, profile, seq):

@@ -38,7 +38,7 @@ from ddlx.job import Batches, Job  # noqa: E402
 from ddlx.predict.cli import hardware, job_from_config  # noqa: E402
 from ddlx.costmodel.hardware import HardwareSpec  # noqa: E402
 from ddlx.predict.prediction import Prediction, Predictor  # noqa: E402
-from ddlx.strategies import Setup  # noqa: E402
+from ddlx.strategies import STRATEGIES, Setup  # noqa: E402
 
 NETWORKS = ("resnet18", "resnet50", "resnet152", "vgg11", "vgg16", "mobilenet_v2")
 DATASETS = ("mnist", "cifar10", "imagenet", "highres")
@@ -64,11 +64,11 @@ GPUS = tuple(f"cuda:{i}" for i in range(4))
 
 
 def horovod() -> Setup:
-    return Setup("ddp_nccl", (("processes", 4),))
+    return STRATEGIES["ddp_nccl"].setup(processes=4)
 
 
 def gpipe(chunks: int) -> Setup:
-    return Setup("pipe", (("chunks", chunks), ("devices", GPUS), ("checkpoint", "except_last")))
+    return STRATEGIES["pipe"].setup(chunks=chunks, devices=GPUS, checkpoint="except_last")
 
 
 def thesis_job(model: str, data: str) -> tuple[Job, HardwareSpec]:

@@ -46,13 +46,6 @@ class Bound:
         return not (self.high is not None and (value > self.high or (self.high_open and value == self.high)))
 
 
-def knob_value(knobs, key: str, default: Any = None) -> Any:
-    """A knob of a strategy's typed config (a dataclass: an attribute) or of a predictor's setup
-    (anything with ``get``), ``default`` where it has none: what the code serving both reads."""
-    get = getattr(knobs, "get", None)
-    return get(key, default) if get is not None else getattr(knobs, key, default)
-
-
 @dataclass(frozen=True)
 class SetupRole:
     """How a strategy knob names a setup: what the recommender predicts, and what calibration matches

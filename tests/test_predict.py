@@ -39,6 +39,7 @@ from ddlx.predict.setups import (
 from ddlx.predict.sequential_time import ProbedBatch
 from ddlx.predict.validation import ValidationRow, pick, validate
 from ddlx.records import MeasuredRun, job_of_run, workload_of
+from ddlx.strategies import STRATEGIES
 
 FAST = pm.Link(latency_s=1e-5, bandwidth_mb_s=1000.0)  # 10 µs, 1 GB/s
 SLOW = pm.Link(latency_s=1e-4, bandwidth_mb_s=100.0)
@@ -226,8 +227,8 @@ def test_the_allocator_advice_names_what_glibc_maps_afresh_for_the_recommended_s
     monkeypatch.setattr("ddlx.predict.prediction.keep_freed_possible", lambda: False)
     assert allocator_advice(Predictor(_hw(host=socket.gethostname()), []).recommend(job)) is None
     assert allocator_advice(Predictor(_hw(), []).recommend(job)) is not None
-    assert [worker_batch(s, job) for s in (Setup("sequential", (("threads", 2),)), Setup("threads", (("threads", 2),)),
-                                           Setup("cpu_mp", (("processes", 2),)), Setup("pipe", (("chunks", 4),)))] == [32, 16, 16, 8]
+    assert [worker_batch(s, job) for s in (STRATEGIES["sequential"].setup(threads=2), STRATEGIES["threads"].setup(threads=2),
+                                           STRATEGIES["cpu_mp"].setup(processes=2), STRATEGIES["pipe"].setup(chunks=4))] == [32, 16, 16, 8]
 
 
 # ---- hardware, memory, calibration ------------------------------------------------------------
@@ -248,9 +249,9 @@ def test_memory_filter_refuses_what_does_not_fit():
     profile = profile_model("vgg16", 3, 3, 224)
     job = Job("vgg16", "firesmall", 3, 3, 224, 256, 633)
     gpu = _hw(device_kind="gpu", memory_per_device_gb=16, devices_per_node=4)
-    seq = memory_need(Setup("sequential", (("trainer", "gpu"),)), job, gpu, profile)
-    ddp = memory_need(Setup("ddp_nccl", (("processes", 4),)), job, gpu, profile)
-    pipe = memory_need(Setup("pipe", (("chunks", 8), ("devices", ("cuda:0", "cuda:1", "cuda:2", "cuda:3")))), job, gpu, profile)
+    seq = memory_need(STRATEGIES["sequential"].setup(trainer="gpu"), job, gpu, profile)
+    ddp = memory_need(STRATEGIES["ddp_nccl"].setup(processes=4), job, gpu, profile)
+    pipe = memory_need(STRATEGIES["pipe"].setup(chunks=8, devices=("cuda:0", "cuda:1", "cuda:2", "cuda:3")), job, gpu, profile)
     assert not seq.fits and seq.per_device_gb > 16
     assert ddp.per_device_gb < seq.per_device_gb and pipe.per_device_gb < seq.per_device_gb
     assert pipe.fits and ddp.fits
@@ -269,8 +270,8 @@ def test_a_pipelines_memory_is_of_the_cut_its_time_model_times():
     seq = SequentialTime(0.01, 0.0, "test", layers_s=lambda samples: times)
     cut = contiguous_balance([f + b for f, b in times], 4)
     devices = ("cuda:0", "cuda:1", "cuda:2", "cuda:3")
-    fairscale = Setup("pipe", (("chunks", 8), ("devices", devices)))
-    torch_gpipe = Setup("pipe", (("chunks", 8), ("devices", devices), ("engine", "torch"), ("schedule", "gpipe")))
+    fairscale = STRATEGIES["pipe"].setup(chunks=8, devices=devices)
+    torch_gpipe = STRATEGIES["pipe"].setup(chunks=8, devices=devices, engine="torch", schedule="gpipe")
     for setup in (fairscale, torch_gpipe):
         by_flops, by_time = memory_need(setup, job, gpu, profile), memory_need(setup, job, gpu, profile, seq)
         assert by_time.per_device_gb != pytest.approx(by_flops.per_device_gb), setup.label
@@ -323,8 +324,8 @@ def _run(run_id: str, setup: Setup, params: dict, epoch_s: float, host: str = "t
     strategy_params = {f"strategy.{f.name}": str(f.default) for f in fields(spec_of(setup.strategy).config)}
     strategy_params.update({f"strategy.{k}": str(v) for k, v in setup.knobs if k != "devices"})
     tags = {"strategy": setup.strategy, "host": host, "accelerator": "cpu"}
-    if setup.get("devices"):
-        tags["devices"] = ",".join(setup.get("devices"))
+    if getattr(setup, "devices", None):
+        tags["devices"] = ",".join(setup.devices)
     samples = int(params["train"])
     return MeasuredRun(run_id, "FINISHED", workload_of(params, tags), "cpu", setup.strategy, setup.label, epoch_s,
                        params={**{k: v for k, v in params.items() if k != "train"}, **strategy_params,
@@ -337,8 +338,8 @@ def _workload_params(model: str, size: int) -> dict:
             "data.image_size": str(size), "data.batch_size": "32", "data.num_images": "400", "train": "320"}
 
 
-SETUPS = [Setup("sequential", (("threads", 1),)), Setup("threads", (("threads", 2),)),
-          Setup("cpu_mp", (("processes", 2),)), Setup("pipe", (("chunks", 4), ("devices", ("cpu", "cpu"))))]
+SETUPS = [STRATEGIES["sequential"].setup(threads=1), STRATEGIES["threads"].setup(threads=2),
+          STRATEGIES["cpu_mp"].setup(processes=2), STRATEGIES["pipe"].setup(chunks=4, devices=("cpu", "cpu"))]
 # What the implementation adds to the model: the batch-splitting strategies one compute factor,
 # each its own overhead factor; pipe one factor on the whole.
 TRUTH = {"threads": Calibration(1.1, 1.5, 3), "cpu_mp": Calibration(1.1, 1.2, 3), "pipe": Calibration(2.0, 2.0, 3)}
@@ -437,7 +438,7 @@ def test_a_network_measured_at_other_sizes_corrects_its_strategies_own_miss():
     workloads = (("alexnet", 64, 0.010), ("vgg11", 64, 0.050), ("alexnet", 96, 0.020),
                  ("resnet18", 64, 0.030), ("resnet18", 80, 0.045), ("resnet18", 96, 0.065))
     runs = _consistent_runs(hw, workloads, {("resnet18", "threads"): 1.08})
-    threads = Setup("threads", (("threads", 2),))
+    threads = STRATEGIES["threads"].setup(threads=2)
     held = "resnet18-96-" + threads.label
     measured = next(r.mean_epoch_time_s for r in runs if r.run_id == held)
     (pred,) = Predictor(hw, [r for r in runs if r.run_id != held]).recommend(Job("resnet18", "firesmall", 3, 3, 96, 32, 320), [threads]).predictions
@@ -573,12 +574,12 @@ def test_every_described_machine_loads(name):
 def test_every_machine_with_two_devices_gets_torch_pipeline_setups_with_time_memory_and_basis(name):
     spec = hardware(_compose_hw(f"hw={name}"))
     rec = Predictor(spec, []).recommend(Job("vgg11", "firesmall", 3, 3, 224, 32, 633))
-    torch_pipes = [p for p in rec.predictions if p.setup.get("engine") == "torch"]
-    assert {p.setup.get("schedule") for p in torch_pipes} == {"gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"}
+    torch_pipes = [p for p in rec.predictions if getattr(p.setup, "engine", None) == "torch"]
+    assert {p.setup.schedule for p in torch_pipes} == {"gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"}
     for p in torch_pipes:
         assert p.epoch_s > 0 and p.memory.per_device_gb > 0 and p.basis
-        stages = len(p.setup.get("devices")) if p.setup.strategy == "pipe" else 2  # hybrid, mpi: two-stage pipelines
-        assert "strategy.engine=torch" in overrides(p.setup) and p.setup.get("chunks") >= stages
+        stages = len(p.setup.devices) if p.setup.strategy == "pipe" else 2  # hybrid, mpi: two-stage pipelines
+        assert "strategy.engine=torch" in overrides(p.setup) and p.setup.chunks >= stages
     # Data-parallel pipelines where a node has 4 devices (hybrid) or there are several nodes (mpi).
     expected = {"hybrid"} if spec.devices_per_node >= 4 else set()
     assert {p.setup.strategy for p in torch_pipes} - {"pipe"} == expected | ({"mpi"} if spec.nodes > 1 else set())
@@ -610,9 +611,9 @@ def test_data_parallel_pipelines_are_one_pipeline_on_its_share_then_a_gradient_a
     gpu = _hw(device_kind="gpu", devices_per_node=4, memory_per_device_gb=16, memory_bandwidth_gb_s=600.0)
     job, profile = Job("vgg11", "firesmall", 3, 3, 224, 64, 633), profile_model("vgg11", 3, 3, 224)
     seq = SequentialTime(0.01, 0.0, "test")
-    knobs = (("chunks", 8), ("engine", "torch"), ("schedule", "1f1b"))
-    one = Setup("pipe", (("devices", ("cuda:0", "cuda:1")), *knobs))
-    two = Setup("hybrid", (("processes", 2), ("local", "pipe"), *knobs))
+    knobs = {"chunks": 8, "engine": "torch", "schedule": "1f1b"}
+    one = STRATEGIES["pipe"].setup(devices=("cuda:0", "cuda:1"), **knobs)
+    two = STRATEGIES["hybrid"].setup(processes=2, local="pipe", **knobs)
     half = replace(job, batch_size=32)
     averaging = model_batch_s(two, job, gpu, profile, seq) - model_batch_s(one, half, gpu, profile, seq)
     # Each rank's stage gradient (the split point's share of VGG11's weights) over a ring of the two pipelines.
@@ -625,7 +626,7 @@ def test_data_parallel_pipelines_are_one_pipeline_on_its_share_then_a_gradient_a
     assert memory_need(two, job, gpu, profile).per_device_gb == pytest.approx(memory_need(one, half, gpu, profile).per_device_gb)
     # On CPU, four processes on two cores time-share them.
     cpu = _hw()
-    cpu_one, cpu_two = Setup("pipe", (("devices", ("cpu", "cpu")), *knobs)), Setup("hybrid", (("processes", 2), ("local", "pipe"), *knobs))
+    cpu_one, cpu_two = STRATEGIES["pipe"].setup(devices=("cpu", "cpu"), **knobs), STRATEGIES["hybrid"].setup(processes=2, local="pipe", **knobs)
     assert model_batch_s(cpu_two, job, cpu, profile, seq) > 2 * model_batch_s(cpu_one, half, cpu, profile, seq)
 
 
@@ -643,9 +644,9 @@ def test_pipeline_schedules_follow_their_papers():
     job = Job("vgg16", "firesmall", 3, 3, 224, 256, 633)
     gpu = _hw(device_kind="gpu", memory_per_device_gb=80, devices_per_node=4, peak_tflops=10.0)
     devices = tuple(f"cuda:{i}" for i in range(4))
-    setups = [Setup("pipe", (("chunks", 16), ("devices", devices), ("engine", "torch"), ("schedule", s)))
+    setups = [STRATEGIES["pipe"].setup(chunks=16, devices=devices, engine="torch", schedule=s)
               for s in ("gpipe", "1f1b")]
-    gpipe, one_f_one_b = sorted(Predictor(gpu, []).recommend(job, setups).predictions, key=lambda p: p.setup.get("schedule") != "gpipe")
+    gpipe, one_f_one_b = sorted(Predictor(gpu, []).recommend(job, setups).predictions, key=lambda p: p.setup.schedule != "gpipe")
     assert one_f_one_b.epoch_s == pytest.approx(gpipe.epoch_s)
     assert one_f_one_b.memory.per_device_gb < gpipe.memory.per_device_gb / 2, "4 micro-batches in flight at most, not 16"
 
@@ -788,14 +789,14 @@ def test_checkpointed_pipe_trades_time_for_memory():
     profile = profile_model("vgg16", 3, 3, 224)
     seq = SequentialTime(0.01, 0.001, "test")
     devices = ("cuda:0", "cuda:1", "cuda:2", "cuda:3")
-    plain = Setup("pipe", (("chunks", 16), ("devices", devices)))
-    ckpt = Setup("pipe", (("chunks", 16), ("devices", devices), ("checkpoint", "always")))
+    plain = STRATEGIES["pipe"].setup(chunks=16, devices=devices)
+    ckpt = STRATEGIES["pipe"].setup(chunks=16, devices=devices, checkpoint="always")
     assert memory_need(ckpt, job, gpu, profile).per_device_gb < memory_need(plain, job, gpu, profile).per_device_gb
     slower = model_batch_s(ckpt, job, gpu, profile, seq) - model_batch_s(plain, job, gpu, profile, seq)
     # Eq. 6.1's compute with every sample's forward (1/3 of its work) done again.
     assert slower == pytest.approx(pm.gpipe_compute_s(256 * 0.01 / 3, 4, 16))
     # torchgpipe's and fairscale's default names micro-batches: all but the last recompute, on every stage.
-    last = Setup("pipe", (("chunks", 16), ("devices", devices), ("checkpoint", "except_last")))
+    last = STRATEGIES["pipe"].setup(chunks=16, devices=devices, checkpoint="except_last")
     assert model_batch_s(last, job, gpu, profile, seq) - model_batch_s(plain, job, gpu, profile, seq) == \
         pytest.approx(slower * 15 / 16)
     always, except_last, never = (memory_need(s, job, gpu, profile).per_device_gb for s in (ckpt, last, plain))
@@ -817,9 +818,9 @@ def test_a_batch_stated_per_worker_grows_with_each_setups_processes():
     assert (ddp.batch_size, one.batch_size) == (128, 32)
     assert ddp.speedup == pytest.approx(one.epoch_s / ddp.epoch_s), "epochs compared, whatever each one's batch"
     pipes = [p for p in rec.predictions if p.setup.strategy == "pipe"]
-    assert pipes and {p.setup.get("chunks") for p in pipes} == {12}, "any micro-batch count"
+    assert pipes and {p.setup.chunks for p in pipes} == {12}, "any micro-batch count"
     assert {p.batch_size for p in pipes} == {384} and all(p.data_overrides == ("data.batch_size=384",) for p in pipes)
-    assert {p.setup.get("checkpoint", "never") for p in pipes} >= {"never", "except_last"}, "torchgpipe's default tried"
+    assert {p.setup.checkpoint for p in pipes} >= {"never", "except_last"}, "torchgpipe's default tried"
 
 
 def test_the_candidates_option_is_checked_and_names_the_key():
@@ -934,7 +935,7 @@ def test_a_probe_keeps_the_loading_apart():
     assert seq.batch_s(32) == pytest.approx(1.1) and seq.load_per_sample_s == pytest.approx(0.16 / 32)
     assert "0.160 s of it loading" in seq.basis
     folded = SequentialTime(seq.per_sample_s + seq.load_per_sample_s, seq.weight_s, "no loading apart")
-    threads, cpu_mp = Setup("threads", (("threads", 2),)), Setup("cpu_mp", (("processes", 2),))
+    threads, cpu_mp = STRATEGIES["threads"].setup(threads=2), STRATEGIES["cpu_mp"].setup(processes=2)
     gap = model_batch_s(threads, job, hw, profile, seq) - model_batch_s(cpu_mp, job, hw, profile, seq)
     folded_gap = model_batch_s(threads, job, hw, profile, folded) - model_batch_s(cpu_mp, job, hw, profile, folded)
     assert gap - folded_gap == pytest.approx(0.16 / 2), "threads pays the half of the loading cpu_mp's other process does"
@@ -949,7 +950,7 @@ def test_gpu_predictions_are_bound_by_the_data_loaders():
     gpu = _hw(device_kind="gpu", devices_per_node=4, cores_per_node=8, peak_tflops=100.0, memory_per_device_gb=24,
               memory_bandwidth_gb_s=1000.0, intra_node=LinkSpec(10000.0, 1.0))  # links that hide AlexNet's 244 MB of gradients
     job = Job("alexnet", "firesmall", 3, 3, 64, 32, 320, num_workers=2)
-    ddp, one = Setup("ddp_nccl", (("processes", 4),)), Setup("sequential", (("trainer", "gpu"),))
+    ddp, one = STRATEGIES["ddp_nccl"].setup(processes=4), STRATEGIES["sequential"].setup(trainer="gpu")
     assert loader_bound_s(ddp, job, gpu, 0.005) == pytest.approx(32 / 4 * 0.005 / 2)
     assert loader_bound_s(one, job, gpu, 0.005) == pytest.approx(32 * 0.005 / 2)
     many = Job("alexnet", "firesmall", 3, 3, 64, 32, 320, num_workers=4)
@@ -1049,8 +1050,8 @@ def test_the_training_process_data_loading_is_split_by_processes_not_by_threads(
     profile = profile_model("resnet18", 3, 3, 64)
     bare, loading = SequentialTime(0.01, 0.02, "t"), SequentialTime(0.01, 0.02, "t", load_per_sample_s=0.002)
     added = {s.label: model_batch_s(s, job, hw, profile, loading) - model_batch_s(s, job, hw, profile, bare)
-             for s in [Setup("sequential", (("threads", 2),)), Setup("threads", (("threads", 2),)),
-                       Setup("cpu_mp", (("processes", 2),)), Setup("ddp_gloo", (("processes", 2),))]}
+             for s in [STRATEGIES["sequential"].setup(threads=2), STRATEGIES["threads"].setup(threads=2),
+                       STRATEGIES["cpu_mp"].setup(processes=2), STRATEGIES["ddp_gloo"].setup(processes=2)]}
     assert added["sequential threads=2"] == pytest.approx(32 * 0.002), "intra-op threads do not load images"
     assert added["threads threads=2"] == pytest.approx(32 * 0.002), "the main thread loads the whole batch"
     assert added["cpu_mp processes=2"] == pytest.approx(16 * 0.002) and added["ddp_gloo processes=2"] == pytest.approx(16 * 0.002)
@@ -1085,7 +1086,7 @@ def test_a_precision_sets_the_units_the_gpu_model_runs_it_on():
     job = Job("vgg16", "firesmall", 2, 3, 224, 32, 640)
 
     def seq(hw, precision):
-        return Predictor(hw, []).recommend(replace(job, precision=precision), [Setup("sequential")]).sequential
+        return Predictor(hw, []).recommend(replace(job, precision=precision), [STRATEGIES["sequential"].setup()]).sequential
 
     fp32, fp16, bf16, fp64 = (seq(titan, p) for p in ("32-true", "16-mixed", "bf16-mixed", "64-true"))
     assert 1.5 < fp32.per_sample_s / fp16.per_sample_s < 130.5 / 16.3
@@ -1140,7 +1141,7 @@ def test_a_precision_sets_the_bytes_of_weights_gradients_and_activations():
     assert half.boundary_bytes([10, len(fp32.layers) - 10]) == [b // 2 for b in fp32.boundary_bytes([10, len(fp32.layers) - 10])]
     assert double.state_bytes(10) == 10 * 3 * 8 and double.activation_bytes_per_sample == 2 * fp32.activation_bytes_per_sample
     hw, job = _compose_hw_spec("titanrtx_4x"), Job("vgg11", "firesmall", 2, 3, 64, 32, 640)
-    ddp = Setup("ddp_nccl", (("processes", 4),))
+    ddp = STRATEGIES["ddp_nccl"].setup(processes=4)
     from ddlx.costmodel.gpu_measured import gpu_working_memory
 
     working = gpu_working_memory()[0] / GB  # the libraries' workspaces: the same in every precision
@@ -1157,7 +1158,7 @@ def test_setups_that_refuse_a_precision_are_not_candidates():
 
     def refusing(precision):
         return {s.label for s in candidates(hw, replace(job, precision=precision))
-                if s.strategy in ("fsdp", "cpu_mp") or s.get("engine") == "torch"}
+                if s.strategy in ("fsdp", "cpu_mp") or getattr(s, "engine", None) == "torch"}
 
     assert refusing("bf16-mixed") and not refusing("16-mixed"), "16-mixed: loss scaling needs every rank's gradients"
 
@@ -1179,7 +1180,7 @@ def test_hybrid_sharding_shards_within_its_groups_and_averages_across_them():
     # ResNet-18: no layer so large that gathering it outweighs the sharding (VGG's classifier is).
     job, profile = Job("resnet18", "firesmall", 3, 3, 224, 64, 633), profile_model("resnet18", 3, 3, 224)
     seq = SequentialTime(0.01, 0.0, "test")
-    setups = {level: Setup("fsdp", (("processes", 4), ("sharding", level), *((("shard_size", 2),) if level == "hybrid" else ())))
+    setups = {level: STRATEGIES["fsdp"].setup(processes=4, sharding=level, shard_size=2 if level == "hybrid" else None)
               for level in ("full", "hybrid", "none")}
     memory = {level: memory_need(s, job, two_nodes, profile).per_device_gb for level, s in setups.items()}
     assert memory["full"] < memory["hybrid"] < memory["none"], "1/2 of the state per rank, between 1/4 and all of it"
@@ -1197,8 +1198,8 @@ def test_cpu_processes_beyond_the_cores_share_them():
 
     cpu, profile = _hw(), profile_model("resnet18", 3, 3, 64)  # 2 cores
     seq = SequentialTime(0.01, 0.0, "test")
-    for strategy, knobs in (("ddp_gloo", (("processes", 4),)), ("fsdp", (("processes", 4), ("sharding", "full")))):
-        two, four = (model_cost(Setup(strategy, ((("processes", p),) + knobs[1:])), JOB, cpu, profile, seq) for p in (2, 4))
+    for strategy, knobs in (("ddp_gloo", {}), ("fsdp", {"sharding": "full"})):
+        two, four = (model_cost(STRATEGIES[strategy].setup(processes=p, **knobs), JOB, cpu, profile, seq) for p in (2, 4))
         assert four.compute_s == pytest.approx(two.compute_s) == pytest.approx(32 * 0.01 / 2), strategy
         assert four.total_s > two.total_s, f"{strategy}: the same compute on the 2 cores, and a longer ring"
 

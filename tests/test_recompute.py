@@ -14,7 +14,8 @@ from ddlx.models import build_model
 from ddlx.parallel.recompute import recompute_at_cut_points
 from ddlx.predict.cli import hardware, load_hw_file
 from ddlx.costmodel.profile import profile_model
-from ddlx.predict.setups import SequentialTime, Setup, candidates, memory_need, model_cost
+from ddlx.predict.setups import SequentialTime, candidates, memory_need, model_cost
+from ddlx.strategies import STRATEGIES
 
 
 def _step(model, x, y) -> int:
@@ -72,15 +73,15 @@ GPUS = ("cuda:0", "cuda:1", "cuda:2", "cuda:3")
 
 
 @pytest.mark.parametrize("setup, forwards", [
-    (Setup("ddp_nccl", (("processes", 4),)), 1), (Setup("fsdp", (("processes", 4), ("sharding", "full"))), 1),
-    (Setup("pipe", (("chunks", 8), ("devices", GPUS), ("engine", "torch"), ("schedule", "1f1b"))), 1),
+    (STRATEGIES["ddp_nccl"].setup(processes=4), 1), (STRATEGIES["fsdp"].setup(processes=4, sharding="full"), 1),
+    (STRATEGIES["pipe"].setup(chunks=8, devices=GPUS, engine="torch", schedule="1f1b"), 1),
     # ZB-V's input and weight gradients are two backward passes, each recomputing the block.
-    (Setup("pipe", (("chunks", 8), ("devices", GPUS), ("engine", "torch"), ("schedule", "zero_bubble"))), 2)])
+    (STRATEGIES["pipe"].setup(chunks=8, devices=GPUS, engine="torch", schedule="zero_bubble"), 2)])
 def test_recomputing_costs_a_forward_and_saves_activation_memory(setup, forwards):
     hw, job = _hw("titanrtx_4x"), Job("resnet152", "highres", 1000, 3, 512, 128, 60000)
     profile = profile_model("resnet152", 1000, 3, 512)
     seq = SequentialTime(per_sample_s=0.01, weight_s=0.0, basis="given")
-    again = Setup(setup.strategy, (*setup.knobs, ("checkpoint", "always")))
+    again = STRATEGIES[setup.strategy].with_knobs(setup, checkpoint="always")
     plain_cost, again_cost = model_cost(setup, job, hw, profile, seq), model_cost(again, job, hw, profile, seq)
     assert again_cost.compute_s == pytest.approx(plain_cost.compute_s * (1 + forwards / 3), rel=0.02), "a forward: +1/3"
     assert memory_need(again, job, hw, profile).per_device_gb < 0.6 * memory_need(setup, job, hw, profile).per_device_gb
@@ -94,8 +95,8 @@ def test_data_parallel_candidates_include_recomputation_and_the_thesis_case_fits
     hw, job = _hw("titanrtx_4x"), Job("resnet152", "highres", 1000, 3, 512, 128, 60000)
     labels = {s.label for s in candidates(hw, job)}
     assert {"ddp_nccl processes=4 checkpoint=always", "fsdp processes=4 sharding=full checkpoint=always"} <= labels
-    rec = Predictor(hw, []).recommend(job, [Setup("ddp_nccl", (("processes", 4),)),
-                                            Setup("ddp_nccl", (("processes", 4), ("checkpoint", "always")))])
+    rec = Predictor(hw, []).recommend(job, [STRATEGIES["ddp_nccl"].setup(processes=4),
+                                            STRATEGIES["ddp_nccl"].setup(processes=4, checkpoint="always")])
     by_label = {p.setup.label: p for p in rec.predictions}
     plain, again = by_label["ddp_nccl processes=4"], by_label["ddp_nccl processes=4 checkpoint=always"]
     assert not plain.memory.fits and again.memory.fits and rec.best is again

@@ -18,7 +18,7 @@ from ddlx.job import Job
 from ddlx.predict.hw_files import DEFAULT_HW_DIR, hw_file
 from ddlx.predict.prediction import Predictor
 from ddlx.run import layered_model_meta
-from ddlx.strategies import STRATEGIES, Setup, build_strategy
+from ddlx.strategies import STRATEGIES, build_strategy
 from ddlx.strategies.parts.replicas import ParallelDims
 from ddlx.tracking import flatten_config
 
@@ -123,12 +123,25 @@ def test_candidates_are_setups_as_the_spec_builds_them(name):
             assert setup.knobs == spec.setup(**dict(setup.knobs)).knobs, (hw_name, setup.label)
 
 
-def test_a_setup_is_the_same_in_whatever_order_its_knobs_come():
-    given = Setup("pipe", (("devices", ("cpu", "cpu")), ("chunks", 4)))
-    built = STRATEGIES["pipe"].setup(devices=("cpu", "cpu"), chunks=4)
-    assert given == built and hash(given) == hash(built) and built.label == "pipe chunks=4 devices=[cpu,cpu]"
+def test_a_setup_is_its_spec_s_frozen_dataclass_of_typed_knobs():
+    """Typed fields in the spec's order, equal whatever order the knobs come in or whether a knob
+    its role leaves out was given; frozen; a knob its models do not read refused by name."""
+    import dataclasses
+
+    pipe = STRATEGIES["pipe"]
+    given = pipe.setup(devices=["cpu", "cpu"], chunks=4, schedule="1f1b")  # schedule: only with engine=torch
+    built = pipe.setup(chunks=4, devices=("cpu", "cpu"))
+    assert type(given) is pipe.setup_type and given == built and hash(given) == hash(built)
+    assert (built.chunks, built.devices, built.engine, built.schedule) == (4, ("cpu", "cpu"), "fairscale", "gpipe")
+    assert built.label == "pipe chunks=4 devices=[cpu,cpu]" and pipe.with_knobs(built, chunks=8).chunks == 8
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        built.chunks = 8
+    with pytest.raises(AttributeError):
+        built.chunk  # a misspelt knob is an error, not a silent default
     with pytest.raises(ValueError, match="timeout_s"):
-        STRATEGIES["pipe"].setup(chunks=4, timeout_s=60.0)  # not a knob its models read
+        pipe.setup(chunks=4, timeout_s=60.0)  # not a knob its models read
+    assert STRATEGIES["ddp_gloo"].setup(processes=2) != STRATEGIES["ddp_nccl"].setup(processes=2)
+    assert STRATEGIES["sequential"].setup(trainer="gpu", threads=4).knobs == (("trainer", "gpu"),)
 
 
 def test_a_run_s_setup_is_read_from_its_fields_roles():
@@ -138,14 +151,14 @@ def test_a_run_s_setup_is_read_from_its_fields_roles():
     assert cpu_mp.setup_of_run({"strategy.processes": "2"}, {}).knobs == (("processes", 2), ("split_linear", "never"))
     assert cpu_mp.setup_of_run({"strategy.processes": "2", "strategy.split_linear": "auto"}, {}).knobs == (("processes", 2),)
     assert ddp.setup_of_run({"strategy.processes": "2", "strategy.bucket_cap_mb": "25.0"}, {}).knobs == (("processes", 2),)
-    assert ddp.setup_of_run({"strategy.processes": "2"}, {"bucket_cap_mb": "5"}).get("bucket_cap_mb") == 5.0
+    assert ddp.setup_of_run({"strategy.processes": "2"}, {"bucket_cap_mb": "5"}).bucket_cap_mb == 5.0
     fairscale = {"strategy.chunks": "4", "strategy.devices": "auto", "strategy.engine": "fairscale", "strategy.schedule": "1f1b"}
     assert pipe.setup_of_run(fairscale, {}) == pipe.setup(chunks=4, devices=("cpu", "cpu")), "devices: the plan's, not auto"
     assert pipe.setup_of_run({**fairscale, "strategy.engine": "torch"}, {"devices": "cuda:0,cuda:1"}).knobs == (
         ("chunks", 4), ("devices", ("cuda:0", "cuda:1")), ("engine", "torch"), ("schedule", "1f1b"))
     hybrid = {"strategy.processes": "4", "strategy.sharding": "hybrid", "strategy.shard_size": "None"}
-    assert fsdp.setup_of_run(hybrid, {"shard_size": "2"}).get("shard_size") == 2
-    assert fsdp.setup_of_run({**hybrid, "strategy.sharding": "full"}, {}).get("shard_size") is None
+    assert fsdp.setup_of_run(hybrid, {"shard_size": "2"}).shard_size == 2
+    assert fsdp.setup_of_run({**hybrid, "strategy.sharding": "full"}, {}).shard_size is None
 
 
 def test_a_run_s_label_shows_its_tags_but_quiet_defaults_and_its_set_params():
@@ -171,5 +184,5 @@ def test_each_setup_knob_can_be_tried_on_every_described_machine(name):
     tried = {k: f.default for k, f in spec.setup_fields().items() if f.default not in (None, "auto")}
     for hw_name in HW_FILES:
         for setup in candidates(hw_file(hw_name, DEFAULT_HW_DIR), JOB, tries={name: {k: [v] for k, v in tried.items()}}):
-            if setup.strategy == name and setup.get("trainer") is None:
-                assert all(setup.get(k, v) == v for k, v in tried.items()), (hw_name, setup.label)
+            if setup.strategy == name and getattr(setup, "trainer", None) is None:
+                assert all(getattr(setup, k) == v for k, v in tried.items()), (hw_name, setup.label)

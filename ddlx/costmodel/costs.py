@@ -24,7 +24,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..knobs import knob_value
 from .hardware import GB, HardwareSpec, LinkSpec
 from .perf_models import Link
 
@@ -190,9 +189,10 @@ def replica_bytes(job: Job, batch: int, recompute: bool = False) -> int:
 
 
 def recomputes(knobs) -> bool:
-    """Whether ``knobs`` (a strategy's typed config or a :class:`Setup`) recompute every block between
-    the cut points (``strategy.checkpoint=always`` of ddp_*, fsdp, pipe engine=torch)."""
-    return knob_value(knobs, "checkpoint", "never") == "always"
+    """Whether ``knobs`` (a strategy's typed config, its :class:`Setup` or a pipeline's: anything with
+    a ``checkpoint`` knob) recompute every block between the cut points
+    (``strategy.checkpoint=always`` of ddp_*, fsdp, pipe engine=torch)."""
+    return knobs.checkpoint == "always"
 
 
 def recompute_factor(knobs, backward_passes: int = 1) -> float:

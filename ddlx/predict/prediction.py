@@ -254,7 +254,7 @@ class Predictor:
         calibrations, source = self.calibration(runs)
         baseline = seq.batch_s(job.batch_size)
         if load_core is not None:
-            baseline = max(baseline, loader_bound_s(Setup(BASELINE), job, self.hw, load_core))
+            baseline = max(baseline, loader_bound_s(spec_of(BASELINE).setup(), job, self.hw, load_core))
         predictions = []
         for setup in setups if setups is not None else candidates(self.hw, job, batches, tries):
             group = calibration_group(setup)

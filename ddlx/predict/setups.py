@@ -41,7 +41,7 @@ def tried(setups: list[Setup], knobs: dict) -> list[Setup]:
         return setups
     out = []
     for setup in setups:
-        variants = [dict(setup.knobs)]
+        variants = [setup.values()]
         for knob, values in knobs.items():
             variants = [v | {knob: tuple(value) if isinstance(value, list) else value} for v in variants for value in values]
         out += [spec_of(setup.strategy).setup(**v) for v in variants]
@@ -120,7 +120,7 @@ def memory_need(setup: Setup, job: Job, hw: HardwareSpec, profile: ModelProfile,
 def training_processes(setup: Setup) -> int:
     """The training processes of ``setup`` (each with its own data loader)."""
     spec = STRATEGIES.get(setup.strategy)
-    return spec.processes(setup) if spec is not None else setup.get("processes") or setup.get("ranks") or 1
+    return spec.processes(setup) if spec is not None else 1  # a strategy since removed: its knobs are unknown
 
 
 def worker_batch(setup: Setup, job: Job) -> int:

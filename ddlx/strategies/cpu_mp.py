@@ -66,7 +66,7 @@ class CpuMp(StrategySpec):
         """One copy of the weights: the optimizer's passes over them are made once in all (each
         rank steps its slice), each extra rank repeats only its forward and backward passes, and
         of those not the split layers' (each rank computes its rows, exchanging activations)."""
-        p = setup.get("processes")
+        p = setup.processes
         work = job.batch_size * (seq.per_sample_s + seq.load_per_sample_s)
         barrier = hw.intra_node.latency_us * 1e-6
         split, split_params = split_layers(setup, job, profile)
@@ -84,7 +84,7 @@ class CpuMp(StrategySpec):
         """Each rank's activations (the split layers' inputs for the whole batch) and gradient
         (of the split layers only its rows), one shared copy of the weights, the optimizer state
         once over the slices, and the shared gradient slots (one per rank, of the layers not split)."""
-        p = setup.get("processes")
+        p = setup.processes
         split, split_params = split_layers(setup, job, profile)
         averaged = profile.params - split_params
         shared = (2 * profile.params + p * averaged) * profile.param_bytes  # weights, momentum (split), slots
@@ -101,8 +101,8 @@ def split_layers(setup, job, profile) -> tuple[list[tuple[int, int, int]], int]:
     activation value), and their parameters."""
     from ..parallel.split_linear import worth_splitting
 
-    p = setup.get("processes")
-    if setup.get("split_linear", "auto") == "never":
+    p = setup.processes
+    if setup.split_linear == "never":
         return [], 0
     split = [(i, o, layer.output_bytes // o) for layer in profile.layers for i, o in layer.linears
              if worth_splitting(i, o, job.batch_size, p)]

@@ -103,10 +103,10 @@ class Ddp(StrategySpec):
         return [plain, self.with_knobs(plain, checkpoint="always")] if on_its_devices and n > 1 else []
 
     def cost(self, setup, job, hw, profile, seq):
-        return data_parallel_cost(setup, setup.get("processes"), job, hw, profile, seq)
+        return data_parallel_cost(setup, setup.processes, job, hw, profile, seq)
 
     def memory(self, setup, job, hw, profile, seq=None):
-        return data_parallel_memory(setup, setup.get("processes"), job, hw, profile)
+        return data_parallel_memory(setup, setup.processes, job, hw, profile)
 
 
 class DdpGloo(Ddp):

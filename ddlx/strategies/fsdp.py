@@ -120,20 +120,20 @@ class Fsdp(StrategySpec):
 
     def launcher(self, setup, hw) -> str:
         """srun's tasks are the ranks when they span nodes (ddlx starts a node's ranks itself)."""
-        p, n = setup.get("processes"), hw.devices_per_node
+        p, n = setup.processes, hw.devices_per_node
         return f"srun --nodes={p // n} --ntasks-per-node={n}" if p > n else ""
 
     def cost(self, setup, job, hw, profile, seq):
         """DDP's Eq. 5.1 with FSDP's ring volume (``VOLUME``): the gathers and the reduce-scatter
         run per layer beside the computation on GPUs, in turn with it on CPU (shared cores)."""
-        w, shared_bus, sharding = setup.get("processes"), hw.device_kind == "cpu", setup.get("sharding", "full")
+        w, shared_bus, sharding = setup.processes, hw.device_kind == "cpu", setup.sharding
         work = job.batch_size * (seq.per_sample_at(job.batch_size / w) * recompute_factor(setup) + seq.load_per_sample_s)
         volume = VOLUME[sharding] * profile.gradient_mb
         largest = max(profile.layer_mb)  # one unit's transfer
         local, fixed = (min(w, hw.devices_per_node) if shared_bus else 1), hw.allreduce_fixed_us * 1e-6
         compute = work / computing_at_once(hw, w)
         if sharding == "hybrid":  # full inside each group, then its shard averaged across the groups
-            k = setup.get("shard_size", w)
+            k = (setup.shard_size or w)
             groups = [link(hw.link(rank_device(hw, i * k), rank_device(hw, (i + 1) % (w // k) * k))) for i in range(w // k)]
             comm = (data_parallel_s(0.0, k, volume, largest, ring(hw, k), fixed, overlap=not shared_bus)
                     + data_parallel_s(0.0, w // k, profile.gradient_mb / k, largest / k, groups, fixed, overlap=not shared_bus))
@@ -148,14 +148,14 @@ class Fsdp(StrategySpec):
         """A replica's activations at its share of the batch; the state sharded by level: full
         keeps 1/W of the weights, gradients and momentum plus the largest layer gathered (hybrid:
         1/shard_size), grad_op the whole weights and 1/W of the rest, none all of it."""
-        w, sharding = setup.get("processes"), setup.get("sharding", "full")
+        w, sharding = setup.processes, setup.sharding
         replica = replica_bytes(job, job.batch_size // w, recompute=recomputes(setup))
         state = profile.state_bytes(profile.params)
         cast = profile.params * profile.cast_bytes  # autocast's copies of the gathered weights: each rank its own
         weights = profile.params * profile.param_bytes
         largest = max(layer.params for layer in profile.layers) * profile.param_bytes
         if sharding in ("full", "hybrid"):  # hybrid: sharded over its group
-            shards = setup.get("shard_size", w) if sharding == "hybrid" else w
+            shards = (setup.shard_size or w) if sharding == "hybrid" else w
             kept = (state - cast) / shards + 2 * largest + cast  # the layer in use and the next, prefetched
         elif sharding == "grad_op":
             kept = weights + (state - cast - weights) / w + cast

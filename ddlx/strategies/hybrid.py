@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Optional
 
-from ..knobs import ALWAYS, knob, knob_value
+from ..knobs import ALWAYS, knob
 from ..costmodel.costs import DEFAULT_BUCKET_MB, cost, cut_mb, link, memory_need
 from ..costmodel.perf_models import hybrid_s, split_s
 from ..parallel.schedules import SCHEDULES
@@ -81,7 +81,7 @@ class Hybrid(StrategySpec):
         return cfg.processes > 1 or (cfg.local == "pipe" and cfg.engine == "torch")
 
     def compile_unit(self, knobs) -> str:
-        if knob_value(knobs, "local") == "split":
+        if knobs.local == "split":
             refuse_compile(self.name, "its processes' split halves are not compiled by ddlx yet",
                            "use strategy.local=pipe strategy.engine=torch")
         return compile_by_layers_or_refuse(self.name, knobs)
@@ -98,27 +98,27 @@ class Hybrid(StrategySpec):
 
     def devices(self, setup) -> int:
         """A pair of devices per process (local: split or pipe) or per two-process pipeline (engine=torch)."""
-        return 2 * setup.get("processes")
+        return 2 * setup.processes
 
     def calibration_group(self, setup) -> str:
         return engine_group(self.name, setup)
 
     def cost(self, setup, job, hw, profile, seq):
-        p, b = setup.get("processes"), job.batch_size
-        if setup.get("engine") == "torch":
+        p, b = setup.processes, job.batch_size
+        if setup.engine == "torch":
             dims = ParallelDims(2 * p, 2)
             return pipelines_cost(setup, dims.replicas, dims.replicas_per_node, job, hw, profile, seq)
         local = split_s(seq.batch_s(b // p), b // p, cut_mb(profile), link(hw.link(0, 1)))
         ring = [link(hw.link(2 * i, 2 * ((i + 1) % p))) for i in range(p)]
-        bucket = float(setup.get("bucket_cap_mb", DEFAULT_BUCKET_MB))
+        bucket = DEFAULT_BUCKET_MB  # its ranks' DDP at its default bucket (no knob)
         work = b * (seq.per_sample_at(b / p) + seq.load_per_sample_s)
         return cost(work / p, hybrid_s(local, p, profile.gradient_mb, bucket, ring, hw.allreduce_fixed_us * 1e-6))
 
     def memory(self, setup, job, hw, profile, seq=None):
-        if setup.get("engine") == "torch":
-            dims = ParallelDims(2 * setup.get("processes"), 2)
+        if setup.engine == "torch":
+            dims = ParallelDims(2 * setup.processes, 2)
             return pipelines_memory(setup, dims.replicas, dims.replicas_per_node, job, hw, profile, seq)
-        return memory_need(hw, halves_bytes(profile, hw, job.batch_size // setup.get("processes")))
+        return memory_need(hw, halves_bytes(profile, hw, job.batch_size // setup.processes))
 
 
 SPECS = (Hybrid(),)

@@ -7,7 +7,7 @@ from datetime import timedelta
 from typing import Any, Optional
 
 from ..compiling import WHOLE_MODEL
-from ..knobs import ALWAYS, knob, knob_value
+from ..knobs import ALWAYS, knob
 from ..parallel.schedules import SCHEDULES
 from .parts.pipelines import (ENGINES, PIPE_CHECKPOINT, PIPELINE_KNOB, PIPELINE_KNOB_UNLESS_DEFAULT, compile_by_layers_or_refuse,
                               engine_group, engine_refused_precisions, local_torch_pipeline, pipelines_candidates, pipelines_cost,
@@ -102,7 +102,7 @@ class Mpi(StrategySpec):
         )
 
     def compile_unit(self, knobs) -> str:
-        local = knob_value(knobs, "local", "sequential")
+        local = knobs.local
         if local == "split":
             refuse_compile(self.name, "its ranks' split halves are not compiled by ddlx yet",
                            "use strategy.local=sequential or strategy.local=pipe strategy.engine=torch")
@@ -119,30 +119,30 @@ class Mpi(StrategySpec):
         return [self.setup(ranks=ranks, local="sequential"), *pipelines]
 
     def launcher(self, setup, hw) -> str:
-        return f"mpirun -np {setup.get('ranks')}"  # ranks fill each node's slots in order (the host file's)
+        return f"mpirun -np {setup.ranks}"  # ranks fill each node's slots in order (the host file's)
 
     def processes(self, setup) -> int:
-        return setup.get("ranks")
+        return setup.ranks
 
     def calibration_group(self, setup) -> str:
         return engine_group(self.name, setup)
 
     def cost(self, setup, job, hw, profile, seq):
-        if setup.get("engine") == "torch":
+        if setup.engine == "torch":
             dims = self._dims(setup, hw)
             return pipelines_cost(setup, dims.replicas, dims.replicas_per_node, job, hw, profile, seq)
-        return data_parallel_cost(setup, setup.get("ranks"), job, hw, profile, seq)
+        return data_parallel_cost(setup, setup.ranks, job, hw, profile, seq)
 
     def memory(self, setup, job, hw, profile, seq=None):
-        if setup.get("engine") == "torch":
+        if setup.engine == "torch":
             dims = self._dims(setup, hw)
             return pipelines_memory(setup, dims.replicas, dims.replicas_per_node, job, hw, profile, seq)
-        return data_parallel_memory(setup, setup.get("ranks"), job, hw, profile)
+        return data_parallel_memory(setup, setup.ranks, job, hw, profile)
 
     @staticmethod
     def _dims(setup, hw) -> ParallelDims:
         """Two-stage pipelines over the ranks, which fill nodes in order (mpirun's default)."""
-        ranks = setup.get("ranks")
+        ranks = setup.ranks
         return ParallelDims(ranks, 2, min(ranks, hw.devices_per_node))
 
 

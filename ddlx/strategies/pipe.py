@@ -38,7 +38,7 @@ class PipeConfig:
 
 
 def pipe_balance(setup: Setup, profile, seq=None, micro: int = 1) -> list[int]:
-    return default_balance(profile, len(setup.get("devices")), seq, micro)
+    return default_balance(profile, len(setup.devices), seq, micro)
 
 
 class Pipe(StrategySpec):
@@ -109,29 +109,29 @@ class Pipe(StrategySpec):
         return out
 
     def accepts(self, setup, job) -> bool:
-        if setup.get("engine") == "torch" and (job.batch_size % setup.get("chunks", 1)
-                                               or setup.get("checkpoint", "never") not in RECOMPUTE):
+        if setup.engine == "torch" and (job.batch_size % setup.chunks
+                                               or setup.checkpoint not in RECOMPUTE):
             return False  # PyTorch's schedules need equal micro-batches; it recomputes all blocks or none
-        return setup.get("chunks", 1) <= job.batch_size  # every micro-batch needs a sample
+        return setup.chunks <= job.batch_size  # every micro-batch needs a sample
 
     def cost(self, setup, job, hw, profile, seq):
         b, load = job.batch_size, job.batch_size * seq.load_per_sample_s
-        if setup.get("engine") == "torch":
+        if setup.engine == "torch":
             compute, total = torch_batch_s(TorchPipeline.of(setup), hw, profile, seq, b)
             return cost(compute + load, total + load)
-        w, m = len(setup.get("devices")), setup.get("chunks")
+        w, m = len(setup.devices), setup.chunks
         return cost(gpipe_compute_s(m * max(1, b // m) * seq.per_sample_at(b // m), w, m) + load,
                     self._batch_s(setup, hw, profile, seq, b) + load)
 
     def _batch_s(self, setup, hw, profile, seq, b: int) -> float:
         """Eq. 6.1 + Eq. 6.2, plus the weight traffic: every micro-batch reads its stage's weights
         again; on GPUs each stage has its own memory, on CPU stages share the bus."""
-        devices = setup.get("devices")
-        w, m = len(devices), setup.get("chunks")
+        devices = setup.devices
+        w, m = len(devices), setup.chunks
         micro = max(1, b // m)
         traffic = 1 + (m - 1) * REPLICA_SHARE
         weights = weight_traffic_s(seq, hw, traffic, w) if hw.device_kind == "cpu" else seq.weight_s * traffic / w
-        recomputed = recomputed_share(setup.get("checkpoint", "never"), m)
+        recomputed = recomputed_share(setup.checkpoint, m)
         again = 1 + recomputed * FORWARD_SHARE  # their forward again in backward
         balance = pipe_balance(setup, profile, seq, micro)
         stages = seq.stage_s(balance, micro)
@@ -151,18 +151,18 @@ class Pipe(StrategySpec):
         return memory_need(hw, sum(ranks) if hw.device_kind == "cpu" else max(ranks))
 
     def memory(self, setup, job, hw, profile, seq=None):
-        if setup.get("engine") == "torch":
+        if setup.engine == "torch":
             return self._torch_memory(setup, job, hw, profile, seq)
-        chunks = setup.get("chunks", 1)
+        chunks = setup.chunks
         stages = stage_bytes(profile, pipe_balance(setup, profile, seq, max(1, job.batch_size // chunks)), job.batch_size,
-                             chunks, setup.get("checkpoint", "never"))
+                             chunks, setup.checkpoint)
         return memory_need(hw, sum(stages) if hw.device_kind == "cpu" else max(stages))
 
     def calibration_group(self, setup) -> str:
         return engine_group(self.name, setup)
 
     def worker_batch(self, setup, job) -> int:
-        return max(1, job.batch_size // setup.get("chunks"))
+        return max(1, job.batch_size // setup.chunks)
 
 
 SPECS = (Pipe(),)

@@ -20,6 +20,7 @@ class SequentialConfig:
 
 class Sequential(StrategySpec):
     name, config, order = "sequential", SequentialConfig, 0
+    extra_setup_knobs = (("trainer", "Optional[str]", None),)  # gpu: one GPU (set by trainer=gpu, not a strategy knob)
 
     def plan(self, cfg, accelerator, model, data) -> StrategyPlan:
         import torch
@@ -29,8 +30,11 @@ class Sequential(StrategySpec):
         return StrategyPlan(trainer_kwargs={"strategy": "auto", "devices": 1}, tags={"threads": str(cfg.threads)})
 
     def setup(self, **knobs) -> Setup:
-        """On a GPU, its setup is the trainer (``trainer=gpu``), not a knob: threads do not name it."""
-        return Setup(self.name, (("trainer", "gpu"),)) if knobs.get("trainer") == "gpu" else super().setup(**knobs)
+        """On a GPU, its setup is the trainer (``trainer=gpu``): threads do not name it."""
+        return super().setup(trainer="gpu") if knobs.get("trainer") == "gpu" else super().setup(**knobs)
+
+    def naming(self, setup) -> tuple[tuple[str, object], ...]:
+        return (("trainer", "gpu"),) if setup.trainer == "gpu" else super().naming(setup)
 
     def setup_of_run(self, params, tags) -> Setup:
         return self.setup(trainer="gpu") if tags.get("accelerator") == "gpu" else super().setup_of_run(params, tags)
@@ -44,7 +48,7 @@ class Sequential(StrategySpec):
         return out
 
     def cost(self, setup, job, hw, profile, seq):
-        threads = setup.get("threads", 1)
+        threads = setup.threads
         compute = job.batch_size * seq.per_sample_s / threads + job.batch_size * seq.load_per_sample_s
         return cost(compute, compute + weight_traffic_s(seq, hw, 1, threads))
 
@@ -52,7 +56,7 @@ class Sequential(StrategySpec):
         return memory_need(hw, replica_bytes(job, job.batch_size))
 
     def calibration_group(self, setup) -> str:
-        return self.name if setup.get("threads", 1) == 1 else "sequential-threads"
+        return self.name if setup.threads == 1 else "sequential-threads"
 
 
 SPECS = (Sequential(),)

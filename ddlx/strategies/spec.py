@@ -10,9 +10,10 @@ Nothing here imports torch at import time: the specs are read when the config is
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
-from dataclasses import Field, dataclass, field, fields
+from dataclasses import Field, dataclass, field, fields, make_dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..compiling import WHOLE_MODEL
@@ -46,30 +47,31 @@ class StrategyPlan:
     recompute: bool = False  # activation checkpointing at the cut points (the memory check counts it)
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True)
 class Setup:
-    """A strategy with the knob values a prediction or a measured run used; its spec builds it
-    (:meth:`StrategySpec.setup`), the knobs in the spec's order, which its label keeps. Two setups
-    with the same knob values are the same setup, in whatever order they were given."""
+    """A strategy with the knob values a prediction or a measured run used. Each spec's setups are
+    instances of its own frozen dataclass (:attr:`StrategySpec.setup_type`): a typed field for each
+    knob that names a setup, built from its config's fields, so a model reads ``setup.chunks`` and a
+    misspelt knob is an error, not a silent default. This base alone stands for a strategy the
+    registry lacks (a run logged by a strategy since removed)."""
 
     strategy: str
-    knobs: tuple[tuple[str, object], ...] = ()
 
-    def __eq__(self, other) -> bool:
-        return isinstance(other, Setup) and self._key() == other._key()
+    @property
+    def knobs(self) -> tuple[tuple[str, object], ...]:
+        """The knobs that name it, in its spec's order: what its label, its JSON and its train.py
+        overrides show (a knob its role leaves out at this value is not among them)."""
+        spec = getattr(type(self), "_spec", None)
+        return spec.naming(self) if spec is not None else ()
 
-    def __hash__(self) -> int:
-        return hash(self._key())
-
-    def _key(self):
-        return self.strategy, frozenset(self.knobs)
-
-    def get(self, key: str, default=None):
-        return dict(self.knobs).get(key, default)
+    def values(self) -> dict[str, object]:
+        """Every knob field with its value (what :meth:`StrategySpec.setup` takes back)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "strategy"}
 
     @property
     def label(self) -> str:
         return " ".join([self.strategy, *(f"{k}={_render(v)}" for k, v in self.knobs)])
+
 
 def _render(value) -> str:
     return f"[{','.join(map(str, value))}]" if isinstance(value, (list, tuple)) else str(value)
@@ -102,28 +104,50 @@ class StrategySpec:
         a :class:`ConfigError` with the reason where it cannot take it."""
         return WHOLE_MODEL
 
+    # Knobs naming its setups beyond its config's and its launcher's: (name, type, default), shown
+    # away from their default (sequential's trainer=gpu: one GPU).
+    extra_setup_knobs: ClassVar[tuple[tuple[str, str, Any], ...]] = ()
+
+    @functools.cached_property
+    def setup_type(self) -> type[Setup]:
+        """Its setups' frozen dataclass: its launcher knobs (counts), then its config's setup knobs
+        (:class:`~ddlx.knobs.SetupRole`) with their types and defaults, then :attr:`extra_setup_knobs`."""
+        knobs = [(key, "int", field(default=1)) for key in self.launcher_knobs]
+        knobs += [(f.name, f.type, field(default=f.default)) for f in self.setup_fields().values()]
+        knobs += [(name, kind, field(default=default)) for name, kind, default in self.extra_setup_knobs]
+        title = "".join(part.title() for part in self.name.split("_"))
+        return make_dataclass(f"{title}Setup", knobs, bases=(Setup,), frozen=True, kw_only=True,
+                              namespace={"_spec": self, "__module__": type(self).__module__})
+
     def setup(self, **knobs) -> Setup:
-        """The setup of these knob values, as a candidate or a measured run names it: its launcher
-        knobs, then its config's setup knobs (:class:`~ddlx.knobs.SetupRole`) in field order; a knob
-        is left out at its default where its role says so, and without the values it needs
-        (``schedule`` without ``engine=torch``)."""
-        roles = self.setup_fields()
-        unknown = set(knobs) - set(self.launcher_knobs) - set(roles)
+        """The setup of these knob values, as a candidate or a measured run names it. A knob not
+        given takes its default, and so does one whose role's condition does not hold (``schedule``
+        without ``engine=torch``): setups that run alike compare equal."""
+        values = {f.name: f.default for f in fields(self.setup_type) if f.name != "strategy"}
+        unknown = set(knobs) - set(values)
         if unknown:
             raise ValueError(f"strategy={self.name} has no setup knob {', '.join(sorted(unknown))}; "
-                             f"its setup knobs are {', '.join([*self.launcher_knobs, *roles])}")
-        out = [(key, knobs[key]) for key in self.launcher_knobs if key in knobs]
-        for name, f in roles.items():
-            role = f.metadata["setup"]
-            if name not in knobs or any(knobs.get(k, roles[k].default) != v for k, v in role.when):
-                continue
-            if not (role.unless_default and knobs[name] == f.default):
-                out.append((name, knobs[name]))
-        return Setup(self.name, tuple(out))
+                             f"its setup knobs are {', '.join(values)}")
+        values.update({key: tuple(v) if isinstance(v, list) else v for key, v in knobs.items()})
+        for name, f in self.setup_fields().items():
+            if any(values[k] != v for k, v in f.metadata["setup"].when):
+                values[name] = f.default
+        return self.setup_type(strategy=self.name, **values)
+
+    def naming(self, setup: Setup) -> tuple[tuple[str, object], ...]:
+        """The knobs that name ``setup`` (:attr:`Setup.knobs`): its launcher knobs, then each setup
+        knob its role shows at this value, in field order, then the extra knobs away from their default."""
+        out = [(key, getattr(setup, key)) for key in self.launcher_knobs]
+        for name, f in self.setup_fields().items():
+            role, value = f.metadata["setup"], getattr(setup, name)
+            if not (any(getattr(setup, k) != v for k, v in role.when) or (role.unless_default and value == f.default)):
+                out.append((name, value))
+        return (*out, *((name, getattr(setup, name)) for name, _, default in self.extra_setup_knobs
+                        if getattr(setup, name) != default))
 
     def with_knobs(self, setup: Setup, **changes) -> Setup:
         """``setup`` with some knobs changed (``checkpoint="always"``: what fits when it does not)."""
-        return self.setup(**{**dict(setup.knobs), **changes})
+        return self.setup(**{**setup.values(), **changes})
 
     def setup_of_run(self, params: dict[str, str], tags: dict[str, str]) -> Setup:
         """The setup a measured run of this strategy used, in the terms of :meth:`candidates`: each
@@ -215,12 +239,12 @@ class StrategySpec:
 
     def processes(self, setup: Setup) -> int:
         """Training processes (each with its own data loader)."""
-        return setup.get("processes") or 1
+        return getattr(setup, "processes", None) or 1
 
     def devices(self, setup: Setup) -> int:
         """Devices the setup trains on (what renting it costs): its listed devices where it names
         them (a pipeline's stages, a split's halves), else one per process."""
-        listed = setup.get("devices")
+        listed = getattr(setup, "devices", None)
         return len(listed) if isinstance(listed, tuple) else self.processes(setup)
 
     def worker_batch(self, setup: Setup, job: Job) -> int:

@@ -46,7 +46,7 @@ class Threads(StrategySpec):
         return [self.setup(threads=n)] if hw.device_kind == "cpu" and n > 1 else []
 
     def cost(self, setup, job, hw, profile, seq):
-        k = setup.get("threads")
+        k = setup.threads
         compute, load = job.batch_size * seq.per_sample_s, job.batch_size * seq.load_per_sample_s
         return cost(compute / k + load, threads_s(compute, k) + load + weight_traffic_s(seq, hw, 1 + (k - 1) * REPLICA_SHARE, k))
 
@@ -54,7 +54,7 @@ class Threads(StrategySpec):
         return memory_need(hw, replica_bytes(job, job.batch_size))
 
     def worker_batch(self, setup, job) -> int:
-        return job.batch_size // setup.get("threads")
+        return job.batch_size // setup.threads
 
 
 SPECS = (Threads(),)

@@ -27,7 +27,7 @@ from ...costmodel.costs import (
 from ...parallel.cuts import contiguous_balance
 from ...parallel.schedules import SCHEDULES, bubble_steps, in_flight, micro_batches, stage_owners, stages_of
 from ...costmodel.perf_models import Link, gpipe_comm_s, pipeline_schedule_s, ring_allreduce_s
-from ...knobs import SetupRole, knob_value
+from ...knobs import SetupRole
 from ..spec import Setup, refuse_compile
 
 PIPE_CHECKPOINT = ("never", "except_last", "always")
@@ -104,7 +104,7 @@ def local_torch_pipeline(cfg) -> bool:
 
 def engine_refused_precisions(knobs) -> dict[str, str]:
     """The precisions a pipeline with ``knobs`` cannot train in (PyTorch's engine: 16-mixed)."""
-    if knob_value(knobs, "engine", "fairscale") != "torch":
+    if knobs.engine != "torch":
         return {}
     return {"16-mixed": "16-mixed scales the loss before Lightning's backward, but PyTorch's schedule runs the backward "
                         "inside the forward, and each rank sees only its stages' gradients; use "
@@ -157,8 +157,8 @@ class TorchPipeline:
     def of(cls, setup: Setup, devices: tuple[str, ...] | None = None) -> TorchPipeline:
         """The pipeline of ``setup``'s knobs, over its ``devices`` or the ones given (a composite's
         setup names none)."""
-        return cls(devices or tuple(setup.get("devices")), setup.get("chunks"), setup.get("schedule", "gpipe"),
-                   setup.get("checkpoint", "never"))
+        return cls(devices or tuple(setup.devices), setup.chunks, setup.schedule,
+                   setup.checkpoint)
 
 
 def chunk_counts(job) -> list[int]:
@@ -270,7 +270,7 @@ def pipelines_candidates(setup_of, replicas: int, job, **knobs) -> list[Setup]:
 def compile_by_layers_or_refuse(strategy: str, knobs) -> str:
     """Pipelines of PyTorch's schedules stage the model by layers: each layer compiled; fairscale's
     ``Pipe`` runs its stages in worker threads of its own, which ddlx does not compile."""
-    if knob_value(knobs, "engine") == "torch":
+    if knobs.engine == "torch":
         return EACH_LAYER
     refuse_compile(strategy, "fairscale's Pipe runs each stage's layers in worker threads of its own and "
                    "moves the micro-batches between them outside any graph torch.compile could take",
@@ -280,4 +280,4 @@ def compile_by_layers_or_refuse(strategy: str, knobs) -> str:
 def engine_group(name: str, setup: Setup) -> str:
     """The calibration group of a strategy that runs pipelines: PyTorch's apart from its other
     setups (another engine, another way of working)."""
-    return f"{name} engine=torch" if setup.get("engine") == "torch" else name
+    return f"{name} engine=torch" if setup.engine == "torch" else name

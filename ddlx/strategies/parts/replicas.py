@@ -54,7 +54,7 @@ def data_parallel_cost(setup: Setup, workers: int, job, hw, profile, seq):
     shared_bus = hw.device_kind == "cpu"
     work = job.batch_size * (seq.per_sample_at(job.batch_size / workers) * recompute_factor(setup) + seq.load_per_sample_s)
     local = min(workers, hw.devices_per_node) if shared_bus else 1
-    bucket = float(setup.get("bucket_cap_mb", DEFAULT_BUCKET_MB))
+    bucket = float(getattr(setup, "bucket_cap_mb", DEFAULT_BUCKET_MB))
     compute = work / computing_at_once(hw, workers)
     layers = None if shared_bus else seq.layers_s_at(job.batch_size / workers, profile)
     if layers:  # the buckets go as the backward pass reaches them

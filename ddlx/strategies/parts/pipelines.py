@@ -160,6 +160,16 @@ class TorchPipeline:
         return cls(devices or tuple(setup.devices), setup.chunks, setup.schedule,
                    setup.checkpoint)
 
+    def micro_batch(self, batch: int) -> int:
+        return max(1, batch // self.chunks)
+
+    def cut(self, profile, seq, batch: int) -> list[int]:
+        """Layers per stage (the schedule's stages: several per rank where it interleaves), as
+        :func:`default_balance` cuts them at this pipeline's micro-batch of ``batch``: the one cut
+        its time, memory and gradient averaging all read."""
+        stages = len(self.devices) * SCHEDULES[self.schedule].stages_per_rank
+        return default_balance(profile, stages, seq, self.micro_batch(batch))
+
 
 def chunk_counts(job) -> list[int]:
     return [c for c in CHUNKS if c <= job.batch_size]
@@ -171,8 +181,7 @@ def torch_batch_s(pipe: TorchPipeline, hw, profile, seq, b: int) -> tuple[float,
     stage's weights again; activations cross between ranks (loopback between CPU processes,
     the GPUs' link), in lockstep as in Eq. 6.2."""
     devices, m, name = pipe.devices, pipe.chunks, pipe.schedule
-    w, micro = len(devices), max(1, b // m)
-    balance = default_balance(profile, w * SCHEDULES[name].stages_per_rank, seq, micro)
+    w, micro, balance = len(devices), pipe.micro_batch(b), pipe.cut(profile, seq, b)
     again = recompute_factor(pipe, SCHEDULES[name].backward_passes)
     stages = seq.stage_s(balance, micro)
     if stages is None:  # shares of the FLOPs stand in for the stages' times
@@ -201,8 +210,7 @@ def torch_rank_bytes(pipe: TorchPipeline, batch: int, hw, profile, seq=None) -> 
     weights (the whole model is built in every process). The stages are cut as
     :func:`torch_batch_s` cuts them."""
     devices, m, name = pipe.devices, pipe.chunks, pipe.schedule
-    w, micro = len(devices), max(1, batch // m)
-    balance = default_balance(profile, w * SCHEDULES[name].stages_per_rank, seq, micro)
+    w, micro, balance = len(devices), pipe.micro_batch(batch), pipe.cut(profile, seq, batch)
     parts, bounds = profile.partitions(balance), [0, *itertools.accumulate(balance)]
     recompute = recomputes(pipe)
     ranks = []
@@ -236,7 +244,7 @@ def pipelines_cost(setup, replicas: int, per_node: int, job, hw, profile, seq):
         share = max(1.0, 2 * per_node / hw.devices_per_node)
         compute, total = compute * share, total * share
     name = pipe.schedule
-    parts = profile.partitions(default_balance(profile, 2 * SCHEDULES[name].stages_per_rank, seq, max(1, b // pipe.chunks)))
+    parts = profile.partitions(pipe.cut(profile, seq, b))
     gradients = [sum(layer.params for i in stages_of(name, r, 2) for layer in parts[i]) / profile.params * profile.gradient_mb
                  for r in range(2)]
     fixed = hw.allreduce_fixed_us * 1e-6

@@ -142,6 +142,22 @@ def test_a_setup_is_its_spec_s_frozen_dataclass_of_typed_knobs():
         pipe.setup(chunks=4, timeout_s=60.0)  # not a knob its models read
     assert STRATEGIES["ddp_gloo"].setup(processes=2) != STRATEGIES["ddp_nccl"].setup(processes=2)
     assert STRATEGIES["sequential"].setup(trainer="gpu", threads=4).knobs == (("trainer", "gpu"),)
+    with pytest.raises(ValueError, match="trainer=cpu"):
+        STRATEGIES["sequential"].setup(trainer="cpu")
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_every_spec_s_setup_type_resolves_its_types_and_survives_pickling(name):
+    """Its types as the config's module declares them; a setup sent to another process (a pool,
+    a launcher) comes back equal, though its class is made at run time."""
+    import pickle
+    import typing
+
+    spec = STRATEGIES[name]
+    assert set(typing.get_type_hints(spec.setup_type)) == {"strategy", *spec.launcher_knobs, *spec.setup_fields(),
+                                                            *(knob for knob, _, _ in spec.extra_setup_knobs)}
+    setup = spec.setup()
+    assert pickle.loads(pickle.dumps(setup)) == setup
 
 
 def test_a_run_s_setup_is_read_from_its_fields_roles():

@@ -3,6 +3,7 @@ speedups' reference); with trainer=gpu, one GPU."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from ..knobs import ALWAYS, knob
 from ..costmodel.costs import cost, memory_need, replica_bytes, weight_traffic_s
@@ -20,7 +21,7 @@ class SequentialConfig:
 
 class Sequential(StrategySpec):
     name, config, order = "sequential", SequentialConfig, 0
-    extra_setup_knobs = (("trainer", "Optional[str]", None),)  # gpu: one GPU (set by trainer=gpu, not a strategy knob)
+    extra_setup_knobs = (("trainer", Optional[str], None),)  # gpu: one GPU (set by trainer=gpu, not a strategy knob)
 
     def plan(self, cfg, accelerator, model, data) -> StrategyPlan:
         import torch
@@ -31,6 +32,8 @@ class Sequential(StrategySpec):
 
     def setup(self, **knobs) -> Setup:
         """On a GPU, its setup is the trainer (``trainer=gpu``): threads do not name it."""
+        if knobs.get("trainer") not in (None, "gpu"):
+            raise ValueError(f"strategy={self.name}: trainer={knobs['trainer']} does not name a setup; only trainer=gpu does")
         return super().setup(trainer="gpu") if knobs.get("trainer") == "gpu" else super().setup(**knobs)
 
     def naming(self, setup) -> tuple[tuple[str, object], ...]:

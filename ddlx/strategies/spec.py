@@ -13,7 +13,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from dataclasses import Field, dataclass, field, fields, make_dataclass
+import typing
+from dataclasses import MISSING, Field, dataclass, field, fields, make_dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..compiling import WHOLE_MODEL
@@ -72,6 +73,18 @@ class Setup:
     def label(self) -> str:
         return " ".join([self.strategy, *(f"{k}={_render(v)}" for k, v in self.knobs)])
 
+    def __reduce__(self):
+        # A spec's setup type is made at run time, not importable by name: rebuilt through its spec.
+        if getattr(type(self), "_spec", None) is None:
+            return Setup, (self.strategy,)
+        return _setup_of, (self.strategy, self.values())
+
+
+def _setup_of(strategy: str, values: dict[str, object]) -> Setup:
+    from . import STRATEGIES
+
+    return STRATEGIES[strategy].setup(**values)
+
 
 def _render(value) -> str:
     return f"[{','.join(map(str, value))}]" if isinstance(value, (list, tuple)) else str(value)
@@ -95,7 +108,7 @@ class StrategySpec:
 
     def refused_precisions(self, knobs) -> dict[str, str]:
         """The trainer.precision values (full names) it cannot train in with ``knobs`` (its config,
-        or a :class:`Setup`: anything with ``get``), each with why and what to use instead."""
+        or a :class:`Setup`: both have its knobs as attributes), each with why and what to use instead."""
         return {}
 
     def compile_unit(self, knobs) -> str:
@@ -106,14 +119,19 @@ class StrategySpec:
 
     # Knobs naming its setups beyond its config's and its launcher's: (name, type, default), shown
     # away from their default (sequential's trainer=gpu: one GPU).
-    extra_setup_knobs: ClassVar[tuple[tuple[str, str, Any], ...]] = ()
+    extra_setup_knobs: ClassVar[tuple[tuple[str, Any, Any], ...]] = ()
 
     @functools.cached_property
     def setup_type(self) -> type[Setup]:
         """Its setups' frozen dataclass: its launcher knobs (counts), then its config's setup knobs
-        (:class:`~ddlx.knobs.SetupRole`) with their types and defaults, then :attr:`extra_setup_knobs`."""
-        knobs = [(key, "int", field(default=1)) for key in self.launcher_knobs]
-        knobs += [(f.name, f.type, field(default=f.default)) for f in self.setup_fields().values()]
+        (:class:`~ddlx.knobs.SetupRole`) with their types (resolved in the config's module) and
+        defaults, then :attr:`extra_setup_knobs`."""
+        hints = typing.get_type_hints(self.config)
+        knobs = [(key, int, field(default=1)) for key in self.launcher_knobs]
+        for f in self.setup_fields().values():
+            if f.default is MISSING:  # a list or dict default (a factory): unhashable, and a setup is a key
+                raise TypeError(f"strategy={self.name}: setup knob {f.name} needs a hashable default (a tuple, not a list)")
+            knobs.append((f.name, hints[f.name], field(default=f.default)))
         knobs += [(name, kind, field(default=default)) for name, kind, default in self.extra_setup_knobs]
         title = "".join(part.title() for part in self.name.split("_"))
         return make_dataclass(f"{title}Setup", knobs, bases=(Setup,), frozen=True, kw_only=True,
@@ -129,9 +147,12 @@ class StrategySpec:
             raise ValueError(f"strategy={self.name} has no setup knob {', '.join(sorted(unknown))}; "
                              f"its setup knobs are {', '.join(values)}")
         values.update({key: tuple(v) if isinstance(v, list) else v for key, v in knobs.items()})
-        for name, f in self.setup_fields().items():
-            if any(values[k] != v for k, v in f.metadata["setup"].when):
-                values[name] = f.default
+        reset = True
+        while reset:  # until none is left to reset: a condition may name a knob reset after it
+            reset = False
+            for name, f in self.setup_fields().items():
+                if values[name] != f.default and any(values[k] != v for k, v in f.metadata["setup"].when):
+                    values[name], reset = f.default, True
         return self.setup_type(strategy=self.name, **values)
 
     def naming(self, setup: Setup) -> tuple[tuple[str, object], ...]:

@@ -83,7 +83,7 @@ class MeasuredRun:
         """A run of what speedups are over: sequential on one core or one GPU, eager (a compiled
         one is a setup of its own, faster or slower by what compiling gives)."""
         return (self.strategy == BASELINE and (self.device != "cpu" or self.setup == CPU_BASELINE_SETUP)
-                and not speed_knobs_set(self))
+                and not speed_knobs_of(self.params))
 
     @property
     def setup_as_run(self) -> str:
@@ -256,13 +256,9 @@ def speed_knobs_of(params: dict[str, str]) -> dict[str, str]:
     return {key: params[key] for key, default in EAGER_DEFAULTS.items() if params.get(key, default) != default}
 
 
-def speed_knobs_set(run: MeasuredRun) -> dict[str, str]:
-    return speed_knobs_of(run.params)
-
-
 def unmodelled(run: MeasuredRun) -> str | None:
     """The speed knob of ``run`` the recommender does not model yet (None: all at their defaults)."""
-    return next((f"{key}={value}" for key, value in speed_knobs_set(run).items()), None)
+    return next((f"{key}={value}" for key, value in speed_knobs_of(run.params).items()), None)
 
 
 def usable(run: MeasuredRun) -> bool:

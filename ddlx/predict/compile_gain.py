@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..job import Job
-from ..records import MeasuredRun, not_measured, on_hardware, speed_knobs_set, unmodelled
+from ..records import MeasuredRun, not_measured, on_hardware, speed_knobs_of, unmodelled
 from ..costmodel.hardware import HardwareSpec
 
 
@@ -44,7 +44,7 @@ class CompileGain:
 
 def compiled(run: MeasuredRun) -> bool:
     """A run with compile.enable and every other speed knob at its default."""
-    return speed_knobs_set(run) == {"compile.enable": "True"}
+    return speed_knobs_of(run.params) == {"compile.enable": "True"}
 
 
 def measured_gain(runs: Sequence[MeasuredRun], job: Job, hw: HardwareSpec, setup: str | None = None) -> CompileGain | None:

@@ -57,6 +57,10 @@ class SetupRole:
     resolved: bool = False  # read from its run tag only, the value its plan resolved (devices=auto: which)
     absent: Any = None  # what a run logged before the knob (or its tag) existed used (None: its default)
 
+    def holds(self, value_of) -> bool:
+        """Whether its ``when`` holds, ``value_of(knob)`` giving the setup's other knobs."""
+        return all(value_of(key) == value for key, value in self.when)
+
 
 def knob(default: Any = NO_DEFAULT, *, low=None, high=None, low_open=False, high_open=False, choices=None,
          setup: SetupRole | None = None, label: str = "tag", quiet: bool | None = None):

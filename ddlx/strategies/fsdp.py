@@ -133,7 +133,7 @@ class Fsdp(StrategySpec):
         local, fixed = (min(w, hw.devices_per_node) if shared_bus else 1), hw.allreduce_fixed_us * 1e-6
         compute = work / computing_at_once(hw, w)
         if sharding == "hybrid":  # full inside each group, then its shard averaged across the groups
-            k = (setup.shard_size or w)
+            k = setup.shard_size or w
             groups = [link(hw.link(rank_device(hw, i * k), rank_device(hw, (i + 1) % (w // k) * k))) for i in range(w // k)]
             comm = (data_parallel_s(0.0, k, volume, largest, ring(hw, k), fixed, overlap=not shared_bus)
                     + data_parallel_s(0.0, w // k, profile.gradient_mb / k, largest / k, groups, fixed, overlap=not shared_bus))

@@ -109,8 +109,7 @@ class Pipe(StrategySpec):
         return out
 
     def accepts(self, setup, job) -> bool:
-        if setup.engine == "torch" and (job.batch_size % setup.chunks
-                                               or setup.checkpoint not in RECOMPUTE):
+        if setup.engine == "torch" and (job.batch_size % setup.chunks or setup.checkpoint not in RECOMPUTE):
             return False  # PyTorch's schedules need equal micro-batches; it recomputes all blocks or none
         return setup.chunks <= job.batch_size  # every micro-batch needs a sample
 

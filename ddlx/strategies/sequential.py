@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from ..knobs import ALWAYS, knob
+from ..knobs import SetupRole, knob
 from ..costmodel.costs import cost, memory_need, replica_bytes, weight_traffic_s
 from .spec import Setup, StrategyPlan, StrategySpec, warn_oversubscription
 
@@ -16,7 +16,7 @@ class SequentialConfig:
     trainer=gpu, one GPU."""
 
     name: str = "sequential"
-    threads: int = knob(1, low=1, setup=ALWAYS)
+    threads: int = knob(1, low=1, setup=SetupRole(when=(("trainer", None),)))  # names a CPU setup, not a GPU one
 
 
 class Sequential(StrategySpec):
@@ -31,13 +31,10 @@ class Sequential(StrategySpec):
         return StrategyPlan(trainer_kwargs={"strategy": "auto", "devices": 1}, tags={"threads": str(cfg.threads)})
 
     def setup(self, **knobs) -> Setup:
-        """On a GPU, its setup is the trainer (``trainer=gpu``): threads do not name it."""
+        """On a GPU, its setup is the trainer (``trainer=gpu``): threads do not name it (their role's ``when``)."""
         if knobs.get("trainer") not in (None, "gpu"):
             raise ValueError(f"strategy={self.name}: trainer={knobs['trainer']} does not name a setup; only trainer=gpu does")
-        return super().setup(trainer="gpu") if knobs.get("trainer") == "gpu" else super().setup(**knobs)
-
-    def naming(self, setup) -> tuple[tuple[str, object], ...]:
-        return (("trainer", "gpu"),) if setup.trainer == "gpu" else super().naming(setup)
+        return super().setup(**knobs)
 
     def setup_of_run(self, params, tags) -> Setup:
         return self.setup(trainer="gpu") if tags.get("accelerator") == "gpu" else super().setup_of_run(params, tags)

@@ -147,11 +147,11 @@ class StrategySpec:
             raise ValueError(f"strategy={self.name} has no setup knob {', '.join(sorted(unknown))}; "
                              f"its setup knobs are {', '.join(values)}")
         values.update({key: tuple(v) if isinstance(v, list) else v for key, v in knobs.items()})
-        reset = True
+        roles, reset = self.setup_fields(), True
         while reset:  # until none is left to reset: a condition may name a knob reset after it
             reset = False
-            for name, f in self.setup_fields().items():
-                if values[name] != f.default and any(values[k] != v for k, v in f.metadata["setup"].when):
+            for name, f in roles.items():
+                if values[name] != f.default and not f.metadata["setup"].holds(values.get):
                     values[name], reset = f.default, True
         return self.setup_type(strategy=self.name, **values)
 
@@ -161,7 +161,7 @@ class StrategySpec:
         out = [(key, getattr(setup, key)) for key in self.launcher_knobs]
         for name, f in self.setup_fields().items():
             role, value = f.metadata["setup"], getattr(setup, name)
-            if not (any(getattr(setup, k) != v for k, v in role.when) or (role.unless_default and value == f.default)):
+            if role.holds(lambda key: getattr(setup, key)) and not (role.unless_default and value == f.default):
                 out.append((name, value))
         return (*out, *((name, getattr(setup, name)) for name, _, default in self.extra_setup_knobs
                         if getattr(setup, name) != default))

@@ -157,8 +157,7 @@ class TorchPipeline:
     def of(cls, setup: Setup, devices: tuple[str, ...] | None = None) -> TorchPipeline:
         """The pipeline of ``setup``'s knobs, over its ``devices`` or the ones given (a composite's
         setup names none)."""
-        return cls(devices or tuple(setup.devices), setup.chunks, setup.schedule,
-                   setup.checkpoint)
+        return cls(devices or tuple(setup.devices), setup.chunks, setup.schedule, setup.checkpoint)
 
     def micro_batch(self, batch: int) -> int:
         return max(1, batch // self.chunks)

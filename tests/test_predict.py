@@ -602,9 +602,13 @@ def test_every_printed_command_composes_and_names_its_launcher(overrides):
         assert cfg.trainer.accelerator == ("cpu" if spec.device_kind == "cpu" else "gpu"), label  # the machine's devices
         if label.startswith("mpi "):
             assert launcher == f"mpirun -np {spec.total_devices} ", label
-    hsdp = f"fsdp processes={spec.total_devices} sharding=hybrid shard_size={spec.devices_per_node}"
-    assert commands[hsdp].startswith(f"srun --nodes={spec.nodes} --ntasks-per-node={spec.devices_per_node} python train.py")
-    assert commands[f"fsdp processes={spec.devices_per_node} sharding=full"].startswith("python train.py")
+    srun = f"srun --nodes={spec.nodes} --ntasks-per-node={spec.devices_per_node} python train.py"
+    ddp = "ddp_gloo" if spec.device_kind == "cpu" else "ddp_nccl"
+    for over_nodes in (f"fsdp processes={spec.total_devices} sharding=hybrid shard_size={spec.devices_per_node}",
+                       f"{ddp} processes={spec.total_devices}", f"{ddp} processes={spec.total_devices} checkpoint=always"):
+        assert commands[over_nodes].startswith(srun), over_nodes
+    for on_a_node in (f"fsdp processes={spec.devices_per_node} sharding=full", f"{ddp} processes={spec.devices_per_node}"):
+        assert commands[on_a_node].startswith("python train.py"), on_a_node
 
 
 def test_data_parallel_pipelines_are_one_pipeline_on_its_share_then_a_gradient_average_per_stage():

@@ -8,7 +8,7 @@ from datetime import timedelta
 from ..errors import ConfigError
 from ..knobs import ALWAYS, MISSING, UNLESS_DEFAULT, knob
 from ..costmodel.costs import DEFAULT_BUCKET_MB, RECOMPUTE, recomputes
-from .parts.replicas import data_parallel_cost, data_parallel_memory
+from .parts.replicas import data_parallel_cost, data_parallel_memory, srun_launcher
 from .spec import TIMEOUT_S, Setup, StrategyPlan, StrategySpec, warn_oversubscription
 
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
@@ -97,10 +97,16 @@ class Ddp(StrategySpec):
         )
 
     def candidates(self, hw, job) -> list[Setup]:
-        n = hw.devices_per_node
-        on_its_devices = (hw.device_kind == "cpu") == (self.backend == "gloo")
-        plain = self.setup(processes=n)
-        return [plain, self.with_knobs(plain, checkpoint="always")] if on_its_devices and n > 1 else []
+        """Every device of a node; with several nodes, every device of the cluster too (srun
+        starting the ranks); each also recomputing its activations."""
+        n, total = hw.devices_per_node, hw.total_devices
+        if (hw.device_kind == "cpu") != (self.backend == "gloo"):
+            return []
+        plain = [self.setup(processes=p) for p in dict.fromkeys((n, total)) if p > 1]
+        return [*plain, *(self.with_knobs(s, checkpoint="always") for s in plain)]
+
+    def launcher(self, setup, hw) -> str:
+        return srun_launcher(setup.processes, hw)
 
     def cost(self, setup, job, hw, profile, seq):
         return data_parallel_cost(setup, setup.processes, job, hw, profile, seq)

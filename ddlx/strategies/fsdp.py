@@ -22,6 +22,7 @@ from ..costmodel.costs import (
     weight_traffic_s,
 )
 from ..costmodel.perf_models import data_parallel_s, exposed_sharded_s
+from .parts.replicas import srun_launcher
 from .spec import TIMEOUT_S, Setup, StrategyPlan, StrategySpec, no_loss_scaling, warn_oversubscription
 
 SHARDINGS = ("full", "grad_op", "none", "hybrid")
@@ -119,9 +120,7 @@ class Fsdp(StrategySpec):
         return [*plain, *(self.with_knobs(s, checkpoint="always") for s in plain)]
 
     def launcher(self, setup, hw) -> str:
-        """srun's tasks are the ranks when they span nodes (ddlx starts a node's ranks itself)."""
-        p, n = setup.processes, hw.devices_per_node
-        return f"srun --nodes={p // n} --ntasks-per-node={n}" if p > n else ""
+        return srun_launcher(setup.processes, hw)
 
     def cost(self, setup, job, hw, profile, seq):
         """DDP's Eq. 5.1 with FSDP's ring volume (``VOLUME``): the gathers and the reduce-scatter

@@ -47,6 +47,13 @@ class ParallelDims:
         return max(1, self.node_ranks // self.width)
 
 
+def srun_launcher(processes: int, hw) -> str:
+    """What starts a data-parallel job of ``processes`` ranks on ``hw``: srun's tasks are the
+    ranks when they span nodes ('': on one node ddlx starts a node's ranks itself)."""
+    n = hw.devices_per_node
+    return f"srun --nodes={processes // n} --ntasks-per-node={n}" if processes > n else ""
+
+
 def data_parallel_cost(setup: Setup, workers: int, job, hw, profile, seq):
     """Eq. 5.1 (ring allreduce over the slowest link, the bucket as ``th``) plus a fixed cost per
     allreduce; only the last bucket is exposed on GPUs, every bucket on CPU (gloo and the

@@ -50,14 +50,31 @@ def optimizer_flags(implementation: str) -> dict:
             "fused": {"fused": True}}[implementation]
 
 
+def inductor_cache_counts() -> tuple[int, int]:
+    """Graphs inductor has, in this process so far, taken from its FX graph cache (hits) and
+    compiled afresh (misses)."""
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+
+
 class CompileClock:
     """Seconds spent compiling (dynamo tracing, inductor, the backward compiled at its first call),
-    from torch's compile start and end callbacks: nested or overlapping compiles count once."""
+    from torch's compile start and end callbacks: nested or overlapping compiles count once. And
+    how many graphs inductor took from its on-disk cache or compiled: a run whose graphs were all
+    cached (a sweep's later job of the same network, a rerun) compiles in a fraction of the seconds
+    a run that compiled them pays."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
         self._depth, self._since = 0, 0.0
         self._lock = threading.Lock()
+        self._cache_at_install = (0, 0)
+
+    def cache_counts(self) -> tuple[int, int]:
+        """(hits, misses) of inductor's FX graph cache since :meth:`install`."""
+        now = inductor_cache_counts()
+        return max(0, now[0] - self._cache_at_install[0]), max(0, now[1] - self._cache_at_install[1])
 
     def _start(self, _args=None) -> None:
         with self._lock:
@@ -78,6 +95,8 @@ class CompileClock:
 
     def install(self) -> None:
         from torch._dynamo.callback import callback_handler
+
+        self._cache_at_install = inductor_cache_counts()
 
         callback_handler.register_start_callback(self._start)
         callback_handler.register_end_callback(self._end)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import uuid
 
 import pytest
 import torch
@@ -64,6 +65,22 @@ def test_compile_clock_counts_compiling_once_and_not_the_calls():
         assert first > 0, "the first call traces the function"
         f(torch.randn(3))
         assert clock.seconds == first, "a call of a compiled graph is not compiling"
+    finally:
+        clock.remove()
+
+
+def test_compile_clock_counts_graphs_compiled_and_graphs_taken_from_inductor_s_cache():
+    """A graph no cache holds is compiled (a miss); compiled again after dynamo forgets it (a
+    sweep's next job in the same process, a rerun), inductor takes it from its cache (a hit)."""
+    scale = 1 + uuid.uuid4().int % 10**9 / 10**10  # a constant of the graph: one no earlier run compiled
+    clock = CompileClock()
+    clock.install()
+    try:
+        torch.compile(lambda x: torch.relu(x) * scale)(torch.randn(3))
+        assert clock.cache_counts() == (0, 1)
+        torch._dynamo.reset()
+        torch.compile(lambda x: torch.relu(x) * scale)(torch.randn(3))
+        assert clock.cache_counts() == (1, 1)
     finally:
         clock.remove()
 
@@ -131,6 +148,7 @@ def test_compiled_runs_end_with_the_eager_weights(tmp_path, strategy):
     (run,) = runs(f"sqlite:///{compiled / 'mlflow.db'}")
     assert run.info.status == "FINISHED" and run.data.metrics["compile_s"] > 0
     assert run.data.metrics["epoch_time_s"] < run.data.metrics["compile_s"], "compiling is not in the epoch's time"
+    assert run.data.metrics["compile_cache_hits"] + run.data.metrics["compile_cache_misses"] > 0, "inductor's graphs counted"
 
 
 @pytest.mark.slow

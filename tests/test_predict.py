@@ -1310,6 +1310,36 @@ def test_compiling_is_recommended_only_where_it_pays_for_the_epochs_asked():
     assert "no compiled run of resnet18" in compile_lines(rec, best, [])[0]
 
 
+def test_the_compile_cost_is_what_runs_that_compiled_their_graphs_paid():
+    """A compiled run whose graphs all came from inductor's cache (a sweep's later job) compiles in
+    a fraction of a first compile's seconds: the break-even rests on the runs that compiled theirs,
+    and where none did, the basis says the figure is a warm cache's."""
+    from ddlx.predict.compile_gain import measured_gain
+    from ddlx.predict.render import compile_dict
+
+    hw, params = _hw(host="test-host"), _workload_params("resnet18", 64)
+    runs = []
+    for i, (misses, compile_s) in enumerate(((40, 60.0), (0, 3.0), (0, 2.0))):
+        setup = SETUPS[i]
+        runs.append(_run(f"e{i}", setup, params, 20.0))
+        compiled = _run(f"c{i}", setup, params, 17.0)
+        compiled.params["compile.enable"] = "True"
+        compiled.metrics.update(compile_s=compile_s, compile_cache_hits=40.0 - misses, compile_cache_misses=float(misses))
+        runs.append(compiled)
+    job = job_of_run(runs[0])
+    gain = measured_gain(runs, job, hw)
+    assert (gain.compile_s, gain.runs, gain.warm_only) == (60.0, 1, False), "the cold run's, not the median of all three"
+    warm = measured_gain([r for r in runs if r.run_id not in ("e0", "c0")], job, hw)
+    assert (warm.compile_s, warm.warm_only) == (2.5, True) and "a first compile costs more" in warm.basis
+    rec = Predictor(hw, runs).recommend(job)
+    rec.compile_gain = warm
+    assert compile_dict(rec)["compile_s_warm_cache_only"] is True
+    # Runs logged before the counts are taken to have compiled their graphs.
+    for r in runs:
+        r.metrics.pop("compile_cache_misses", None)
+    assert measured_gain(runs, job, hw).compile_s == 3.0
+
+
 def test_a_gpu_pipeline_of_more_than_two_stages_is_predicted_on_the_cut_balance_auto_finds():
     """A pipe run of more than two stages balances by profiled layer time (``balance=auto``); its
     prediction cuts the layers' predicted times the same way (the contiguous split whose slowest

@@ -34,7 +34,10 @@ class EpochTimer(pl.Callback):
     With ``compile.enable``, torch compiles at a step's first call of a new graph: those seconds
     (torch's compile callbacks, :class:`~ddlx.compiling.CompileClock`) are taken out of the step
     they fall in and logged as ``compile_s`` (the run's total so far, the slowest rank's;
-    validation's compiles included), so the epoch times are the steady state's.
+    validation's compiles included), so the epoch times are the steady state's. Beside it,
+    ``compile_cache_misses`` and ``compile_cache_hits``: the graphs inductor compiled and those it
+    took from its on-disk cache (the most of any rank), which say whether ``compile_s`` is what a
+    first compile costs or a warm cache's.
 
     Its state goes into every checkpoint: a run resumed mid-epoch adds the steps it times to those
     of the same epoch before the stop, so each epoch's figures cover all its steps once, and the
@@ -54,21 +57,30 @@ class EpochTimer(pl.Callback):
         self.clock = CompileClock()
         self.compile_s = 0.0  # every rank's compiling so far, the slowest's (at the last epoch's end)
         self._compile_before = 0.0  # compiled before a resume (its checkpoint's compile_s)
+        self.cache = (0, 0)  # inductor's cache (hits, misses) so far, the most of any rank (at the last epoch's end)
+        self._cache_before = (0, 0)  # before a resume
         self._compile_mark = 0.0
 
     def state_dict(self) -> dict:
         return {"epoch_times": self.epoch_times, "epoch_samples": self.epoch_samples, "epoch_steps": self.epoch_steps,
-                "step_times": self.step_times, "samples": self._samples, "compile_s": self.compiled()}
+                "step_times": self.step_times, "samples": self._samples, "compile_s": self.compiled(),
+                "compile_cache": list(self.cached())}
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch_times, self.epoch_samples = list(state["epoch_times"]), list(state["epoch_samples"])
         self.epoch_steps = list(state["epoch_steps"])
         self._carried = (list(state["step_times"]), int(state["samples"]))
         self._compile_before = self.compile_s = float(state.get("compile_s", 0.0))
+        self._cache_before = self.cache = tuple(state.get("compile_cache", (0, 0)))
 
     def compiled(self) -> float:
         """Compile seconds of the run: the slowest rank's at the last epoch end, or this rank's since."""
         return max(self.compile_s, self._compile_before + self.clock.now())
+
+    def cached(self) -> tuple[int, int]:
+        """Inductor's cache (hits, misses) of the run: the most of any rank at the last epoch end, or this rank's since."""
+        mine = (b + n for b, n in zip(self._cache_before, self.clock.cache_counts()))
+        return tuple(max(a, b) for a, b in zip(self.cache, mine))
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         self.clock.install()
@@ -110,10 +122,12 @@ class EpochTimer(pl.Callback):
         """The slowest rank's figures (a collective: every rank calls it at the same step)."""
         steps = len(self.step_times)
         local = torch.tensor(
-            [sum(w for w, _ in self.step_times), sum(c for _, c in self.step_times), self._compile_before + self.clock.now()],
+            [sum(w for w, _ in self.step_times), sum(c for _, c in self.step_times), self._compile_before + self.clock.now(),
+             *(b + n for b, n in zip(self._cache_before, self.clock.cache_counts()))],
             dtype=torch.float64,
         )
-        wait, compute, self.compile_s = trainer.strategy.reduce(local.to(pl_module.device), reduce_op="max").tolist()
+        wait, compute, self.compile_s, hits, misses = trainer.strategy.reduce(local.to(pl_module.device), reduce_op="max").tolist()
+        self.cache = (int(hits), int(misses))
         elapsed, samples = wait + compute, self._samples
         self.step_times, self._samples = [], 0
         if steps == 0 or elapsed <= 0:
@@ -127,7 +141,7 @@ class EpochTimer(pl.Callback):
             "compute_s": compute,
             "step_time_s": elapsed / steps,
             "samples_per_s": samples / elapsed,
-            **({"compile_s": self.compile_s} if self.compile_s > 0 else {}),
+            **compile_metrics(self.compile_s, self.cache),
         }
         trainer.callback_metrics.update({k: torch.tensor(v) for k, v in metrics.items()})
         if trainer.is_global_zero and trainer.logger is not None:
@@ -146,12 +160,19 @@ class EpochTimer(pl.Callback):
             "mean_epoch_time_s": mean(times),
             "mean_samples_per_s": sum(samples) / sum(times),
             "measured_epochs": float(len(times)),
-            **({"compile_s": compiled} if compiled > 0 else {}),
+            **compile_metrics(compiled, self.cached()),
         }
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.is_global_zero and trainer.logger is not None and self.epoch_times:
             trainer.logger.log_metrics(self.summary(), step=trainer.global_step)
+
+
+def compile_metrics(compile_s: float, cache: tuple[int, int]) -> dict[str, float]:
+    """``compile_s`` and inductor's cache hits and misses, where the run compiled."""
+    if compile_s <= 0:
+        return {}
+    return {"compile_s": compile_s, "compile_cache_hits": float(cache[0]), "compile_cache_misses": float(cache[1])}
 
 
 def wait_for_devices(module) -> None:

@@ -611,6 +611,21 @@ def test_every_printed_command_composes_and_names_its_launcher(overrides):
         assert commands[on_a_node].startswith("python train.py"), on_a_node
 
 
+def test_an_hsdp_setup_without_a_shard_size_is_priced_with_the_groups_its_plan_makes():
+    """strategy.shard_size unset makes a shard group of each node's ranks (the plan resolves it so):
+    time and memory are those of shard_size = a node's devices, not of one group over every rank."""
+    hw = hardware(_compose_hw("hw=titanrtx_4x", "hw.nodes=2"))
+    job, profile = Job("resnet18", "cifar10", 10, 3, 32, 256, 50000), profile_model("resnet18", 10, 3, 32)
+    seq = SequentialTime(0.001, 0.001, "test")
+    fsdp = STRATEGIES["fsdp"]
+    unset = fsdp.setup(processes=8, sharding="hybrid")
+    assert unset.shard_size is None
+    for size, same in ((4, True), (8, False)):
+        given = fsdp.setup(processes=8, sharding="hybrid", shard_size=size)
+        assert (model_batch_s(unset, job, hw, profile, seq) == model_batch_s(given, job, hw, profile, seq)) is same, size
+        assert (memory_need(unset, job, hw, profile).per_device_gb == memory_need(given, job, hw, profile).per_device_gb) is same
+
+
 def test_data_parallel_pipelines_are_one_pipeline_on_its_share_then_a_gradient_average_per_stage():
     gpu = _hw(device_kind="gpu", devices_per_node=4, memory_per_device_gb=16, memory_bandwidth_gb_s=600.0)
     job, profile = Job("vgg11", "firesmall", 3, 3, 224, 64, 633), profile_model("vgg11", 3, 3, 224)

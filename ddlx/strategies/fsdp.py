@@ -22,7 +22,7 @@ from ..costmodel.costs import (
     weight_traffic_s,
 )
 from ..costmodel.perf_models import data_parallel_s, exposed_sharded_s
-from .parts.replicas import srun_launcher
+from .parts.replicas import node_ranks, srun_launcher
 from .spec import TIMEOUT_S, Setup, StrategyPlan, StrategySpec, no_loss_scaling, warn_oversubscription
 
 SHARDINGS = ("full", "grad_op", "none", "hybrid")
@@ -132,7 +132,7 @@ class Fsdp(StrategySpec):
         local, fixed = (min(w, hw.devices_per_node) if shared_bus else 1), hw.allreduce_fixed_us * 1e-6
         compute = work / computing_at_once(hw, w)
         if sharding == "hybrid":  # full inside each group, then its shard averaged across the groups
-            k = setup.shard_size or w
+            k = shard_ranks(setup, hw)
             groups = [link(hw.link(rank_device(hw, i * k), rank_device(hw, (i + 1) % (w // k) * k))) for i in range(w // k)]
             comm = (data_parallel_s(0.0, k, volume, largest, ring(hw, k), fixed, overlap=not shared_bus)
                     + data_parallel_s(0.0, w // k, profile.gradient_mb / k, largest / k, groups, fixed, overlap=not shared_bus))
@@ -154,13 +154,21 @@ class Fsdp(StrategySpec):
         weights = profile.params * profile.param_bytes
         largest = max(layer.params for layer in profile.layers) * profile.param_bytes
         if sharding in ("full", "hybrid"):  # hybrid: sharded over its group
-            shards = (setup.shard_size or w) if sharding == "hybrid" else w
+            shards = shard_ranks(setup, hw)
             kept = (state - cast) / shards + 2 * largest + cast  # the layer in use and the next, prefetched
         elif sharding == "grad_op":
             kept = weights + (state - cast - weights) / w + cast
         else:
             kept = state
         return memory_need(hw, replica - state + kept, min(w, hw.devices_per_node))
+
+
+def shard_ranks(setup, hw) -> int:
+    """The ranks one shard of the weights is spread over on ``hw``: a hybrid group's (``shard_size``;
+    unset, a node's ranks, as the plan resolves it), every rank's otherwise."""
+    if setup.sharding != "hybrid":
+        return setup.processes
+    return setup.shard_size or node_ranks(setup.processes, hw)
 
 
 SPECS = (Fsdp(),)

@@ -47,11 +47,19 @@ class ParallelDims:
         return max(1, self.node_ranks // self.width)
 
 
+def node_ranks(processes: int, hw) -> int:
+    """The ranks of a data-parallel job of ``processes`` on one node of ``hw``: a node's devices
+    each where the job spans nodes, all of them where it has one node (on CPU, more processes
+    than cores share them)."""
+    n = hw.devices_per_node
+    return n if processes > n and hw.nodes > 1 else processes
+
+
 def srun_launcher(processes: int, hw) -> str:
     """What starts a data-parallel job of ``processes`` ranks on ``hw``: srun's tasks are the
     ranks when they span nodes ('': on one node ddlx starts a node's ranks itself)."""
-    n = hw.devices_per_node
-    return f"srun --nodes={processes // n} --ntasks-per-node={n}" if processes > n else ""
+    per_node = node_ranks(processes, hw)
+    return f"srun --nodes={processes // per_node} --ntasks-per-node={per_node}" if per_node < processes else ""
 
 
 def data_parallel_cost(setup: Setup, workers: int, job, hw, profile, seq):

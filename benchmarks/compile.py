@@ -30,14 +30,13 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from handloop import AUTOCAST, hand_written_epoch, premade_batches, sgd  # noqa: E402
+from handloop import AUTOCAST, hand_written_epoch, interleaved_rounds, premade_batches, sgd  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -92,28 +91,18 @@ def measure_model(name: str, args: argparse.Namespace, root: Path) -> dict:
             return timed
         return run
 
+    def hand_compiled_epoch():
+        if "hand compiled" not in first_done:  # the warm-up round runs the hand loop's before ddlx's
+            first_done.append("hand compiled")
+        return hand_written_epoch(hand_compiled, loader, hand_compiled_opt, device, autocast)
+
     runners = {
         "hand eager": lambda: hand_written_epoch(hand_eager, loader, hand_eager_opt, device, autocast),
-        "hand compiled": lambda: hand_written_epoch(hand_compiled, loader, hand_compiled_opt, device, autocast),
+        "hand compiled": hand_compiled_epoch,
         "ddlx eager": ddlx_epoch(ddlx_eager, "ddlx eager"),
         "ddlx compiled": ddlx_epoch(ddlx_compiled, "ddlx compiled"),
     }
-    order = list(runners)
-    step_times: dict[str, list[float]] = {k: [] for k in order}
-    first_round: dict[str, float] = {}
-    for round_ in range(args.rounds + 1):
-        for key in order[round_ % len(order):] + order[: round_ % len(order)]:
-            torch.set_num_threads(args.threads)
-            started = time.perf_counter()
-            seconds, steps = runners[key]()
-            if round_ == 0:
-                first_round[key] = time.perf_counter() - started
-                if key == "hand compiled":
-                    first_done.append(key)
-            else:
-                step_times[key].append(seconds / steps)
-        print(f"  {name} round {round_}: " + ", ".join(f"{k} {1000 * v[-1]:.1f} ms" for k, v in step_times.items() if v),
-              file=sys.stderr)
+    step_times, first_round = interleaved_rounds(runners, args.rounds, name, args.threads)
     steady_hand = statistics.median(step_times["hand compiled"]) * args.steps
     compile_s["hand compiled"] = first_round["hand compiled"] - steady_hand
     profiles = {key: profile_epoch(run) for key, run in runners.items()} if args.profile else {}

@@ -1,7 +1,9 @@
 """The hand-written PyTorch training loop ddlx is judged against (shared by the benchmarks)."""
 from __future__ import annotations
 
+import sys
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -67,3 +69,27 @@ def premade_batches(steps: int, batch_size: int, image_size: int, device: torch.
 def sgd(model: nn.Module) -> torch.optim.Optimizer:
     """The optimizer of Lerat et al. 2022, section 3.2, as ddlx's module builds it."""
     return torch.optim.SGD(model.parameters(), lr=0.001, momentum=0.9)
+
+
+def interleaved_rounds(runners: dict[str, Callable[[], tuple[float, int]]], rounds: int, label: str,
+                       threads: int | None = None) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """Each runner (an epoch: its seconds and steps) once a round, a warm-up round then ``rounds``,
+    in an order rotated every round so that none always runs first or after the same one (a
+    shared machine's drift falls on all alike). Returns each runner's seconds a step per timed
+    round, and its warm-up round's wall seconds (compiling included)."""
+    order = list(runners)
+    per_step: dict[str, list[float]] = {key: [] for key in order}
+    first: dict[str, float] = {}
+    for round_ in range(rounds + 1):
+        for key in order[round_ % len(order):] + order[: round_ % len(order)]:
+            if threads is not None:
+                torch.set_num_threads(threads)
+            started = time.perf_counter()
+            seconds, steps = runners[key]()
+            if round_ == 0:
+                first[key] = time.perf_counter() - started
+            else:
+                per_step[key].append(seconds / steps)
+        print(f"  {label} round {round_}: " + ", ".join(f"{k} {1000 * v[-1]:.1f} ms" for k, v in per_step.items() if v),
+              file=sys.stderr)
+    return per_step, first

@@ -35,7 +35,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from handloop import AUTOCAST, hand_written_epoch, premade_batches, sgd  # noqa: E402
+from handloop import AUTOCAST, hand_written_epoch, interleaved_rounds, premade_batches, sgd  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -128,17 +128,7 @@ def measure_model(name: str, args: argparse.Namespace, root: Path) -> dict[str, 
         "ddlx": lambda: with_monitor.epoch(loader),
         "ddlx no monitor": lambda: without_monitor.epoch(loader),
     }
-    order = list(runners)
-    step_times: dict[str, list[float]] = {k: [] for k in order}
-    for round_ in range(args.rounds + 1):
-        for key in order[round_ % len(order):] + order[: round_ % len(order)]:  # rotate: no fixed position
-            torch.set_num_threads(args.threads)
-            seconds, steps = runners[key]()
-            if round_ > 0:
-                step_times[key].append(seconds / steps)
-        print(f"  {name} round {round_}: " + ", ".join(f"{k} {1000 * v[-1]:.1f} ms" for k, v in step_times.items() if v),
-              file=sys.stderr)
-    return step_times
+    return interleaved_rounds(runners, args.rounds, name, args.threads)[0]
 
 
 def paired_ratio(a: list[float], b: list[float]) -> float:

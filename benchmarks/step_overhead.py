@@ -34,7 +34,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     import torch
-    from handloop import hand_written_epoch, premade_batches, sgd
+    from handloop import hand_written_epoch, interleaved_rounds, premade_batches, sgd
     from overhead import DdlxRunner, compose
     from torch import nn
 
@@ -51,13 +51,8 @@ def main() -> None:
         ddlx = DdlxRunner(compose("alexnet", settings, Path(tmp), False, "optim.lr=0.001"), copy.deepcopy(base), Path(tmp))
         runners = {"hand": lambda: hand_written_epoch(hand_model, loader, hand_optimizer),
                    "ddlx": lambda: ddlx.epoch(loader)}
-        times: dict[str, list[float]] = {key: [] for key in runners}
-        order = list(runners)
-        for round_ in range(args.rounds + 1):  # the first round warms up
-            for key in order[round_ % 2:] + order[: round_ % 2]:
-                seconds, steps = runners[key]()
-                if round_:
-                    times[key].append(1000 * seconds / steps)
+        seconds = interleaved_rounds(runners, args.rounds, "linear")[0]
+    times = {key: [1000 * s for s in values] for key, values in seconds.items()}
     hand, ours = statistics.median(times["hand"]), statistics.median(times["ddlx"])
     extra = [d - h for d, h in zip(times["ddlx"], times["hand"])]
     print(f"\none linear layer, {IMAGE_SIZE} px, batch {BATCH}, 1 thread, {args.steps} steps a round, {args.rounds} rounds\n")

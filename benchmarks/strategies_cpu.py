@@ -57,7 +57,7 @@ def run_setup(name: str, overrides: list[str], args: argparse.Namespace, sweep: 
         *([f"data.image_size={args.image_size}"] if args.image_size else []),
         f"trainer.max_epochs={args.epochs}", f"measure.warmup_epochs={int(args.epochs > 1)}",  # as the table: runs for the report
         "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false",
-        "checkpoint.save=none", f"logger.experiment_name={EXPERIMENT}",
+        "checkpoint.save=none", f"logger.experiment_name={EXPERIMENT}", f"logger.tracking_uri={args.tracking_uri}",
         f"+logger.tags.bench_round={sweep}", f"+logger.tags.bench_setup={slug}", *args.set,
     ]
     neighbour = start_neighbour() if args.neighbour else None
@@ -72,7 +72,7 @@ def run_setup(name: str, overrides: list[str], args: argparse.Namespace, sweep: 
         raise SystemExit(f"{name} failed")
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(f"sqlite:///{ROOT / 'mlflow.db'}")
+    client = MlflowClient(args.tracking_uri)
     exp = client.get_experiment_by_name(EXPERIMENT)
     (run,) = client.search_runs([exp.experiment_id], f"tags.bench_round = '{sweep}' and tags.bench_setup = '{slug}'")
     history = sorted(client.get_metric_history(run.info.run_id, "epoch_time_s"), key=lambda m: m.step)
@@ -104,6 +104,8 @@ def main() -> None:
                         help="more train.py overrides, for every setup (e.g. optim.lr=0.001)")
     parser.add_argument("--neighbour", action="store_true",
                         help="run every setup beside a process that keeps one core busy (a shared node)")
+    parser.add_argument("--tracking-uri", default=f"sqlite:///{ROOT / 'mlflow.db'}",
+                        help="the MLflow store the runs are logged to and read back from (default: train.py's, the project's mlflow.db)")
     parser.add_argument("--pipe-balance", help="strategy.balance of the pipe setups (auto: by profiled time; "
                         "default: the model's split point)")
     args = parser.parse_args()

@@ -17,7 +17,8 @@ seconds out; the hand loop's first round holds its compile, and the first round 
 all four). Ratios are medians of the per-round ratios, with their range over the rounds. The
 compile seconds: ddlx's ``compile_s`` (torch's compile callbacks), and the hand loop's first round
 less its steady epoch; inductor's cache is a fresh folder, so the first of the two compiles is
-cold and the second may reuse its kernels (the figure says which came first). Break-even: the
+cold and the second may reuse its kernels (each figure says how many graphs inductor compiled
+and how many it took from its cache). Break-even: the
 epochs of ``--epoch-images`` images after which compiling has paid for itself
 (compile seconds / the seconds it saves an epoch), "never" where compiled is not faster.
 Goals: ddlx compiled within 3% of the hand-compiled step; the gain reported with its spread.
@@ -59,7 +60,7 @@ def measure_model(name: str, args: argparse.Namespace, root: Path) -> dict:
     import torch
     from overhead import DdlxRunner, compose
 
-    from ddlx.compiling import WHOLE_MODEL, compile_model
+    from ddlx.compiling import WHOLE_MODEL, compile_model, inductor_cache_counts
     from ddlx.models import build_model
 
     torch.set_num_threads(args.threads)
@@ -78,23 +79,24 @@ def measure_model(name: str, args: argparse.Namespace, root: Path) -> dict:
     compile_model(compiled_model, WHOLE_MODEL)
     ddlx_compiled = DdlxRunner(compose(name, args, root, False, *extra, "compile.enable=true"), compiled_model, root)
     compile_s: dict[str, float] = {}
-    first_done: list[str] = []
+    graphs: dict[str, tuple[int, int]] = {}  # inductor's cache (hits, misses) at each runner's compile
 
     def ddlx_epoch(runner, key):
         def run():
             timed = runner.epoch(loader)
             if key not in compile_s and runner.timer.compiled() > 0:
                 compile_s[key] = runner.timer.compiled()
-                first_done.append(key)
+                graphs[key] = runner.timer.cached()
             elif runner.timer.compiled() > 0:  # each round is a new Trainer: torch must not compile again
                 print(f"  {key} compiled again for {runner.timer.compiled():.1f} s (kept out of its step)", file=sys.stderr)
             return timed
         return run
 
     def hand_compiled_epoch():
-        if "hand compiled" not in first_done:  # the warm-up round runs the hand loop's before ddlx's
-            first_done.append("hand compiled")
-        return hand_written_epoch(hand_compiled, loader, hand_compiled_opt, device, autocast)
+        before = inductor_cache_counts()
+        timed = hand_written_epoch(hand_compiled, loader, hand_compiled_opt, device, autocast)
+        graphs.setdefault("hand compiled", tuple(now - then for now, then in zip(inductor_cache_counts(), before)))
+        return timed
 
     runners = {
         "hand eager": lambda: hand_written_epoch(hand_eager, loader, hand_eager_opt, device, autocast),
@@ -106,7 +108,7 @@ def measure_model(name: str, args: argparse.Namespace, root: Path) -> dict:
     steady_hand = statistics.median(step_times["hand compiled"]) * args.steps
     compile_s["hand compiled"] = first_round["hand compiled"] - steady_hand
     profiles = {key: profile_epoch(run) for key, run in runners.items()} if args.profile else {}
-    return {"steps": step_times, "compile_s": compile_s, "first": first_done[0] if first_done else "",
+    return {"steps": step_times, "compile_s": compile_s, "graphs": graphs,
             "profiles": profiles}
 
 
@@ -154,12 +156,12 @@ def main() -> None:
         saved = (statistics.median(t["ddlx eager"]) - statistics.median(t["ddlx compiled"])) * steps_per_epoch
         ddlx_c = c.get("ddlx compiled", 0.0)
         even = f"{ddlx_c / saved:.2f}" if saved > 0 else "never"
-        cold = lambda key: " (cold)" if r["first"] == key else " (cached)"  # noqa: E731
+        cached = lambda key: " ({1} compiled, {0} cached)".format(*r["graphs"].get(key, ("?", "?")))  # noqa: E731
         print(f"| {name} | {1000 * statistics.median(t['ddlx eager']):.1f} | {1000 * statistics.median(t['ddlx compiled']):.1f} | "
               f"{statistics.median(gain):.3f} [{min(gain):.3f}-{max(gain):.3f}] | "
               f"{statistics.median(vs_hand):.3f} [{min(vs_hand):.3f}-{max(vs_hand):.3f}] | "
-              f"{statistics.median(hand_gain):.3f} | {ddlx_c:.1f}{cold('ddlx compiled')} | "
-              f"{c['hand compiled']:.1f}{cold('hand compiled')} | {even} |")
+              f"{statistics.median(hand_gain):.3f} | {ddlx_c:.1f}{cached('ddlx compiled')} | "
+              f"{c['hand compiled']:.1f}{cached('hand compiled')} | {even} |")
     for name, r in rows:
         for key, p in r["profiles"].items():
             print(f"\nprofile, {name} {key}: {p['wall_ms']:.1f} ms a step (under the profiler), device kernels "

@@ -9,7 +9,7 @@
         "sequential threads=1" "sequential threads=2" "pipe chunks=4 [cpu,cpu]" "pipe torch gpipe chunks=4" ...
 
 Each setup is one ``train.py`` run (its own MLflow run in the ``benchmark-strategies``
-experiment of the project's mlflow.db). The table gives the mean ``epoch_time_s`` over the
+experiment of ``--tracking-uri``, by default the project's mlflow.db). The table gives the mean ``epoch_time_s`` over the
 epochs after the first (warm-up) one and the speedup over the one-core sequential baseline of
 the same sitting (the Lerat et al. entry, section 2: mean baseline time / mean setup time). This machine is
 shared and noisy: compare the ratios, and repeat with --rounds to see the spread.
@@ -57,8 +57,9 @@ def run_setup(name: str, overrides: list[str], args: argparse.Namespace, sweep: 
         *([f"data.image_size={args.image_size}"] if args.image_size else []),
         f"trainer.max_epochs={args.epochs}", f"measure.warmup_epochs={int(args.epochs > 1)}",  # as the table: runs for the report
         "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false",
-        "checkpoint.save=none", f"logger.experiment_name={EXPERIMENT}", f"logger.tracking_uri={args.tracking_uri}",
+        "checkpoint.save=none", f"logger.experiment_name={EXPERIMENT}",
         f"+logger.tags.bench_round={sweep}", f"+logger.tags.bench_setup={slug}", *args.set,
+        f"logger.tracking_uri={args.tracking_uri}",  # after --set: the store the runs are read back from
     ]
     neighbour = start_neighbour() if args.neighbour else None
     try:

@@ -50,12 +50,22 @@ def optimizer_flags(implementation: str) -> dict:
             "fused": {"fused": True}}[implementation]
 
 
-def inductor_cache_counts() -> tuple[int, int]:
-    """Graphs inductor has, in this process so far, taken from its FX graph cache (hits) and
-    compiled afresh (misses)."""
+def inductor_cache_counts(since: tuple[int, int] = (0, 0)) -> tuple[int, int]:
+    """Graphs inductor has, in this process (since an earlier reading ``since``), taken from its
+    FX graph cache (hits) and compiled (misses, and graphs the cache could not take: bypasses).
+    With the cache switched off (TORCHINDUCTOR_FX_GRAPH_CACHE=0) neither is counted."""
     from torch._dynamo.utils import counters
 
-    return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+    inductor = counters["inductor"]
+    now = inductor["fxgraph_cache_hit"], inductor["fxgraph_cache_miss"] + inductor["fxgraph_cache_bypass"]
+    return now[0] - since[0], now[1] - since[1]
+
+
+def compiled_most(hits: float, misses: float) -> bool:
+    """Whether a run compiled at least as many graphs as it took from inductor's cache (nothing
+    from the cache included: a cache switched off, a backend without one): its compile seconds
+    are what compiling costs, not what loading cached graphs does."""
+    return misses >= hits
 
 
 class CompileClock:
@@ -73,8 +83,7 @@ class CompileClock:
 
     def cache_counts(self) -> tuple[int, int]:
         """(hits, misses) of inductor's FX graph cache since :meth:`install`."""
-        now = inductor_cache_counts()
-        return max(0, now[0] - self._cache_at_install[0]), max(0, now[1] - self._cache_at_install[1])
+        return inductor_cache_counts(since=self._cache_at_install)
 
     def _start(self, _args=None) -> None:
         with self._lock:

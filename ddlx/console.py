@@ -107,9 +107,9 @@ class RunSummary:
             out.append(f"  mean epoch {self.measured['mean_epoch_time_s']:.2f} s over {self.measured['measured_epochs']:.0f} "
                        f"measured epoch(s), {self.measured['mean_samples_per_s']:.1f} samples/s")
         if self.measured.get("compile_s"):
-            hits, misses = (int(self.measured.get(f"compile_cache_{k}", 0)) for k in ("hits", "misses"))
-            out.append(f"  compiling took {self.measured['compile_s']:.1f} s, kept out of the epoch times (compile_s): "
-                       f"{misses} graph(s) compiled, {hits} from inductor's cache")
+            graphs = (f": {self.measured['compile_cache_misses']:.0f} graph(s) compiled, "
+                      f"{self.measured['compile_cache_hits']:.0f} from inductor's cache" if "compile_cache_hits" in self.measured else "")
+            out.append(f"  compiling took {self.measured['compile_s']:.1f} s, kept out of the epoch times (compile_s){graphs}")
         scores = ", ".join(f"{k} {self.metrics[k]:.3f}" for k in ("val_acc", "val_loss", "train_loss") if k in self.metrics)
         if scores:
             out.append(f"  final {scores}")

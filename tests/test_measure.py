@@ -121,6 +121,24 @@ def test_timer_summary_means_the_epochs_after_warm_up():
     assert timer.summary() == {"mean_epoch_time_s": 3.0, "mean_samples_per_s": 20.0, "measured_epochs": 2.0}
 
 
+def test_a_resumed_run_keeps_its_inductor_cache_counts_and_drops_those_a_checkpoint_lacks():
+    """A checkpoint carries compile_s and inductor's (hits, misses); one written before ddlx counted
+    them carries compile_s alone, and the resumed run then logs its compile seconds without counts
+    (its cold compile is in them, the counts of the attempt after would say warm)."""
+    state = {"epoch_times": [1.0], "epoch_samples": [8], "epoch_steps": [1], "step_times": [], "samples": 0,
+             "compile_s": 30.0}
+    for saved, counts in (((2, 3), {"compile_cache_hits": 2.0, "compile_cache_misses": 3.0}), (None, {})):
+        timer = EpochTimer()
+        timer.clock.install()  # counting from now: this process's earlier compiles are not the run's
+        try:
+            timer.load_state_dict(state if saved is None else {**state, "compile_cache": saved})
+            summary = timer.summary()
+            assert summary["compile_s"] == 30.0 and {k: v for k, v in summary.items() if k.startswith("compile_cache")} == counts
+            assert timer.state_dict()["compile_cache"] == saved
+        finally:
+            timer.clock.remove()
+
+
 @pytest.mark.parametrize("max_steps", [-1, 5])
 def test_an_epoch_ends_when_its_last_step_is_done_on_the_device(monkeypatch, max_steps):
     """A GPU still runs the last steps after the host has issued them: the timer waits for the

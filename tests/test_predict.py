@@ -611,6 +611,26 @@ def test_every_printed_command_composes_and_names_its_launcher(overrides):
         assert commands[on_a_node].startswith("python train.py"), on_a_node
 
 
+def test_a_tried_data_parallel_count_is_a_candidate_only_where_its_ranks_have_a_place():
+    """Tried process counts for ddp_* and fsdp: on several nodes, a node's devices on each of a
+    whole number of them (srun starts them so), never more than the machine has; on one node of
+    GPUs at most a GPU each; CPU processes may share cores."""
+    from ddlx.predict.setups import candidates
+
+    job = Job("resnet18", "cifar10", 10, 3, 32, 96, 50000)
+    for machine, kept in ((["hw=titanrtx_4x", "hw.nodes=4"], {2, 8}), (["hw=titanrtx_4x"], {2}),
+                          (["hw=cpu_2core_cluster", "hw.nodes=1"], {2, 6, 8, 32})):
+        hw = hardware(_compose_hw(*machine))
+        ddp = "ddp_gloo" if hw.device_kind == "cpu" else "ddp_nccl"
+        tries = {name: {"processes": [2, 6, 8, 32]} for name in (ddp, "fsdp")}
+        for name in (ddp, "fsdp"):
+            counts = {s.processes for s in candidates(hw, job, tries=tries) if s.strategy == name}
+            assert counts == kept, (machine, name, counts)
+    four_nodes = hardware(_compose_hw("hw=titanrtx_4x", "hw.nodes=4"))
+    eight = STRATEGIES["ddp_nccl"].setup(processes=8)
+    assert STRATEGIES["ddp_nccl"].launcher(eight, four_nodes) == "srun --nodes=2 --ntasks-per-node=4"
+
+
 def test_an_hsdp_setup_without_a_shard_size_is_priced_with_the_groups_its_plan_makes():
     """strategy.shard_size unset makes a shard group of each node's ranks (the plan resolves it so):
     time and memory are those of shard_size = a node's devices, not of one group over every rank."""
@@ -1343,15 +1363,19 @@ def test_the_compile_cost_is_what_runs_that_compiled_their_graphs_paid():
         runs.append(compiled)
     job = job_of_run(runs[0])
     gain = measured_gain(runs, job, hw)
-    assert (gain.compile_s, gain.runs, gain.warm_only) == (60.0, 1, False), "the cold run's, not the median of all three"
+    assert (gain.compile_s, gain.compile_runs, gain.runs, gain.warm_only) == (60.0, 1, 3, False), "the cold run's alone"
     warm = measured_gain([r for r in runs if r.run_id not in ("e0", "c0")], job, hw)
     assert (warm.compile_s, warm.warm_only) == (2.5, True) and "a first compile costs more" in warm.basis
+    # A run that compiled one graph of forty is a warm cache's; one whose cache was off counts nothing and compiled.
+    runs[3].metrics.update(compile_cache_hits=39.0, compile_cache_misses=1.0)
+    runs[5].metrics.update(compile_cache_hits=0.0, compile_cache_misses=0.0)
+    assert measured_gain(runs, job, hw).compile_s == statistics.median([60.0, 2.0])
     rec = Predictor(hw, runs).recommend(job)
     rec.compile_gain = warm
     assert compile_dict(rec)["compile_s_warm_cache_only"] is True
     # Runs logged before the counts are taken to have compiled their graphs.
     for r in runs:
-        r.metrics.pop("compile_cache_misses", None)
+        r.metrics.pop("compile_cache_misses", None), r.metrics.pop("compile_cache_hits", None)
     assert measured_gain(runs, job, hw).compile_s == 3.0
 
 

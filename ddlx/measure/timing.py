@@ -36,8 +36,9 @@ class EpochTimer(pl.Callback):
     they fall in and logged as ``compile_s`` (the run's total so far, the slowest rank's;
     validation's compiles included), so the epoch times are the steady state's. Beside it,
     ``compile_cache_misses`` and ``compile_cache_hits``: the graphs inductor compiled and those it
-    took from its on-disk cache (the most of any rank), which say whether ``compile_s`` is what a
-    first compile costs or a warm cache's.
+    took from its on-disk cache (each the most of any rank), which say whether ``compile_s`` is
+    what compiling costs or what a warm cache does; left out where a run resumed from a checkpoint
+    that did not count them.
 
     Its state goes into every checkpoint: a run resumed mid-epoch adds the steps it times to those
     of the same epoch before the stop, so each epoch's figures cover all its steps once, and the
@@ -57,30 +58,40 @@ class EpochTimer(pl.Callback):
         self.clock = CompileClock()
         self.compile_s = 0.0  # every rank's compiling so far, the slowest's (at the last epoch's end)
         self._compile_before = 0.0  # compiled before a resume (its checkpoint's compile_s)
-        self.cache = (0, 0)  # inductor's cache (hits, misses) so far, the most of any rank (at the last epoch's end)
-        self._cache_before = (0, 0)  # before a resume
+        # Inductor's cache (hits, misses) so far, each the most of any rank (at the last epoch's end),
+        # and before a resume; None: not known (a checkpoint of compiled epochs that did not count them).
+        self.cache: tuple[int, int] | None = (0, 0)
+        self._cache_before: tuple[int, int] | None = (0, 0)
         self._compile_mark = 0.0
 
     def state_dict(self) -> dict:
         return {"epoch_times": self.epoch_times, "epoch_samples": self.epoch_samples, "epoch_steps": self.epoch_steps,
                 "step_times": self.step_times, "samples": self._samples, "compile_s": self.compiled(),
-                "compile_cache": list(self.cached())}
+                "compile_cache": self.cached()}
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch_times, self.epoch_samples = list(state["epoch_times"]), list(state["epoch_samples"])
         self.epoch_steps = list(state["epoch_steps"])
         self._carried = (list(state["step_times"]), int(state["samples"]))
         self._compile_before = self.compile_s = float(state.get("compile_s", 0.0))
-        self._cache_before = self.cache = tuple(state.get("compile_cache", (0, 0)))
+        counted = state.get("compile_cache", None if self.compile_s > 0 else (0, 0))
+        self._cache_before = self.cache = None if counted is None else (int(counted[0]), int(counted[1]))
 
     def compiled(self) -> float:
         """Compile seconds of the run: the slowest rank's at the last epoch end, or this rank's since."""
         return max(self.compile_s, self._compile_before + self.clock.now())
 
-    def cached(self) -> tuple[int, int]:
+    def cached(self) -> tuple[int, int] | None:
         """Inductor's cache (hits, misses) of the run: the most of any rank at the last epoch end, or this rank's since."""
-        mine = (b + n for b, n in zip(self._cache_before, self.clock.cache_counts()))
-        return tuple(max(a, b) for a, b in zip(self.cache, mine))
+        mine = self._mine()
+        return None if mine is None or self.cache is None else (max(self.cache[0], mine[0]), max(self.cache[1], mine[1]))
+
+    def _mine(self) -> tuple[int, int] | None:
+        """This rank's (hits, misses) of the run: before a resume and since."""
+        if self._cache_before is None:
+            return None
+        hits, misses = self.clock.cache_counts()
+        return self._cache_before[0] + hits, self._cache_before[1] + misses
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         self.clock.install()
@@ -123,11 +134,11 @@ class EpochTimer(pl.Callback):
         steps = len(self.step_times)
         local = torch.tensor(
             [sum(w for w, _ in self.step_times), sum(c for _, c in self.step_times), self._compile_before + self.clock.now(),
-             *(b + n for b, n in zip(self._cache_before, self.clock.cache_counts()))],
+             *(self._mine() or (-1, -1))],
             dtype=torch.float64,
         )
         wait, compute, self.compile_s, hits, misses = trainer.strategy.reduce(local.to(pl_module.device), reduce_op="max").tolist()
-        self.cache = (int(hits), int(misses))
+        self.cache = None if hits < 0 else (int(hits), int(misses))
         elapsed, samples = wait + compute, self._samples
         self.step_times, self._samples = [], 0
         if steps == 0 or elapsed <= 0:
@@ -168,11 +179,12 @@ class EpochTimer(pl.Callback):
             trainer.logger.log_metrics(self.summary(), step=trainer.global_step)
 
 
-def compile_metrics(compile_s: float, cache: tuple[int, int]) -> dict[str, float]:
-    """``compile_s`` and inductor's cache hits and misses, where the run compiled."""
+def compile_metrics(compile_s: float, cache: tuple[int, int] | None) -> dict[str, float]:
+    """``compile_s`` and inductor's cache hits and misses (where known), where the run compiled."""
     if compile_s <= 0:
         return {}
-    return {"compile_s": compile_s, "compile_cache_hits": float(cache[0]), "compile_cache_misses": float(cache[1])}
+    counts = {} if cache is None else {"compile_cache_hits": float(cache[0]), "compile_cache_misses": float(cache[1])}
+    return {"compile_s": compile_s, **counts}
 
 
 def wait_for_devices(module) -> None:

@@ -13,6 +13,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..compiling import compiled_most
 from ..job import Job
 from ..records import MeasuredRun, not_measured, on_hardware, speed_knobs_of, unmodelled
 from ..costmodel.hardware import HardwareSpec
@@ -21,10 +22,11 @@ from ..costmodel.hardware import HardwareSpec
 @dataclass(frozen=True)
 class CompileGain:
     factor: float  # compiled / eager steady-state epoch: the median over the setups measured both ways
-    compile_s: float  # what compiling cost a compiled run (the median of their compile_s)
-    warm_only: bool  # every compiled run took all its graphs from inductor's cache: compile_s is a warm cache's
+    compile_s: float  # what compiling cost a compiled run: the median compile_s of those that compiled their graphs
+    warm_only: bool  # every compiled run took most of its graphs from inductor's cache: compile_s is a warm cache's
     setups: tuple[str, ...]  # the setups measured both ways
-    runs: int  # the compiled runs it rests on
+    runs: int  # the compiled runs the factor rests on
+    compile_runs: int  # those compile_s rests on
     model: str
 
     def break_even_epochs(self, epoch_s: float) -> float | None:
@@ -39,11 +41,11 @@ class CompileGain:
 
     @property
     def basis(self) -> str:
-        which = ("all with every graph from inductor's cache: a first compile costs more" if self.warm_only
-                 else "that compiled their graphs")
+        which = (f"all {self.runs} compiled run(s), each with most graphs from inductor's cache: a first compile costs more"
+                 if self.warm_only else f"the {self.compile_runs} of {self.runs} compiled run(s) that compiled their graphs")
         return (f"compiled/eager x{self.factor:.3f}, the median over {len(self.setups)} setup(s) of {self.model} measured "
                 f"both ways on this hardware ({', '.join(self.setups)}), compiling {self.compile_s:.0f} s a run "
-                f"(median of {self.runs} compiled run(s), {which})")
+                f"(the median of {which})")
 
 
 def compiled(run: MeasuredRun) -> bool:
@@ -52,9 +54,9 @@ def compiled(run: MeasuredRun) -> bool:
 
 
 def compiled_afresh(run: MeasuredRun) -> bool:
-    """A compiled run that compiled graphs rather than load them all from inductor's cache (runs
-    logged before ddlx counted them, without ``compile_cache_misses``, are taken to have)."""
-    return run.metrics.get("compile_cache_misses", 1.0) > 0
+    """A compiled run that compiled at least as many graphs as it took from inductor's cache (runs
+    without the counts, logged before ddlx took them, are taken to have)."""
+    return compiled_most(run.metrics.get("compile_cache_hits", 0.0), run.metrics.get("compile_cache_misses", 0.0))
 
 
 def measured_gain(runs: Sequence[MeasuredRun], job: Job, hw: HardwareSpec, setup: str | None = None) -> CompileGain | None:
@@ -81,5 +83,5 @@ def measured_gain(runs: Sequence[MeasuredRun], job: Job, hw: HardwareSpec, setup
     afresh = [r for r in runs_compiled if compiled_afresh(r)]  # what a run compiling its graphs pays
     compile_s = statistics.median(r.metrics.get("compile_s", 0.0) for r in afresh or runs_compiled)
     return CompileGain(statistics.median(factors), compile_s, not afresh, tuple(dict.fromkeys(k[1] for k in both)),
-                       len(afresh or runs_compiled), job.model)
+                       len(runs_compiled), len(afresh or runs_compiled), job.model)
 

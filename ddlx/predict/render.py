@@ -187,8 +187,8 @@ def compile_dict(rec: Recommendation) -> dict | None:
     if gain is None or best is None:
         return None
     even = gain.break_even_epochs(best.epoch_s)
-    return {"factor": round(gain.factor, 4), "compile_s": round(gain.compile_s, 2), "compile_s_warm_cache_only": gain.warm_only,
-            "setups_measured": list(gain.setups),
+    return {"factor": round(gain.factor, 4), "compile_s": round(gain.compile_s, 2), "compile_s_runs": gain.compile_runs,
+            "compile_s_warm_cache_only": gain.warm_only, "setups_measured": list(gain.setups),
             "compiled_runs": gain.runs, "break_even_epochs": None if even is None else round(even, 3),
             "epochs": rec.epochs, "pays": rec.compile_pays, "basis": gain.basis}
 

@@ -27,7 +27,7 @@ def candidates(hw: HardwareSpec, job: Job, batches: Batches = Batches(), tries: 
         for setup in tried(spec.candidates(hw, own), (tries or {}).get(spec.name, {})):
             processes = training_processes(setup)
             theirs = batches.job_of(job, setup.strategy, processes)
-            if (theirs.batch_size % processes == 0 and spec.accepts(setup, theirs)
+            if (theirs.batch_size % processes == 0 and spec.accepts(setup, theirs) and spec.places(setup, hw)
                     and theirs.precision not in spec.refused_precisions(setup)):
                 out.append(setup)
     return out

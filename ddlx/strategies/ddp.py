@@ -8,7 +8,7 @@ from datetime import timedelta
 from ..errors import ConfigError
 from ..knobs import ALWAYS, MISSING, UNLESS_DEFAULT, knob
 from ..costmodel.costs import DEFAULT_BUCKET_MB, RECOMPUTE, recomputes
-from .parts.replicas import data_parallel_cost, data_parallel_memory, srun_launcher
+from .parts.replicas import data_parallel_cost, data_parallel_memory, places_ranks, srun_launcher
 from .spec import TIMEOUT_S, Setup, StrategyPlan, StrategySpec, warn_oversubscription
 
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
@@ -107,6 +107,9 @@ class Ddp(StrategySpec):
 
     def launcher(self, setup, hw) -> str:
         return srun_launcher(setup.processes, hw)
+
+    def places(self, setup, hw) -> bool:
+        return places_ranks(setup.processes, hw)
 
     def cost(self, setup, job, hw, profile, seq):
         return data_parallel_cost(setup, setup.processes, job, hw, profile, seq)

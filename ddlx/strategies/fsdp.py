@@ -22,7 +22,7 @@ from ..costmodel.costs import (
     weight_traffic_s,
 )
 from ..costmodel.perf_models import data_parallel_s, exposed_sharded_s
-from .parts.replicas import node_ranks, srun_launcher
+from .parts.replicas import places_ranks, ranks_on_a_node, srun_launcher
 from .spec import TIMEOUT_S, Setup, StrategyPlan, StrategySpec, no_loss_scaling, warn_oversubscription
 
 SHARDINGS = ("full", "grad_op", "none", "hybrid")
@@ -122,6 +122,9 @@ class Fsdp(StrategySpec):
     def launcher(self, setup, hw) -> str:
         return srun_launcher(setup.processes, hw)
 
+    def places(self, setup, hw) -> bool:
+        return places_ranks(setup.processes, hw)
+
     def cost(self, setup, job, hw, profile, seq):
         """DDP's Eq. 5.1 with FSDP's ring volume (``VOLUME``): the gathers and the reduce-scatter
         run per layer beside the computation on GPUs, in turn with it on CPU (shared cores)."""
@@ -168,7 +171,7 @@ def shard_ranks(setup, hw) -> int:
     unset, a node's ranks, as the plan resolves it), every rank's otherwise."""
     if setup.sharding != "hybrid":
         return setup.processes
-    return setup.shard_size or node_ranks(setup.processes, hw)
+    return setup.shard_size or ranks_on_a_node(setup.processes, hw)
 
 
 SPECS = (Fsdp(),)

@@ -234,6 +234,11 @@ class StrategySpec:
         starting any other ranks on the machine)."""
         return ""
 
+    def places(self, setup: Setup, hw: HardwareSpec) -> bool:
+        """Whether ``setup``'s ranks have a place on ``hw`` as its launcher would start them (a
+        candidate tried with ``candidates.<strategy>.<knob>`` may not)."""
+        return True
+
     def starts_ranks(self, cfg) -> bool:
         """Whether a run of its config ``cfg`` has ddlx's launcher start ranks beside train.py's
         process (what the rank fork server is for)."""

@@ -81,7 +81,8 @@ def measured_gain(runs: Sequence[MeasuredRun], job: Job, hw: HardwareSpec, setup
                statistics.median(r.mean_epoch_time_s for r in eager[key]) for key in both]
     runs_compiled = [r for key in both for r in comp[key]]
     afresh = [r for r in runs_compiled if compiled_afresh(r)]  # what a run compiling its graphs pays
-    compile_s = statistics.median(r.metrics.get("compile_s", 0.0) for r in afresh or runs_compiled)
+    costed = afresh or runs_compiled
+    compile_s = statistics.median(r.metrics.get("compile_s", 0.0) for r in costed)
     return CompileGain(statistics.median(factors), compile_s, not afresh, tuple(dict.fromkeys(k[1] for k in both)),
-                       len(runs_compiled), len(afresh or runs_compiled), job.model)
+                       len(runs_compiled), len(costed), job.model)
 

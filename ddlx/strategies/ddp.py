@@ -8,7 +8,7 @@ from datetime import timedelta
 from ..errors import ConfigError
 from ..knobs import ALWAYS, MISSING, UNLESS_DEFAULT, knob
 from ..costmodel.costs import DEFAULT_BUCKET_MB, RECOMPUTE, recomputes
-from .parts.replicas import data_parallel_cost, data_parallel_memory, places_ranks, srun_launcher
+from .parts.replicas import RanksOverNodes, data_parallel_cost, data_parallel_memory
 from .spec import TIMEOUT_S, Setup, StrategyPlan, StrategySpec, warn_oversubscription
 
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
@@ -51,7 +51,7 @@ def comm_hook(name: str) -> dict:
     return {}
 
 
-class Ddp(StrategySpec):
+class Ddp(RanksOverNodes, StrategySpec):
     splits_batch = True
     backend: str
 
@@ -104,12 +104,6 @@ class Ddp(StrategySpec):
             return []
         plain = [self.setup(processes=p) for p in dict.fromkeys((n, total)) if p > 1]
         return [*plain, *(self.with_knobs(s, checkpoint="always") for s in plain)]
-
-    def launcher(self, setup, hw) -> str:
-        return srun_launcher(setup.processes, hw)
-
-    def places(self, setup, hw) -> bool:
-        return places_ranks(setup.processes, hw)
 
     def cost(self, setup, job, hw, profile, seq):
         return data_parallel_cost(setup, setup.processes, job, hw, profile, seq)

@@ -22,7 +22,7 @@ from ..costmodel.costs import (
     weight_traffic_s,
 )
 from ..costmodel.perf_models import data_parallel_s, exposed_sharded_s
-from .parts.replicas import places_ranks, ranks_on_a_node, srun_launcher
+from .parts.replicas import RanksOverNodes, ranks_on_a_node
 from .spec import TIMEOUT_S, Setup, StrategyPlan, StrategySpec, no_loss_scaling, warn_oversubscription
 
 SHARDINGS = ("full", "grad_op", "none", "hybrid")
@@ -48,7 +48,7 @@ class FsdpConfig:
     timeout_s: float = knob(TIMEOUT_S, low=0, low_open=True)
 
 
-class Fsdp(StrategySpec):
+class Fsdp(RanksOverNodes, StrategySpec):
     name, config, order = "fsdp", FsdpConfig, 5
     splits_batch = True
 
@@ -118,12 +118,6 @@ class Fsdp(StrategySpec):
         if hw.nodes > 1:
             plain += [self.setup(processes=total, sharding="full"), self.setup(processes=total, sharding="hybrid", shard_size=n)]
         return [*plain, *(self.with_knobs(s, checkpoint="always") for s in plain)]
-
-    def launcher(self, setup, hw) -> str:
-        return srun_launcher(setup.processes, hw)
-
-    def places(self, setup, hw) -> bool:
-        return places_ranks(setup.processes, hw)
 
     def cost(self, setup, job, hw, profile, seq):
         """DDP's Eq. 5.1 with FSDP's ring volume (``VOLUME``): the gathers and the reduce-scatter

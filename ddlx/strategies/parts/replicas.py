@@ -47,18 +47,6 @@ class ParallelDims:
         return max(1, self.node_ranks // self.width)
 
 
-def places_ranks(processes: int, hw) -> bool:
-    """Whether a data-parallel job of ``processes`` ranks has a place on ``hw``: on one node (a
-    GPU each; CPU processes beyond the cores share them), or a node's devices on each of a whole
-    number of its nodes."""
-    n = hw.devices_per_node
-    if processes <= n:
-        return True
-    if hw.nodes == 1:
-        return hw.device_kind == "cpu"
-    return processes % n == 0 and processes <= hw.total_devices
-
-
 def ranks_on_a_node(processes: int, hw) -> int:
     """The ranks of a data-parallel job of ``processes`` on one node of ``hw``: a node's devices
     each where the job spans nodes, all of them where it has one node (on CPU, more processes
@@ -67,11 +55,24 @@ def ranks_on_a_node(processes: int, hw) -> int:
     return n if processes > n and hw.nodes > 1 else processes
 
 
-def srun_launcher(processes: int, hw) -> str:
-    """What starts a data-parallel job of ``processes`` ranks on ``hw``: srun's tasks are the
-    ranks when they span nodes ('': on one node ddlx starts a node's ranks itself)."""
-    per_node = ranks_on_a_node(processes, hw)
-    return f"srun --nodes={processes // per_node} --ntasks-per-node={per_node}" if per_node < processes else ""
+class RanksOverNodes:
+    """A spec whose ``processes`` are its ranks, which srun starts where they span nodes (ddp_*,
+    fsdp): its launcher line, and which counts have a place on a machine."""
+
+    def launcher(self, setup: Setup, hw) -> str:
+        """srun's tasks are the ranks when they span nodes ('': on one node ddlx starts a node's ranks itself)."""
+        per_node = ranks_on_a_node(setup.processes, hw)
+        return f"srun --nodes={setup.processes // per_node} --ntasks-per-node={per_node}" if per_node < setup.processes else ""
+
+    def places(self, setup: Setup, hw) -> bool:
+        """On one node (a GPU each; CPU processes beyond the cores share them), or a node's devices
+        on each of a whole number of its nodes."""
+        p, n = setup.processes, hw.devices_per_node
+        if p <= n:
+            return True
+        if hw.nodes == 1:
+            return hw.device_kind == "cpu"
+        return p % n == 0 and p <= hw.total_devices
 
 
 def data_parallel_cost(setup: Setup, workers: int, job, hw, profile, seq):

@@ -26,6 +26,7 @@ Goals: ddlx compiled within 3% of the hand-compiled step; the gain reported with
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import statistics
@@ -37,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import pytorch_lightning as pl  # noqa: E402
 from handloop import AUTOCAST, hand_written_epoch, interleaved_rounds, premade_batches, sgd  # noqa: E402
 
 
@@ -82,8 +84,8 @@ def measure_model(name: str, args: argparse.Namespace, root: Path) -> dict:
     graphs: dict[str, tuple[int, int]] = {}  # inductor's cache (hits, misses) at each runner's compile
 
     def ddlx_epoch(runner, key):
-        def run():
-            timed = runner.epoch(loader)
+        def run(profiler=None):
+            timed = runner.epoch(loader, *([ProfiledSteps(profiler)] if profiler else []))
             if key not in compile_s and runner.timer.compiled() > 0:
                 compile_s[key] = runner.timer.compiled()
                 graphs[key] = runner.timer.cached()
@@ -92,14 +94,20 @@ def measure_model(name: str, args: argparse.Namespace, root: Path) -> dict:
             return timed
         return run
 
-    def hand_compiled_epoch():
+    def hand_epoch(model, optimizer):
+        def run(profiler=None):
+            with profiler or contextlib.nullcontext():
+                return hand_written_epoch(model, loader, optimizer, device, autocast)
+        return run
+
+    def hand_compiled_epoch(profiler=None):
         before = inductor_cache_counts()
-        timed = hand_written_epoch(hand_compiled, loader, hand_compiled_opt, device, autocast)
+        timed = hand_epoch(hand_compiled, hand_compiled_opt)(profiler)
         graphs.setdefault("hand compiled", inductor_cache_counts(since=before))
         return timed
 
     runners = {
-        "hand eager": lambda: hand_written_epoch(hand_eager, loader, hand_eager_opt, device, autocast),
+        "hand eager": hand_epoch(hand_eager, hand_eager_opt),
         "hand compiled": hand_compiled_epoch,
         "ddlx eager": ddlx_epoch(ddlx_eager, "ddlx eager"),
         "ddlx compiled": ddlx_epoch(ddlx_compiled, "ddlx compiled"),
@@ -113,20 +121,42 @@ def measure_model(name: str, args: argparse.Namespace, root: Path) -> dict:
 
 
 def profile_epoch(run) -> dict:
-    """One epoch of ``run`` under torch.profiler: per step, its wall time, the time the device ran
-    kernels (the sum of their own times: below the wall time by what the device idled, waiting
-    for the host), and the host operations that took the most of the host's own time."""
+    """One epoch of ``run`` under torch.profiler, over its steps only (ddlx's Trainer, new each
+    round, moves the model and optimizer state to the GPU at its start and back at its end: not
+    a step's cost): per step, its wall time, the time the device ran kernels and copies (the sum
+    of the device's own events: an operator's device time is that of the kernels it launched,
+    and a user annotation's device-side span holds kernels too, so either would count them twice;
+    below the wall time by what the device idled, waiting for the host),
+    and the host operations that took the most of the host's own time (a user annotation's own
+    time is the Python run inside it: Lightning's training step runs inside ``Optimizer.step``)."""
     import torch
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=activities) as prof:
-        seconds, steps = run()
+    prof = profile(activities=activities)
+    seconds, steps = run(prof)
     events = prof.key_averages()
-    device_us = sum(e.self_device_time_total for e in events)
+    device_us = sum(e.self_device_time_total for e in events if e.device_type != DeviceType.CPU and not e.is_user_annotation)
     top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:8]
     return {"wall_ms": 1000 * seconds / steps, "device_ms": device_us / 1000 / steps,
             "host_top": [(e.key, e.self_cpu_time_total / 1000 / steps) for e in top]}
+
+
+class ProfiledSteps(pl.Callback):
+    """Runs ``profiler`` over ddlx's last epoch, the one its runner times: from its start to its
+    end (after its last step and the timer's wait for the device)."""
+
+    def __init__(self, profiler) -> None:
+        self.profiler = profiler
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        if trainer.current_epoch == trainer.max_epochs - 1:
+            self.profiler.start()
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        if trainer.current_epoch == trainer.max_epochs - 1:
+            self.profiler.stop()
 
 
 def ratios(a: list[float], b: list[float]) -> list[float]:

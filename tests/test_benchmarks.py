@@ -1,6 +1,8 @@
 """Every benchmark still runs (a change below them, such as the typed config, broke two once
 without a test noticing): a dry run of each at its smallest (AlexNet at 32 px, a step or two),
-its table row with figures. The figures themselves are the benchmarks' to report, not checked."""
+its table row with figures. The figures themselves are the benchmarks' to report, not checked.
+So do the studies written for a GPU sitting, on CPU: the next lent GPU's minutes are too few to
+find them broken there."""
 from __future__ import annotations
 
 import os
@@ -15,27 +17,27 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--models", "alexnet", "--image-size", "32", "--batch-size", "4", "--steps", "2", "--rounds", "1"]
 
 
-def run_benchmark(script: str, *args: str) -> str:
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], capture_output=True, text=True,
+def run_benchmark(script: str, *args: str, folder: str = "benchmarks") -> str:
+    out = subprocess.run([sys.executable, str(ROOT / folder / script), *args], capture_output=True, text=True,
                          cwd=ROOT, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout
 
 
-def table_row(script: str, tmp_path: Path) -> list[str]:
+def table_row(script: str) -> list[str]:
     (row,) = [line for line in run_benchmark(script, *TINY).splitlines() if line.startswith("| alexnet |")]
     return [cell.strip() for cell in row.strip("|").split("|")]
 
 
 @pytest.mark.integration
-def test_the_overhead_benchmark_runs(tmp_path):
-    cells = table_row("overhead.py", tmp_path)
+def test_the_overhead_benchmark_runs():
+    cells = table_row("overhead.py")
     assert all(float(c) > 0 for c in cells[1:4]), cells  # hand, ddlx, ddlx without the monitor: ms/step
 
 
 @pytest.mark.integration
-def test_the_compile_benchmark_runs(tmp_path):
-    cells = table_row("compile.py", tmp_path)
+def test_the_compile_benchmark_runs():
+    cells = table_row("compile.py")
     assert all(float(c) > 0 for c in cells[1:3]), cells  # eager and compiled ms/step
     assert float(cells[4].split()[0]) > 0 and float(cells[6].split()[0]) > 0, cells  # ddlx/hand compiled, ddlx compile s
 
@@ -75,3 +77,24 @@ def test_the_strategies_benchmark_runs_into_the_store_it_is_given(tmp_path):
     epoch_s, speedup = float(row.split()[2]), row.split()[5]
     assert epoch_s > 0 and speedup == "1.00x", row
     assert (tmp_path / "mlflow.db").exists() and (tmp_path / "outputs").is_dir()
+
+
+@pytest.mark.integration
+def test_the_sync_check_runs_on_cpu():
+    """studies/gpu_sync_check.py: ddlx's runner eager and compiled, one report each (on CPU no call
+    can synchronize with a device)."""
+    out = run_benchmark("gpu_sync_check.py", "--device", "cpu", "--image-size", "32", "--batch-size", "4", "--steps", "2",
+                        folder="studies")
+    reports = re.findall(r"== ddlx (eager|compiled): batches pinned at the transfer: \{'cpu run': (\d+)\}; (\d+) synchronizing", out)
+    assert [(kind, int(batches), int(calls)) for kind, batches, calls in reports] == [("eager", 4, 0), ("compiled", 4, 0)], out
+
+
+@pytest.mark.integration
+def test_the_small_image_study_compares_every_measured_step():
+    """studies/gpu_small_images.py: a row per step of its measurement file, and both pricings refitted."""
+    out = run_benchmark("gpu_small_images.py", folder="studies")
+    steps = (ROOT / "studies" / "gpu-h200" / "layers_32px.csv").read_text().splitlines()[1:]
+    measured = {(row.split(",")[4], row.split(",")[6]) for row in steps}  # (model, batch)
+    rows = [line for line in out.splitlines() if re.match(r"\| \w+ \| \d+ \| \d", line)]
+    assert {(row.split("|")[1].strip(), row.split("|")[2].strip()) for row in rows} == measured, out
+    assert len(re.findall(r"\| median \d+\.\d%, \d+ of \d+ within 15%", out)) == 4, out

@@ -49,6 +49,16 @@ def hand_written_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimize
     return time.perf_counter() - start, steps
 
 
+def second_of_two(epoch: Callable[[], tuple[float, int]]) -> tuple[float, int]:
+    """An untimed epoch, then ``epoch`` timed: what ddlx's runner (benchmarks/overhead.py) times,
+    the second epoch of a two-epoch fit. Both sides then time an epoch that follows one of their
+    own: on a GPU, Lightning empties the CUDA allocator's cache at each fit's start and end, in
+    the process the hand loop shares, so an epoch that came first would allocate its activations
+    again, on whichever side ran after a fit."""
+    epoch()
+    return epoch()
+
+
 def premade_batches(steps: int, batch_size: int, image_size: int, device: torch.device):
     """``steps`` batches of random images made once, for both loops to read alike: a loader
     over whole batches (no collation, which on one host thread would take a GPU step's time:

@@ -9,7 +9,7 @@ data (one loader over batches made beforehand, so neither decoding nor collation
 alternates, round after round and in rotating order:
 
 - ``hand``: the loop of benchmarks/handloop.py (zero_grad, forward, loss, backward, step,
-  loss and accuracy tracked);
+  loss and accuracy tracked), two epochs a round, timed in the second (``handloop.second_of_two``);
 - ``ddlx``: ddlx's Trainer as train.py builds it (ClassifierModule, sequential strategy,
   EpochTimer, ResourceMonitor at its default interval, MLflow logging to a scratch store), one
   fit of two epochs per round, timed in its second; the optimizer is kept across fits (as in one
@@ -35,7 +35,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from handloop import AUTOCAST, hand_written_epoch, interleaved_rounds, premade_batches, sgd  # noqa: E402
+from handloop import AUTOCAST, hand_written_epoch, interleaved_rounds, premade_batches, second_of_two, sgd  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -110,7 +110,8 @@ class DdlxRunner:
         from ddlx.run import build_trainer, measurement_callbacks
 
         callbacks = measurement_callbacks(self.cfg)
-        trainer = build_trainer(self.cfg, self.plan, self.logger, self.root / "run", [*callbacks, *extra_callbacks])
+        # extra_callbacks first: a profiler's start is then outside the timer's epoch
+        trainer = build_trainer(self.cfg, self.plan, self.logger, self.root / "run", [*extra_callbacks, *callbacks])
         trainer.fit(self.module, train_dataloaders=loader)
         self.timer = callbacks[0]  # the run's timer (its compile_s too)
         return self.timer.epoch_times[-1], self.timer.epoch_steps[-1]
@@ -128,7 +129,7 @@ def measure_model(name: str, args: argparse.Namespace, root: Path) -> dict[str, 
     with_monitor = DdlxRunner(compose(name, args, root, monitor=True), copy.deepcopy(base), root)
     without_monitor = DdlxRunner(compose(name, args, root, monitor=False), copy.deepcopy(base), root)
     runners = {
-        "hand": lambda: hand_written_epoch(hand_model, loader, hand_opt, device, AUTOCAST[args.precision]),
+        "hand": lambda: second_of_two(lambda: hand_written_epoch(hand_model, loader, hand_opt, device, AUTOCAST[args.precision])),
         "ddlx": lambda: with_monitor.epoch(loader),
         "ddlx no monitor": lambda: without_monitor.epoch(loader),
     }

@@ -34,7 +34,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     import torch
-    from handloop import hand_written_epoch, interleaved_rounds, premade_batches, sgd
+    from handloop import hand_written_epoch, interleaved_rounds, premade_batches, second_of_two, sgd
     from overhead import DdlxRunner, compose
     from torch import nn
 
@@ -49,7 +49,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         # compose names a registry model for the config; the runner trains the model it is given
         ddlx = DdlxRunner(compose("alexnet", settings, Path(tmp), False, "optim.lr=0.001"), copy.deepcopy(base), Path(tmp))
-        runners = {"hand": lambda: hand_written_epoch(hand_model, loader, hand_optimizer),
+        runners = {"hand": lambda: second_of_two(lambda: hand_written_epoch(hand_model, loader, hand_optimizer)),
                    "ddlx": lambda: ddlx.epoch(loader)}
         seconds = interleaved_rounds(runners, args.rounds, "linear")[0]
     times = {key: [1000 * s for s in values] for key, values in seconds.items()}

@@ -11,8 +11,10 @@ third sitting). They are not in the model's calibration (ddlx/costmodel/referenc
 224 px steps only: here they are held out. Printed:
 
 1. each step against the model with the shipped parameters: the published fit (other GPUs'
-   throughputs) and the fit to the H200's 224 px layers;
-2. the H200 fit redone with each layer's pass priced as an asynchronous queue (the host issues
+   throughputs) and the fit to the H200's 224 px layers; beside it the host's time per forward
+   kernel (the forward's measured time over the model's count of its kernels);
+2. the imbalance of four pipeline stages cut by time, on the measured layers and on the model's;
+3. the H200 fit redone with each layer's pass priced as an asynchronous queue (the host issues
    pass after pass while the GPU runs what was issued, instead of each pass taking the longer of
    the host's and the GPU's time): its error on the 224 px steps it is fitted to and on these.
 """
@@ -29,6 +31,7 @@ sys.path.insert(0, str(HERE.parent))
 
 import ddlx.costmodel.gpu_measured as measured  # noqa: E402
 from ddlx.costmodel import gpu_time  # noqa: E402
+from ddlx.parallel.cuts import contiguous_balance  # noqa: E402
 from ddlx.predict.hw_files import hw_file, published_fit  # noqa: E402
 
 SMALL = HERE / "gpu-h200" / "layers_32px.csv"
@@ -46,6 +49,14 @@ def queued_seconds(step: gpu_time.StepArrays, params: gpu_time.GpuParams) -> tup
     return np.diff(finish, prepend=0.0), optimizer_s
 
 
+def imbalance(layer_s: list[float], stages: int = 4) -> float:
+    cut, stage_s, start = contiguous_balance(layer_s, stages), [], 0
+    for count in cut:
+        stage_s.append(sum(layer_s[start:start + count]))
+        start += count
+    return max(stage_s) / (sum(stage_s) / stages)
+
+
 def errors(steps, params, hw) -> list[float]:
     return [measured.predicted_step_s(measured.arrays_of(s, hw), params) / s.step_s - 1 for s in steps]
 
@@ -59,17 +70,31 @@ def main() -> None:
     hw = hw_file("h200_1x")
     small, shipped = measured.load_measured(SMALL), measured.load_measured(SHIPPED)
     published, own = published_fit().params, measured.measured_fit(hw).params
-    print("| network | batch | measured ms | forward share | published fit | H200 224 px fit |\n|---|---|---|---|---|---|")
+    print("| network | batch | measured ms | forward share | forward kernels | host µs a forward kernel | published fit | "
+          "H200 224 px fit |\n|---|---|---|---|---|---|---|---|")
     for s, p, o in zip(small, errors(small, published, hw), errors(small, own, hw)):
         share = sum(s.forward_s) / (sum(s.forward_s) + sum(s.backward_s))
-        print(f"| {s.model} | {s.batch} | {1e3 * s.step_s:.2f} | {share:.2f} | {100 * p:+.0f}% | {100 * o:+.0f}% |")
+        kernels = measured.arrays_of(s, hw).kernels[0::2].sum()  # the model's count of the forward's kernels
+        print(f"| {s.model} | {s.batch} | {1e3 * s.step_s:.2f} | {share:.2f} | {kernels:.0f} | {1e6 * sum(s.forward_s) / kernels:.0f} | "
+              f"{100 * p:+.0f}% | {100 * o:+.0f}% |")
+    print(f"\nThe fits' host time to issue a kernel: published {published.issue_us:.0f} µs, H200 {own.issue_us:.0f} µs.")
+    print("\nFour pipeline stages cut as torchgpipe's partitioner cuts them (contiguous, by time): the slowest "
+          "stage over a quarter of the layers' time\n")
+    print("| network | batch | on the measured layers | on the H200 fit's layers |\n|---|---|---|---|")
+    for s in small:
+        per_segment, _ = gpu_time.seconds(measured.arrays_of(s, hw), own)
+        predicted = list(per_segment[0::2] + per_segment[1::2])
+        timed = [f + b for f, b in zip(s.forward_s, s.backward_s)]
+        print(f"| {s.model} | {s.batch} | {imbalance(timed):.3f} | {imbalance(predicted):.3f} |")
     print("\nThe H200 fit redone on its 224 px layers (the 32 px steps held out):\n")
     print("| a pass takes | 224 px (fitted) | 32 px (held out) |\n|---|---|---|")
     for name, priced in (("the longer of host and GPU (shipped)", gpu_time.seconds), ("its share of an asynchronous queue", queued_seconds)):
         measured.seconds = priced  # what fit_to_layers and predicted_step_s price with
-        params = measured.fit_to_layers([(measured.arrays_of(s, hw), s) for s in shipped])
-        print(f"| {name} | {summary(errors(shipped, params, hw))} | {summary(errors(small, params, hw))} |")
-    measured.seconds = gpu_time.seconds
+        try:
+            params = measured.fit_to_layers([(measured.arrays_of(s, hw), s) for s in shipped])
+            print(f"| {name} | {summary(errors(shipped, params, hw))} | {summary(errors(small, params, hw))} |")
+        finally:
+            measured.seconds = gpu_time.seconds
 
 
 if __name__ == "__main__":

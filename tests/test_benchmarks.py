@@ -80,13 +80,16 @@ def test_the_strategies_benchmark_runs_into_the_store_it_is_given(tmp_path):
 
 
 @pytest.mark.integration
-def test_the_sync_check_runs_on_cpu():
-    """studies/gpu_sync_check.py: ddlx's runner eager and compiled, one report each (on CPU no call
-    can synchronize with a device)."""
+def test_the_sync_check_runs_on_cpu_and_compiles_its_compiled_runner():
+    """studies/gpu_sync_check.py: ddlx's runner eager and compiled, a line of counts each (on CPU no
+    call can wait for a device, and no batch is pinned)."""
     out = run_benchmark("gpu_sync_check.py", "--device", "cpu", "--image-size", "32", "--batch-size", "4", "--steps", "2",
                         folder="studies")
-    reports = re.findall(r"== ddlx (eager|compiled): batches pinned at the transfer: \{'cpu run': (\d+)\}; (\d+) synchronizing", out)
-    assert [(kind, int(batches), int(calls)) for kind, batches, calls in reports] == [("eager", 4, 0), ("compiled", 4, 0)], out
+    counts = {kind: dict(re.findall(r"(\w+)=([\d.]+)", line)) for kind, line in re.findall(r"^ddlx (eager|compiled): (.*)$", out, re.M)}
+    assert set(counts) == {"eager", "compiled"}, out
+    assert float(counts["eager"]["compile_s"]) == 0 and float(counts["compiled"]["compile_s"]) > 0, counts
+    for kind in counts:
+        assert counts[kind]["not_pinned"] == "4" and counts[kind]["syncs_in_step"] == "0", counts  # two epochs of two steps
 
 
 @pytest.mark.integration
@@ -98,3 +101,11 @@ def test_the_small_image_study_compares_every_measured_step():
     rows = [line for line in out.splitlines() if re.match(r"\| \w+ \| \d+ \| \d", line)]
     assert {(row.split("|")[1].strip(), row.split("|")[2].strip()) for row in rows} == measured, out
     assert len(re.findall(r"\| median \d+\.\d%, \d+ of \d+ within 15%", out)) == 4, out
+
+
+@pytest.mark.integration
+def test_the_thesis_ratio_study_runs_every_variant():
+    """studies/thesis_ratio_checks.py: a row per variant, with the eight ratios and Table 6.1's configs."""
+    out = run_benchmark("thesis_ratio_checks.py", folder="studies")
+    rows = re.findall(r"^\| ([\w.-]+) \| (\d) of 8 \| ((?:[^|;]+;){7}[^|;]+) \| A [-+][\d.]+%, B [-+][\d.]+%, C [-+][\d.]+% \|$", out, re.M)
+    assert [row[0] for row in rows] == ["shipped", "gpu-times-0.78", "horovod-bucket-64", "recompute-forward"], out

@@ -27,7 +27,6 @@ Goals: ddlx compiled within 3% of the hand-compiled step; the gain reported with
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import os
 import statistics
@@ -40,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import pytorch_lightning as pl  # noqa: E402
-from handloop import AUTOCAST, hand_written_epoch, interleaved_rounds, premade_batches, sgd  # noqa: E402
+from handloop import AUTOCAST, hand_written_epoch, interleaved_rounds, premade_batches, second_of_two, sgd  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -97,11 +96,7 @@ def measure_model(name: str, args: argparse.Namespace, root: Path) -> dict:
 
     def hand_epoch(model, optimizer):
         def run(profiler=None):
-            def epoch():
-                return hand_written_epoch(model, loader, optimizer, device, autocast)
-            epoch()  # as second_of_two, with the profiler over the timed epoch only
-            with profiler or contextlib.nullcontext():
-                return epoch()
+            return second_of_two(lambda: hand_written_epoch(model, loader, optimizer, device, autocast), profiler)
         return run
 
     def hand_compiled_epoch(profiler=None):

@@ -1,6 +1,7 @@
 """The hand-written PyTorch training loop ddlx is judged against (shared by the benchmarks)."""
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from collections.abc import Callable
@@ -49,14 +50,16 @@ def hand_written_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimize
     return time.perf_counter() - start, steps
 
 
-def second_of_two(epoch: Callable[[], tuple[float, int]]) -> tuple[float, int]:
-    """An untimed epoch, then ``epoch`` timed: what ddlx's runner (benchmarks/overhead.py) times,
-    the second epoch of a two-epoch fit. Both sides then time an epoch that follows one of their
-    own: on a GPU, Lightning empties the CUDA allocator's cache at each fit's start and end, in
-    the process the hand loop shares, so an epoch that came first would allocate its activations
-    again, on whichever side ran after a fit."""
+def second_of_two(epoch: Callable[[], tuple[float, int]],
+                  timed_within: contextlib.AbstractContextManager | None = None) -> tuple[float, int]:
+    """An untimed epoch, then ``epoch`` timed (inside ``timed_within``, a profiler say): what
+    ddlx's runner (benchmarks/overhead.py) times, the second epoch of a two-epoch fit. Both sides
+    then time an epoch that follows one of their own: on a GPU, Lightning empties the CUDA
+    allocator's cache at each fit's start and end, in the process the hand loop shares, so an
+    epoch that came first would allocate its activations again, on whichever side ran after a fit."""
     epoch()
-    return epoch()
+    with timed_within or contextlib.nullcontext():
+        return epoch()
 
 
 def premade_batches(steps: int, batch_size: int, image_size: int, device: torch.device):

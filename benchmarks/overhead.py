@@ -74,8 +74,8 @@ class DdlxRunner:
     """ddlx's training path for one model, as in a run of train.py: a fresh Trainer a round, timed
     in its second epoch. Its first pays what a run pays once, not every epoch: on a GPU, Lightning
     moves the model and optimizer state to the device at a fit's start and back at its end, and
-    empties the CUDA allocator's cache, so the first steps of a fit allocate again (a cudaMalloc
-    in ResNet-50's compiled step on an H200)."""
+    empties the CUDA allocator's cache at both, so the first steps of a fit allocate again (a
+    cudaMalloc in ResNet-50's compiled step on an H200)."""
 
     def __init__(self, cfg, model: torch.nn.Module, root: Path) -> None:
         from dataclasses import asdict

@@ -20,6 +20,7 @@ third sitting). They are not in the model's calibration (ddlx/costmodel/referenc
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import sys
 from pathlib import Path
@@ -42,7 +43,7 @@ def queued_seconds(step: gpu_time.StepArrays, params: gpu_time.GpuParams) -> tup
     """Each (layer, pass) as the increase of the GPU's finishing time when the host issues the
     passes one after another (issue_us a kernel) and the GPU runs a pass's work once the host has
     issued it, its last kernel no sooner than the host's issue of it."""
-    gpu, optimizer_s = gpu_time.seconds(step, gpu_time.GpuParams.of((*params.as_tuple()[:5], 0.0, *params.as_tuple()[6:])))
+    gpu, optimizer_s = gpu_time.seconds(step, dataclasses.replace(params, issue_us=0.0))  # the GPU's time alone
     issued = np.cumsum(step.kernels * params.issue_us * 1e-6)
     ran = np.cumsum(gpu)
     finish = ran + np.maximum(0.0, np.maximum.accumulate(issued + gpu / np.maximum(step.kernels, 1) - ran))

@@ -43,7 +43,7 @@ class DataConfig:
     image_size: int = knob(low=1)
     batch_size: int = knob(low=1)  # the global batch; with batch_per=worker, each data-parallel process's
     batch_per: str = knob("global", choices=BATCH_PER)
-    num_workers: int = knob(0, low=0)
+    num_workers: int = knob(0, low=0)  # loader processes, persistent; they read the next epoch ahead (ddlx.data.spanning)
     val_fraction: float = knob(0.2, low=0, high=1, high_open=True)
     mean: Optional[List[float]] = None
     std: Optional[List[float]] = None

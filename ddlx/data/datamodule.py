@@ -20,6 +20,7 @@ from ..job import batch_split_problems
 from .folder import scan_imagefolder
 from .synthetic import SyntheticSpec, ensure_synthetic_imagefolder
 from .cache import keep_decoded
+from .spanning import SpanningBatches, one_epoch
 from .transforms import ImageTransform, build_transform, flips
 
 log = logging.getLogger(__name__)
@@ -110,6 +111,19 @@ class ResumableSampler(DistributedSampler):
     def resume_at(self, epoch: int, batches_done: int) -> None:
         self._resume = (epoch, batches_done)
 
+    def resume_pending(self) -> bool:
+        return self._resume is not None
+
+    def samples_of(self, epoch: int) -> Iterator[tuple[int, int]]:
+        """Epoch ``epoch``'s samples, drawn ahead of Lightning's ``set_epoch`` for it (the epoch
+        it set stays): DistributedSampler draws an epoch's whole permutation when asked."""
+        current, self.epoch = self.epoch, epoch
+        try:
+            indices = super().__iter__()
+        finally:
+            self.epoch = current
+        return ((index, epoch) for index in indices)
+
     def __iter__(self) -> Iterator[tuple[int, int]]:
         skip = 0
         if self._resume is not None:  # before Lightning's set_epoch: loader workers read indices at once
@@ -134,18 +148,28 @@ class ForkingLoader(DataLoader):
 class ResumableLoader(ForkingLoader):
     """The training loader, stateful in Lightning's sense: its state in a checkpoint is the epoch
     and the number of its batches trained (``position()``); restored before the loader's
-    iteration starts, so a resumed epoch trains, in order, the samples the stopped one had not."""
+    iteration starts, so a resumed epoch trains, in order, the samples the stopped one had not.
+    With workers, they load the next epoch's first batches while this one ends (:mod:`.spanning`)."""
 
-    def __init__(self, *args, position: Callable[[], tuple[int, int]], **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, dataset, *, sampler: ResumableSampler, batch_size: int,
+                 position: Callable[[], tuple[int, int]], **kwargs) -> None:
+        if kwargs.get("num_workers", 0) > 0:
+            super().__init__(dataset, batch_sampler=SpanningBatches(sampler, batch_size), **kwargs)
+        else:
+            super().__init__(dataset, sampler=sampler, batch_size=batch_size, **kwargs)
         self._position = position
+
+    def __iter__(self):
+        if isinstance(self.batch_sampler, SpanningBatches):
+            return one_epoch(self, restart=super().__iter__)
+        return super().__iter__()
 
     def state_dict(self) -> dict[str, int]:
         epoch, done = self._position()
         return {"epoch": epoch, "batches_done": done}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.sampler.resume_at(int(state["epoch"]), int(state["batches_done"]))
+        self.batch_sampler.sampler.resume_at(int(state["epoch"]), int(state["batches_done"]))
 
 
 def _quiet_worker(worker_id: int) -> None:

@@ -1,0 +1,94 @@
+"""The training loader with workers reads the next epoch ahead (ddlx.data.spanning) and still
+gives every epoch's batches as the loader without workers does: same samples, order and flips,
+whether an epoch is taken whole, cut short, asked for again, or resumed from a checkpoint."""
+from __future__ import annotations
+
+import pytest
+import torch
+from test_data import fire_module
+
+from ddlx.data.datamodule import ImageFolderDataModule
+from ddlx.data.spanning import SpanningBatches
+
+
+def module(tmp_path, workers: int) -> ImageFolderDataModule:
+    dm = fire_module(tmp_path, num_images=45, val_fraction=0.2, batch_size=8, num_workers=workers,
+                     shuffle=True)
+    dm.prepare_data()
+    dm.setup("fit")
+    return dm
+
+
+def epoch(loader, number: int, take: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """What Lightning's fit loop does: set the sampler's epoch, ``iter()``, take the batches."""
+    loader.batch_sampler.sampler.set_epoch(number)
+    batches = []
+    for batch in iter(loader):
+        batches.append(batch)
+        if take is not None and len(batches) == take:
+            break
+    return batches
+
+
+def same(a, b) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) and torch.equal(u, v) for (x, u), (y, v) in zip(a, b))
+
+
+@pytest.fixture
+def reference(tmp_path):
+    """Epochs 0-3 of the loader without workers (no reading ahead)."""
+    loader = module(tmp_path, workers=0).train_dataloader()
+    assert not isinstance(loader.batch_sampler, SpanningBatches)
+    return [epoch(loader, n) for n in range(4)]
+
+
+@pytest.fixture
+def reading_ahead(tmp_path):
+    """The training loader with two workers, ended after the test."""
+    dm = module(tmp_path, workers=2)
+    yield dm.train_dataloader()
+    dm.end_workers()
+
+
+def test_workers_read_the_next_epoch_ahead_and_give_the_same_batches(reading_ahead, reference):
+    loader = reading_ahead
+    assert isinstance(loader.batch_sampler, SpanningBatches) and len(loader) == len(reference[0]) == 5
+    first = epoch(loader, 0)
+    iterator = loader._iterator
+    ahead = list(loader.batch_sampler.handed)
+    assert ahead and ahead[0] == (1, 0), "after an epoch's last batch, the workers hold the next epoch's first"
+    second = epoch(loader, 1)
+    assert loader._iterator is iterator, "the workers' iteration went on: not restarted for the next epoch"
+    assert same(first, reference[0]) and same(second, reference[1])
+    assert not same(first, second), "shuffled: each epoch its own order"
+
+
+def test_an_epoch_cut_short_or_asked_again_starts_where_a_plain_loader_would(reading_ahead, reference):
+    loader = reading_ahead
+    assert same(epoch(loader, 0, take=2), reference[0][:2])  # limit_train_batches=2
+    assert same(epoch(loader, 1), reference[1]), "the next epoch from its first batch"
+    assert same(epoch(loader, 1, take=1), reference[1][:1]), "the same epoch again: from its start"
+    assert same(epoch(loader, 3), reference[3]), "an epoch further on"
+
+
+def test_a_resumed_loader_goes_on_after_the_batches_trained(reading_ahead, reference):
+    loader = reading_ahead
+    loader.load_state_dict({"epoch": 2, "batches_done": 3})
+    assert same(list(iter(loader)), reference[2][3:]), "the rest of the stopped epoch"
+    assert same(epoch(loader, 3), reference[3]), "then the next, read ahead as usual"
+
+
+@pytest.mark.integration
+def test_a_run_whose_workers_read_ahead_ends_with_the_weights_of_one_without_workers(tiny_config, tmp_path):
+    """Whole epochs through Lightning's loop (its set_epoch after iter(), its fetcher one batch
+    ahead, validation between epochs): the same weights after three epochs as with no workers."""
+    from test_runs import FULL, _weights
+
+    from ddlx.run import train
+
+    job = ["model=alexnet", "trainer.max_epochs=3", "trainer.limit_train_batches=1.0", "data.shuffle=true", *FULL]
+    for workers in (0, 2):
+        train(tiny_config(*job, f"data.num_workers={workers}"), tmp_path / f"workers{workers}")
+    plain, ahead = (_weights(tmp_path / f"workers{w}" / "checkpoints" / "last.ckpt") for w in (0, 2))
+    for name, value in plain.items():
+        assert torch.equal(value, ahead[name]), name

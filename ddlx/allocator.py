@@ -72,18 +72,24 @@ class _DlInfo(ctypes.Structure):
 def malloc_library() -> str | None:
     """The path of the shared library whose ``malloc`` this process calls (the C library's, or
     a replacement's interposed through ``LD_PRELOAD``), or None where the loader cannot say."""
-    library = _library_defining("malloc")
-    if library is not None and os.path.realpath(library) == os.path.realpath("/proc/self/exe"):
-        # A non-PIE executable that takes malloc's address (uv's and other standalone Pythons)
+    found = _defining("malloc")
+    if found is not None and _is_main_program(*found):
+        # A non-PIE executable that takes malloc's address (Debian's and uv's Pythons among them)
         # defines the symbol at its own PLT entry, which the loader binds to the first
         # preloaded library that has malloc, else the C library's.
         return next((lib for lib in _preloaded() if _same_file(_library_defining("malloc", lib), lib)), None)
-    return library
+    return found[0] if found else None
 
 
 def _library_defining(symbol: str, within: str | None = None) -> str | None:
     """The file ``dladdr`` names for the address this process (or the library ``within`` and
     what it needs) resolves ``symbol`` to."""
+    found = _defining(symbol, within)
+    return found[0] if found else None
+
+
+def _defining(symbol: str, within: str | None = None) -> tuple[str, int] | None:
+    """(the file ``dladdr`` names, the address it is loaded at) for ``symbol``'s address."""
     try:
         address = getattr(ctypes.CDLL(within), symbol)
         dladdr = ctypes.CDLL(None).dladdr
@@ -93,7 +99,22 @@ def _library_defining(symbol: str, within: str | None = None) -> str | None:
     info = _DlInfo()
     if not dladdr(ctypes.cast(address, ctypes.c_void_p), ctypes.byref(info)) or not info.dli_fname:
         return None
-    return os.fsdecode(info.dli_fname)
+    return os.fsdecode(info.dli_fname), info.dli_fbase or 0
+
+
+def _is_main_program(name: str, base: int) -> bool:
+    """Whether dladdr's answer is the executable. It names that by the ``argv[0]`` it was started
+    with ("python3" found through PATH, a relative path), so the name alone does not say: where
+    the executable is loaded does (its first mapping in /proc/self/maps)."""
+    executable = os.path.realpath("/proc/self/exe")
+    if os.path.realpath(name) == executable:
+        return True
+    try:
+        with open("/proc/self/maps") as maps:
+            start = next((int(line.split("-", 1)[0], 16) for line in maps if line.rstrip().endswith(" " + executable)), None)
+    except OSError:
+        return False
+    return start == base
 
 
 def _preloaded() -> list[str]:

@@ -68,19 +68,42 @@ def test_auto_under_a_malloc_ddlx_cannot_name_is_refused(monkeypatch):
 
 
 def test_a_python_whose_executable_defines_malloc_runs_on_the_library_behind_it(monkeypatch):
-    """uv's standalone Pythons (the GPU machines' image) are non-PIE executables that define malloc
-    at their own PLT entry: dladdr names the executable, the calls reach the C library (or the
-    preloaded replacement). Every train.py there was refused before this was known."""
-    executable, look_up = os.path.realpath("/proc/self/exe"), allocator._library_defining
-    monkeypatch.setattr(allocator, "_library_defining",
-                        lambda symbol, within=None: executable if within is None else look_up(symbol, within))
-    monkeypatch.delenv("LD_PRELOAD", raising=False)
-    assert malloc_library() is None
-    assert resolve_allocator("auto") == "keep_freed"
-    check_allocator("system")
-    monkeypatch.setenv("LD_PRELOAD", "libm.so.6 libc.so.6")  # the first preloaded library that has malloc serves it
-    assert malloc_library() == "libc.so.6"
-    assert resolve_allocator("auto") == "keep_freed"
+    """Non-PIE Pythons (Debian's /usr/bin/python3, uv's standalone builds on the GPU machines)
+    define malloc at their own PLT entry: dladdr names the executable, by the argv[0] it was
+    started with, and the calls reach the C library (or the preloaded replacement). Every
+    train.py there was refused before this was known, and started by a bare name until later."""
+    executable = os.path.realpath("/proc/self/exe")
+    with open("/proc/self/maps") as maps:
+        start = next(int(line.split("-", 1)[0], 16) for line in maps if line.rstrip().endswith(" " + executable))
+    look_up = allocator._defining
+    for name in (executable, "python3"):  # started by its path, or found through PATH
+        monkeypatch.setattr(allocator, "_defining",
+                            lambda symbol, within=None, name=name: (name, start) if within is None else look_up(symbol, within))
+        monkeypatch.delenv("LD_PRELOAD", raising=False)
+        assert malloc_library() is None, name
+        assert resolve_allocator("auto") == "keep_freed"
+        check_allocator("system")
+        monkeypatch.setenv("LD_PRELOAD", "libm.so.6 libc.so.6")  # the first preloaded library that has malloc serves it
+        assert malloc_library() == "libc.so.6"
+        assert resolve_allocator("auto") == "keep_freed"
+
+
+NON_PIE_PYTHON = "/usr/bin/python3.11"  # Debian's, on the build machine
+
+
+@pytest.mark.skipif(not os.path.exists(NON_PIE_PYTHON), reason=f"no {NON_PIE_PYTHON}")
+def test_a_non_pie_python_started_by_its_bare_name_is_not_refused():
+    """argv[0] "python3.11", found through PATH: what dladdr names malloc's file by there."""
+    script = "from ddlx.allocator import _defining, resolve_allocator; print(_defining('malloc')[0], resolve_allocator('auto'))"
+    env = {**subprocess_env(), "PATH": f"{os.path.dirname(NON_PIE_PYTHON)}:{os.environ['PATH']}"}
+    env.pop("LD_PRELOAD", None)
+    out = subprocess.run([os.path.basename(NON_PIE_PYTHON), "-c", script], capture_output=True, text=True, env=env,
+                         cwd="/", timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    named, chosen = out.stdout.split()
+    if named != os.path.basename(NON_PIE_PYTHON):
+        pytest.skip(f"{NON_PIE_PYTHON} does not define malloc itself here (dladdr named {named})")
+    assert chosen == "keep_freed"
 
 
 @pytest.mark.integration

@@ -14,8 +14,10 @@ stop the next.
   resumed from its ``last.ckpt``. Per run: exit code, MLflow status, mean epoch seconds,
   samples/s, peak GPU memory.
 - ``layers`` (layers.csv, memory.csv): ``benchmarks/gpu_layers.py`` over the seven networks.
-- ``feed`` (feed.txt): ``benchmarks/dataloader.py`` (the loader against ResNet-50 bf16-mixed on
-  in-memory tensors at 224 px) and the whole pipeline, train.py with the same data and model.
+- ``feed`` (feed.txt): the whole pipeline, train.py with ResNet-50 bf16-mixed at 224 px, each
+  epoch's data wait and compute (decoded images kept in memory and not); then
+  ``benchmarks/dataloader.py`` (the loader against the model on in-memory tensors) and
+  ``benchmarks/epoch_start.py`` (the wait at each epoch's start).
 - ``overhead`` (overhead.txt): ``benchmarks/overhead.py`` on the GPU, ResNet-50 and AlexNet.
 """
 from __future__ import annotations
@@ -192,33 +194,58 @@ def layers(args, seconds: float) -> None:
     print(f"layers: exit {code} after {wall:.0f} s {tail if code else ''}", flush=True)
 
 
+FEED_DATA = ["data=firesmall", "data.num_images=16000", "data.synthetic_size=[300,500]", "data.batch_size=256"]
+
+
 def feed(args, seconds: float) -> None:
+    """The whole pipeline first (train.py, decoded images kept and not), then the loader and the
+    model apart (benchmarks/dataloader.py), then each epoch's start (benchmarks/epoch_start.py).
+    One synthetic set for all three: the benchmarks' default data folder."""
     end = time.monotonic() + seconds
     out = args.out / "feed.txt"
     workers = max(1, (os.cpu_count() or 2) - 1)
-    data = ["--num-images", "16000", "--synthetic-size", "300", "500", "--batch-size", "256"]
+    data_dir = PROJECT / "data"
+    for cache, share in (("auto", 0.35), ("none", 0.25)):
+        overrides = ["trainer=gpu", "model=resnet50", *FEED_DATA, f"data.num_workers={workers}", "data.pin_memory=true",
+                     f"data.cache={cache}", "trainer.precision=bf16-mixed", "trainer.max_epochs=4",
+                     "measure.warmup_epochs=1", "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false",
+                     "checkpoint.save=none", "cpu_allocator=system"]
+        root = args.work / f"feed_{cache}"
+        root.mkdir(parents=True, exist_ok=True)
+        code, wall, tail = run([sys.executable, str(PROJECT / "train.py"), *overrides, f"paths.root={root}",
+                                f"paths.data_dir={data_dir}"], out, seconds * share, cwd=root)
+        with open(out, "a") as f:
+            f.write(f"\nwhole pipeline, data.cache={cache}, {workers} workers: exit {code}, {wall:.0f} s\n")
+            f.write(epoch_figures(root))
+    left = end - time.monotonic()
     code, wall, tail = run([sys.executable, str(PROJECT / "benchmarks" / "dataloader.py"), "--model", "resnet50",
                             "--device", "cuda", "--precision", "bf16-mixed", "--workers", str(workers), "--threads", "1",
-                            "--cache", "none", "auto", "--pin-memory", "--batches", "16", *data], out, seconds * 0.45)
+                            "--cache", "none", "auto", "--pin-memory", "--batches", "16", "--num-images", "16000",
+                            "--synthetic-size", "300", "500", "--batch-size", "256"], out, left * 0.6)
     print(f"feed loader: exit {code} after {wall:.0f} s", flush=True)
-    for cache in ("none", "auto"):
-        left = end - time.monotonic()
-        if left < 15:
-            break
-        overrides = ["trainer=gpu", "model=resnet50", "data=firesmall", "data.num_images=16000",
-                     "data.synthetic_size=[300,500]", "data.batch_size=256", f"data.num_workers={workers}",
-                     "data.pin_memory=true", f"data.cache={cache}", "trainer.precision=bf16-mixed",
-                     "trainer.max_epochs=3", "measure.warmup_epochs=1", "trainer.limit_val_batches=0",
-                     "trainer.enable_progress_bar=false", "checkpoint.save=none", "cpu_allocator=system"]
-        root = args.work / f"feed_{cache}"
-        code, wall, tail = train_py(root, overrides, out, left * (0.5 if cache == "none" else 1.0))
-        found = latest_run(root)
-        m = found.metrics if found else {}
-        with open(out, "a") as f:
-            f.write(f"\nwhole pipeline, data.cache={cache}, {workers} workers: exit {code}, {wall:.0f} s, "
-                    f"mean_samples_per_s {m.get('mean_samples_per_s', float('nan')):.1f}, "
-                    f"data_wait_s {m.get('data_wait_s', float('nan')):.2f}, compute_s {m.get('compute_s', float('nan')):.2f}, "
-                    f"mean_epoch_time_s {m.get('mean_epoch_time_s', float('nan')):.2f}\n")
+    # a 105 ms step with the host idle: ResNet-50 bf16-mixed's at batch 256 on an H200 (2428 images/s)
+    code, wall, tail = run([sys.executable, str(PROJECT / "benchmarks" / "epoch_start.py"), "--workers", str(workers),
+                            "--batch-size", "256", "--num-images", "16000", "--synthetic-size", "300", "500",
+                            "--cache", "auto", "--pin-memory", "--step-ms", "105", "--epochs", "3", "--rounds", "1"],
+                           out, end - time.monotonic())
+    print(f"feed epoch start: exit {code} after {wall:.0f} s", flush=True)
+
+
+def epoch_figures(root: Path) -> str:
+    """Each epoch's time, data wait, compute and samples/s of the run in ``root``'s store."""
+    found = latest_run(root)
+    if found is None:
+        return "  no run recorded\n"
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
+    keys = ("epoch_time_s", "data_wait_s", "compute_s", "samples_per_s")
+    history = {key: [m.value for m in sorted(client.get_metric_history(found.run_id, key), key=lambda m: m.step)]
+               for key in keys}
+    lines = [f"  {found.status}; mean_samples_per_s {found.metrics.get('mean_samples_per_s', float('nan')):.1f}"]
+    lines += [f"  epoch {i + 1}: " + ", ".join(f"{key} {history[key][i]:.3f}" for key in keys if i < len(history[key]))
+              for i in range(max(map(len, history.values()), default=0))]
+    return "\n".join(lines) + "\n"
 
 
 def overhead(args, seconds: float) -> None:

@@ -54,11 +54,10 @@ def test_workers_read_the_next_epoch_ahead_and_give_the_same_batches(reading_ahe
     loader = reading_ahead
     assert isinstance(loader.batch_sampler, SpanningBatches) and len(loader) == len(reference[0]) == 5
     first = epoch(loader, 0)
-    iterator = loader._iterator
-    ahead = list(loader.batch_sampler.handed)
-    assert ahead and ahead[0] == (1, 0), "after an epoch's last batch, the workers hold the next epoch's first"
+    handed = loader.batch_sampler.handed
+    assert handed and handed[0] == (1, 0), "after an epoch's last batch, the workers hold the next epoch's first"
     second = epoch(loader, 1)
-    assert loader._iterator is iterator, "the workers' iteration went on: not restarted for the next epoch"
+    assert loader.batch_sampler.handed is handed, "the workers' iteration went on (a restart starts a new one)"
     assert same(first, reference[0]) and same(second, reference[1])
     assert not same(first, second), "shuffled: each epoch its own order"
 
@@ -75,20 +74,66 @@ def test_a_resumed_loader_goes_on_after_the_batches_trained(reading_ahead, refer
     loader = reading_ahead
     loader.load_state_dict({"epoch": 2, "batches_done": 3})
     assert same(list(iter(loader)), reference[2][3:]), "the rest of the stopped epoch"
-    assert same(epoch(loader, 3), reference[3]), "then the next, read ahead as usual"
+    handed = loader.batch_sampler.handed
+    assert same(epoch(loader, 3), reference[3]) and loader.batch_sampler.handed is handed, "then the next, read ahead"
+    assert same(epoch(loader, 1), reference[1])
+    loader.load_state_dict({"epoch": 2, "batches_done": 3})  # after a whole epoch 1: epoch 2 was read ahead
+    assert same(epoch(loader, 2), reference[2][3:]), "the checkpoint's position, not the epoch read ahead"
+
+
+def test_each_rank_reads_ahead_its_share_of_the_global_batches(tmp_path):
+    from types import SimpleNamespace
+
+    shares = {}
+    for workers in (0, 2):
+        dm = module(tmp_path, workers)
+        dm.trainer = SimpleNamespace(strategy=SimpleNamespace(distributed_sampler_kwargs={"num_replicas": 2, "rank": 1}))
+        loader = dm.train_dataloader()
+        shares[workers] = [epoch(loader, n) for n in range(3)]
+        dm.end_workers()
+    assert isinstance(loader.batch_sampler, SpanningBatches)
+    assert all(same(a, b) for a, b in zip(*shares.values())) and len(shares[0][0]) == 3, "rank 1 of 2: 18 of 36 images"
+
+
+def test_loaders_that_do_not_read_ahead_and_one_replaced(tmp_path):
+    from types import SimpleNamespace
+
+    dm = module(tmp_path, workers=2)
+    dm.trainer = SimpleNamespace(overfit_batches=2, strategy=None)
+    assert not isinstance(dm.train_dataloader().batch_sampler, SpanningBatches), \
+        "overfit_batches: Lightning puts its own sampler in, which a batch sampler of ours would refuse"
+    dm.trainer = None
+    first = dm.train_dataloader()
+    epoch(first, 0)
+    assert first._iterator is not None
+    second = dm.train_dataloader()  # reload_dataloaders_every_n_epochs
+    assert first._iterator is None, "the replaced loader's workers ended, with what they had read ahead"
+    assert len(epoch(second, 0)) == 5
+    dm.end_workers()
 
 
 @pytest.mark.integration
-def test_a_run_whose_workers_read_ahead_ends_with_the_weights_of_one_without_workers(tiny_config, tmp_path):
-    """Whole epochs through Lightning's loop (its set_epoch after iter(), its fetcher one batch
-    ahead, validation between epochs): the same weights after three epochs as with no workers."""
+def test_a_run_whose_workers_read_ahead_ends_with_the_weights_of_one_without_workers(tiny_config, tmp_path, monkeypatch):
+    """Whole epochs through Lightning's loop (its first iter() before set_epoch, validation
+    between epochs): the workers' iteration is never restarted after the first epoch, and the
+    weights after three epochs are those of a run without workers."""
     from test_runs import FULL, _weights
+    from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
     from ddlx.run import train
 
+    restarts, reset = [], _MultiProcessingDataLoaderIter._reset
+
+    def counted(self, loader, first_iter=False):
+        restarts.append((type(loader).__name__, first_iter))
+        return reset(self, loader, first_iter)
+
+    monkeypatch.setattr(_MultiProcessingDataLoaderIter, "_reset", counted)
     job = ["model=alexnet", "trainer.max_epochs=3", "trainer.limit_train_batches=1.0", "data.shuffle=true", *FULL]
     for workers in (0, 2):
         train(tiny_config(*job, f"data.num_workers={workers}"), tmp_path / f"workers{workers}")
+    training = [first for name, first in restarts if name == "ResumableLoader"]
+    assert training == [True], "the training loader's workers started once and were never restarted"
     plain, ahead = (_weights(tmp_path / f"workers{w}" / "checkpoints" / "last.ckpt") for w in (0, 2))
     for name, value in plain.items():
         assert torch.equal(value, ahead[name]), name

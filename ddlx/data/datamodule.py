@@ -152,8 +152,8 @@ class ResumableLoader(ForkingLoader):
     With workers, they load the next epoch's first batches while this one ends (:mod:`.spanning`)."""
 
     def __init__(self, dataset, *, sampler: ResumableSampler, batch_size: int,
-                 position: Callable[[], tuple[int, int]], **kwargs) -> None:
-        if kwargs.get("num_workers", 0) > 0:
+                 position: Callable[[], tuple[int, int]], read_ahead: bool, **kwargs) -> None:
+        if read_ahead and kwargs.get("num_workers", 0) > 0 and kwargs.get("persistent_workers"):
             super().__init__(dataset, batch_sampler=SpanningBatches(sampler, batch_size), **kwargs)
         else:
             super().__init__(dataset, sampler=sampler, batch_size=batch_size, **kwargs)
@@ -341,8 +341,11 @@ class ImageFolderDataModule(pl.LightningDataModule):
             # process's random state (dropout's), which a checkpoint keeps and a resume restores.
             generator=torch.Generator().manual_seed(self.data.seed),
         )
-        loader = ResumableLoader(dataset, position=self._training_position, **kwargs) if resumable \
-            else ForkingLoader(dataset, **kwargs)
+        # Lightning's overfit_batches swaps the sampler for a sequential one, which it cannot do
+        # inside a batch sampler of its own: that loader does not read ahead.
+        overfit = getattr(self.trainer, "overfit_batches", 0)
+        loader = ResumableLoader(dataset, position=self._training_position, read_ahead=not overfit, **kwargs) \
+            if resumable else ForkingLoader(dataset, **kwargs)
         self._loaders.append(loader)
         return loader
 
@@ -376,6 +379,13 @@ class ImageFolderDataModule(pl.LightningDataModule):
         return trainer.current_epoch, done
 
     def train_dataloader(self) -> DataLoader:
+        # A training loader asked for again (trainer.reload_dataloaders_every_n_epochs) replaces the
+        # last: end its workers, which hold the batches they read ahead.
+        from pytorch_lightning.utilities.combined_loader import _shutdown_workers_and_reset_iterator
+
+        for loader in [made for made in self._loaders if isinstance(made, ResumableLoader)]:
+            _shutdown_workers_and_reset_iterator(loader)
+            self._loaders.remove(loader)
         return self._loader(self.train_set, shuffle=self.data.shuffle, resumable=True)
 
     def val_dataloader(self) -> DataLoader | list:

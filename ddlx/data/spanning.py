@@ -61,9 +61,11 @@ def one_epoch(loader, restart: Callable[[], Iterator]) -> Iterator:
 
     That iteration goes on only when its next batch is this epoch's first: the previous epoch was
     taken to its end and nothing of this one yet. Otherwise (the first epoch, a resume, an epoch
-    Lightning cut short with ``limit_train_batches``, the same epoch asked for again) ``restart()``
-    begins a new one at the sampler's epoch, as a plain DataLoader does at every ``iter()``.
-    Called lazily, at the loop's first ``next()``: Lightning sets the epoch after ``iter()``.
+    Lightning cut short with ``limit_train_batches``, the same epoch asked for again, an error in
+    a worker) ``restart()`` begins a new one at the sampler's epoch, as a plain DataLoader does at
+    every ``iter()``: those epochs start with the wait as before.
+    Looked at lazily, at the loop's first ``next()``: Lightning's first ``iter()`` of a fit comes
+    before it sets the epoch (and restores a checkpoint's position).
     """
     batches: SpanningBatches = loader.batch_sampler
     samples = batches.sampler
@@ -75,6 +77,13 @@ def one_epoch(loader, restart: Callable[[], Iterator]) -> Iterator:
         return
     epoch = handed[0][0]
     while handed and handed[0][0] == epoch:
-        batch = next(iterator)
+        try:
+            batch = next(iterator)
+        except StopIteration:  # workers shut down under it: the epoch ends, as a plain loader's would
+            handed.clear()
+            return
+        except BaseException:  # a worker's error: the batch is gone but counted; the next iter() restarts
+            handed.clear()
+            raise
         handed.popleft()
         yield batch

@@ -104,17 +104,19 @@ def _defining(symbol: str, within: str | None = None) -> tuple[str, int] | None:
 
 def _is_main_program(name: str, base: int) -> bool:
     """Whether dladdr's answer is the executable. It names that by the ``argv[0]`` it was started
-    with ("python3" found through PATH, a relative path), so the name alone does not say: where
-    the executable is loaded does (its first mapping in /proc/self/maps)."""
+    with ("python3" found through PATH, a relative path), so the name does not say: where the
+    executable is loaded does."""
+    return base == _main_program_start()
+
+
+def _main_program_start() -> int | None:
+    """The address of the executable's first mapping in /proc/self/maps (what dladdr gives as its base)."""
     executable = os.path.realpath("/proc/self/exe")
-    if os.path.realpath(name) == executable:
-        return True
     try:
         with open("/proc/self/maps") as maps:
-            start = next((int(line.split("-", 1)[0], 16) for line in maps if line.rstrip().endswith(" " + executable)), None)
+            return next((int(line.split("-", 1)[0], 16) for line in maps if line.rstrip().endswith(" " + executable)), None)
     except OSError:
-        return False
-    return start == base
+        return None
 
 
 def _preloaded() -> list[str]:

@@ -72,9 +72,8 @@ def test_a_python_whose_executable_defines_malloc_runs_on_the_library_behind_it(
     define malloc at their own PLT entry: dladdr names the executable, by the argv[0] it was
     started with, and the calls reach the C library (or the preloaded replacement). Every
     train.py there was refused before this was known, and started by a bare name until later."""
-    executable = os.path.realpath("/proc/self/exe")
-    with open("/proc/self/maps") as maps:
-        start = next(int(line.split("-", 1)[0], 16) for line in maps if line.rstrip().endswith(" " + executable))
+    executable, start = os.path.realpath("/proc/self/exe"), allocator._main_program_start()
+    assert start is not None
     look_up = allocator._defining
     for name in (executable, "python3"):  # started by its path, or found through PATH
         monkeypatch.setattr(allocator, "_defining",

@@ -153,7 +153,7 @@ class ResumableLoader(ForkingLoader):
 
     def __init__(self, dataset, *, sampler: ResumableSampler, batch_size: int,
                  position: Callable[[], tuple[int, int]], read_ahead: bool, **kwargs) -> None:
-        if read_ahead and kwargs.get("num_workers", 0) > 0 and kwargs.get("persistent_workers"):
+        if read_ahead and kwargs.get("persistent_workers"):  # (which needs workers)
             super().__init__(dataset, batch_sampler=SpanningBatches(sampler, batch_size), **kwargs)
         else:
             super().__init__(dataset, sampler=sampler, batch_size=batch_size, **kwargs)
@@ -349,15 +349,15 @@ class ImageFolderDataModule(pl.LightningDataModule):
         self._loaders.append(loader)
         return loader
 
-    def end_workers(self) -> None:
-        """End the workers of every loader made, and wait for them: Lightning does at the end of
-        training, but not when training is stopped during validation (its teardown then takes
-        another loop for the active one), and at exit multiprocessing would wait for them."""
+    def end_workers(self, of: type = DataLoader) -> None:
+        """End the workers of every loader made (of type ``of``), and wait for them: Lightning does
+        at the end of training, but not when training is stopped during validation (its teardown
+        then takes another loop for the active one), and at exit multiprocessing would wait for them."""
         from pytorch_lightning.utilities.combined_loader import _shutdown_workers_and_reset_iterator
 
-        for loader in self._loaders:
+        for loader in [made for made in self._loaders if isinstance(made, of)]:
             _shutdown_workers_and_reset_iterator(loader)
-        self._loaders.clear()
+            self._loaders.remove(loader)
 
     def _replica(self) -> tuple[int, int]:
         """(data-parallel replicas, this process's) as the strategy shards data: the processes of
@@ -381,11 +381,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         # A training loader asked for again (trainer.reload_dataloaders_every_n_epochs) replaces the
         # last: end its workers, which hold the batches they read ahead.
-        from pytorch_lightning.utilities.combined_loader import _shutdown_workers_and_reset_iterator
-
-        for loader in [made for made in self._loaders if isinstance(made, ResumableLoader)]:
-            _shutdown_workers_and_reset_iterator(loader)
-            self._loaders.remove(loader)
+        self.end_workers(of=ResumableLoader)
         return self._loader(self.train_set, shuffle=self.data.shuffle, resumable=True)
 
     def val_dataloader(self) -> DataLoader | list:

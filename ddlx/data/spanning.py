@@ -12,11 +12,10 @@ number alone (:class:`.datamodule.ResumableSampler`), whenever they are drawn.
 """
 from __future__ import annotations
 
-import itertools
 from collections import deque
 from collections.abc import Callable, Iterator
 
-from torch.utils.data import Sampler
+from torch.utils.data import BatchSampler, Sampler
 
 
 class SpanningBatches(Sampler[list]):
@@ -35,7 +34,7 @@ class SpanningBatches(Sampler[list]):
         self.handed: deque[tuple[int, int]] = deque()
 
     def __len__(self) -> int:
-        return -(-len(self.sampler) // self.batch_size)  # the last batch may be short, as in BatchSampler
+        return len(BatchSampler(self.sampler, self.batch_size, drop_last=False))
 
     def __iter__(self) -> Iterator[list]:
         # A generator: the sampler is read at the first next(), not at iter(). A DataLoader
@@ -46,10 +45,7 @@ class SpanningBatches(Sampler[list]):
         samples = iter(self.sampler)  # from the epoch set, or where a resume starts
         epoch = self.sampler.epoch
         while True:
-            for number in itertools.count():
-                batch = list(itertools.islice(samples, self.batch_size))
-                if not batch:
-                    break
+            for number, batch in enumerate(BatchSampler(samples, self.batch_size, drop_last=False)):
                 handed.append((epoch, number))
                 yield batch
             epoch += 1

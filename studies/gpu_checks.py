@@ -122,10 +122,10 @@ def path_row(name: str, code: int, wall: float, tail: str, root: Path) -> dict:
             "note": "" if code == 0 else tail[-300:]}
 
 
-def train_py(root: Path, overrides: list[str], log: Path, timeout: float):
+def train_py(root: Path, overrides: list[str], log: Path, timeout: float, data_dir: Path | None = None):
     root.mkdir(parents=True, exist_ok=True)
     return run([sys.executable, str(PROJECT / "train.py"), *overrides, f"paths.root={root}",
-                f"paths.data_dir={root.parent / 'data'}"], log, timeout, cwd=root)
+                f"paths.data_dir={data_dir or root.parent / 'data'}"], log, timeout, cwd=root)
 
 
 def paths(args, seconds: float) -> None:
@@ -194,7 +194,10 @@ def layers(args, seconds: float) -> None:
     print(f"layers: exit {code} after {wall:.0f} s {tail if code else ''}", flush=True)
 
 
-FEED_DATA = ["data=firesmall", "data.num_images=16000", "data.synthetic_size=[300,500]", "data.batch_size=256"]
+FEED_IMAGES, FEED_SIZE, FEED_BATCH = 16000, (300, 500), 256
+FEED_DATA = ["data=firesmall", f"data.num_images={FEED_IMAGES}", f"data.synthetic_size=[{FEED_SIZE[0]},{FEED_SIZE[1]}]",
+             f"data.batch_size={FEED_BATCH}"]
+FEED_ARGS = ["--num-images", str(FEED_IMAGES), "--synthetic-size", *map(str, FEED_SIZE), "--batch-size", str(FEED_BATCH)]
 
 
 def feed(args, seconds: float) -> None:
@@ -211,21 +214,17 @@ def feed(args, seconds: float) -> None:
                      "measure.warmup_epochs=1", "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false",
                      "checkpoint.save=none", "cpu_allocator=system"]
         root = args.work / f"feed_{cache}"
-        root.mkdir(parents=True, exist_ok=True)
-        code, wall, tail = run([sys.executable, str(PROJECT / "train.py"), *overrides, f"paths.root={root}",
-                                f"paths.data_dir={data_dir}"], out, seconds * share, cwd=root)
+        code, wall, tail = train_py(root, overrides, out, seconds * share, data_dir=data_dir)
         with open(out, "a") as f:
             f.write(f"\nwhole pipeline, data.cache={cache}, {workers} workers: exit {code}, {wall:.0f} s\n")
             f.write(epoch_figures(root))
     left = end - time.monotonic()
     code, wall, tail = run([sys.executable, str(PROJECT / "benchmarks" / "dataloader.py"), "--model", "resnet50",
                             "--device", "cuda", "--precision", "bf16-mixed", "--workers", str(workers), "--threads", "1",
-                            "--cache", "none", "auto", "--pin-memory", "--batches", "16", "--num-images", "16000",
-                            "--synthetic-size", "300", "500", "--batch-size", "256"], out, left * 0.6)
+                            "--cache", "none", "auto", "--pin-memory", "--batches", "16", *FEED_ARGS], out, left * 0.6)
     print(f"feed loader: exit {code} after {wall:.0f} s", flush=True)
     # a 105 ms step with the host idle: ResNet-50 bf16-mixed's at batch 256 on an H200 (2428 images/s)
-    code, wall, tail = run([sys.executable, str(PROJECT / "benchmarks" / "epoch_start.py"), "--workers", str(workers),
-                            "--batch-size", "256", "--num-images", "16000", "--synthetic-size", "300", "500",
+    code, wall, tail = run([sys.executable, str(PROJECT / "benchmarks" / "epoch_start.py"), "--workers", str(workers), *FEED_ARGS,
                             "--cache", "auto", "--pin-memory", "--step-ms", "105", "--epochs", "3", "--rounds", "1"],
                            out, end - time.monotonic())
     print(f"feed epoch start: exit {code} after {wall:.0f} s", flush=True)

@@ -86,6 +86,27 @@ def test_a_run_stopped_mid_epoch_resumes_into_the_same_run_as_if_never_stopped(t
 
 
 @pytest.mark.integration
+def test_an_overfit_batches_run_resumes_as_if_never_stopped(tiny_config, tracking_uri, tmp_path, monkeypatch):
+    """Lightning's overfit_batches would swap the training loader's sampler for its own
+    SequentialSampler, which cannot resume: a resume then failed on an AttributeError."""
+    job = ["model=alexnet", "trainer.max_epochs=3", "trainer.overfit_batches=2", "data.shuffle=true",
+           "data.num_workers=1", *FULL]
+    train(tiny_config(*job), tmp_path / "never_stopped")
+    _with_signal_at(monkeypatch, step=3, signum=signal.SIGINT)
+    with pytest.raises(Stopped) as stop:
+        train(tiny_config(*job), tmp_path / "stopped")
+    checkpoint = stop.value.checkpoint
+    assert torch.load(checkpoint, weights_only=True)["loops"]["fit_loop"]["state_dict"]["combined_loader"] == \
+        [{"epoch": 1, "batches_done": 1}]
+    monkeypatch.undo()
+    train(tiny_config(*job, f"ckpt_path={checkpoint}"), tmp_path / "resumed")
+    assert {r.info.status for r in runs(tracking_uri)} == {"FINISHED"}
+    never, again = _weights(tmp_path / "never_stopped" / "checkpoints" / "last.ckpt"), _weights(checkpoint)
+    for name, value in never.items():
+        assert torch.allclose(value, again[name], atol=1e-6), name
+
+
+@pytest.mark.integration
 def test_sigusr1_slurms_preemption_warning_checkpoints_and_stops(tiny_config, tracking_uri, tmp_path, monkeypatch):
     _with_signal_at(monkeypatch, step=1, signum=signal.SIGUSR1)
     with pytest.raises(Stopped) as stop:

@@ -100,8 +100,14 @@ def test_loaders_that_do_not_read_ahead_and_one_replaced(tmp_path):
 
     dm = module(tmp_path, workers=2)
     dm.trainer = SimpleNamespace(overfit_batches=2, strategy=None)
-    assert not isinstance(dm.train_dataloader().batch_sampler, SpanningBatches), \
-        "overfit_batches: Lightning puts its own sampler in, which a batch sampler of ours would refuse"
+    overfit = dm.train_dataloader()
+    assert not isinstance(overfit.batch_sampler, SpanningBatches), "overfit_batches: each epoch stops after its batches"
+    drawn = []
+    for number in (0, 1):
+        overfit.batch_sampler.sampler.set_epoch(number)
+        drawn.append([[index for index, _ in batch] for batch in overfit.batch_sampler])
+    assert drawn[0] == drawn[1] == [list(range(8 * b, min(8 * b + 8, 36))) for b in range(5)], \
+        "overfit_batches: the same images every epoch, in order (their flips by epoch, as configured)"
     dm.trainer = None
     first = dm.train_dataloader()
     epoch(first, 0)

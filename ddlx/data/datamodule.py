@@ -12,7 +12,7 @@ from pathlib import Path
 import pytorch_lightning as pl
 import torch
 from PIL import Image, UnidentifiedImageError
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler
 
 from ..allocator import release_free_heap
 from ..errors import ConfigError
@@ -153,10 +153,14 @@ class ResumableLoader(ForkingLoader):
 
     def __init__(self, dataset, *, sampler: ResumableSampler, batch_size: int,
                  position: Callable[[], tuple[int, int]], read_ahead: bool, **kwargs) -> None:
+        # Its sampler inside a batch sampler, where Lightning's overfit_batches does not swap it
+        # for a SequentialSampler, which could not resume (the DataLoader's own ``sampler`` is
+        # then a sequential stand-in, which Lightning takes as already not shuffling).
         if read_ahead and kwargs.get("persistent_workers"):  # (which needs workers)
-            super().__init__(dataset, batch_sampler=SpanningBatches(sampler, batch_size), **kwargs)
+            batches = SpanningBatches(sampler, batch_size)
         else:
-            super().__init__(dataset, sampler=sampler, batch_size=batch_size, **kwargs)
+            batches = BatchSampler(sampler, batch_size, drop_last=False)
+        super().__init__(dataset, batch_sampler=batches, **kwargs)
         self._position = position
 
     def __iter__(self):
@@ -322,11 +326,14 @@ class ImageFolderDataModule(pl.LightningDataModule):
         workers = self.data.num_workers if images else 0  # labels alone: nothing to decode
         if not images:
             dataset = LabelsOnly(dataset)
+        # Lightning's overfit_batches trains the same first batches every epoch: in order, and
+        # without reading ahead (each epoch stops after them).
+        overfit = getattr(self.trainer, "overfit_batches", 0)
         sampler = ResumableSampler(
             dataset,
             num_replicas=replicas,
             rank=rank,
-            shuffle=shuffle,
+            shuffle=shuffle and not overfit,
             seed=self.data.seed,
             batch_size=self.batch_size,
         )
@@ -341,9 +348,6 @@ class ImageFolderDataModule(pl.LightningDataModule):
             # process's random state (dropout's), which a checkpoint keeps and a resume restores.
             generator=torch.Generator().manual_seed(self.data.seed),
         )
-        # Lightning's overfit_batches swaps the sampler for a sequential one, which it cannot do
-        # inside a batch sampler of its own: that loader does not read ahead.
-        overfit = getattr(self.trainer, "overfit_batches", 0)
         loader = ResumableLoader(dataset, position=self._training_position, read_ahead=not overfit, **kwargs) \
             if resumable else ForkingLoader(dataset, **kwargs)
         self._loaders.append(loader)

@@ -210,6 +210,7 @@ class RecommendConfig:
 
     mode: str = "recommend"
     output: str = "table"
+    log: bool = True
     probe: bool = True
     seed: int = 42
     probe_max_s: float = 30.0

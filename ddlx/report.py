@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     experiments = args.experiment or ["ddlx"]
     try:
-        check_tracking_uri(args.tracking_uri, setting="--tracking-uri")
+        check_tracking_uri(args.tracking_uri, setting="--tracking-uri", write=not args.no_log, read_only_option="--no-log")
         runs = load_runs(args.tracking_uri, experiments, args.sweep_id)
     except ValueError as err:  # StoreError (a ConfigError) among them: no store, a damaged one
         print(f"ddlx.report: error: {err}", file=sys.stderr)

@@ -1,6 +1,7 @@
 """MLflow: check the tracking store before training, create the run's logger, record the config."""
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import logging
 import os
@@ -43,9 +44,23 @@ def store_exists(tracking_uri: str) -> bool:
     return path is None or path.is_file()
 
 
-def check_tracking_uri(uri: str, timeout_s: float = 5.0, setting: str = "logger.tracking_uri") -> None:
+def store_writable(tracking_uri: str) -> bool:
+    """False for an SQLite store this process can only read (its file or folder not writable, as
+    a colleague's or a shared read-only results folder): reading it needs no lock, and nothing
+    it holds can be changed. Other stores: True (a server says for itself)."""
+    path = sqlite_path(tracking_uri)
+    if path is None:
+        return True
+    folder = path.parent if path.parent != Path("") else Path(".")
+    return os.access(folder, os.W_OK) and (not path.exists() or os.access(path, os.W_OK))
+
+
+def check_tracking_uri(uri: str, timeout_s: float = 5.0, setting: str = "logger.tracking_uri", *,
+                       write: bool = True, read_only_option: str | None = None) -> None:
     """Fail at start, not after training, when runs could not be recorded; ``setting``: the option
-    that chose ``uri``, as the error names it."""
+    that chose ``uri``, as the error names it. ``write=False``: the command only reads the store,
+    which then need not be writable; ``read_only_option``: the option that makes it read only,
+    which the refusal of a store it cannot write names."""
     if uri.startswith(("http://", "https://")):
         health = uri.rstrip("/") + "/health"
         try:
@@ -59,11 +74,15 @@ def check_tracking_uri(uri: str, timeout_s: float = 5.0, setting: str = "logger.
             ) from err
     elif (path := sqlite_path(uri)) is not None:
         folder = path.parent if path.parent != Path("") else Path(".")
-        if not folder.is_dir() or not os.access(folder, os.W_OK):
-            raise StoreError(
-                f"{setting}={uri}: folder {folder} does not exist or is not writable; "
-                f"create it or choose another path"
-            )
+        if not folder.is_dir():
+            raise StoreError(f"{setting}={uri}: folder {folder} does not exist; create it or choose another path")
+        if path.exists() and not os.access(path, os.R_OK):
+            raise StoreError(f"{setting}={uri}: {path} is not readable by this user; ask its owner or choose another store")
+        if write and not store_writable(uri):
+            unwritable = folder if not os.access(folder, os.W_OK) else path
+            reading = f", or pass {read_only_option} to only read it" if read_only_option and path.exists() else ""
+            raise StoreError(f"{setting}={uri}: {unwritable} is not writable, so nothing can be recorded there; "
+                             f"choose a writable store{reading}")
         if path.exists():
             try:
                 with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
@@ -176,6 +195,9 @@ def store_lock(tracking_uri: str) -> Iterator[None]:
     path = sqlite_path(tracking_uri)
     if path is None:
         yield
+        return
+    if path.exists() and not store_writable(tracking_uri):
+        yield  # a store this process cannot write it cannot create or migrate either
         return
     lock = path.with_name(path.name + ".lock")
     with open(lock, "a") as handle:
@@ -503,13 +525,18 @@ def load_runs(tracking_uri: str, experiments: list[str], sweep_id: str | None = 
             if exp is None:
                 raise ValueError(f"no MLflow experiment named {name!r} at {tracking_uri}")
             ids.append(exp.experiment_id)
-    close_vanished_runs(client, ids)  # a run whose process is gone is FAILED, not still running
+    writable = store_writable(tracking_uri)
+    if writable:
+        close_vanished_runs(client, ids)  # a run whose process is gone is FAILED, not still running
     found = client.search_runs(ids, max_results=50000, order_by=["attributes.start_time DESC"])
     if sweep_id == "latest":
         sweep_id = next((r.data.tags["sweep_id"] for r in found if r.data.tags.get("sweep_id")), None)
         if sweep_id is None:
             raise ValueError("sweep_id=latest: none of these runs belongs to a sweep (python train.py -m ...)")
     runs = [to_measured_run(r) for r in found]
+    if not writable:  # so read, though the store keeps them RUNNING
+        runs = [dataclasses.replace(run, status="FAILED", error=reason) if r.info.status == "RUNNING"
+                and (reason := vanished_reason(r)) else run for r, run in zip(found, runs)]
     if sweep_id is not None:
         runs = [r for r in runs if r.sweep_id == sweep_id]
         if not runs:

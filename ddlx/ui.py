@@ -91,7 +91,7 @@ def check_store(tracking_uri: str) -> None:
     if not store_exists(tracking_uri):
         raise StoreError(f"no MLflow store at --tracking-uri {tracking_uri} ({sqlite_path(tracking_uri)} does not exist): "
                          f"pass the store train.py wrote (its paths.root/mlflow.db), or train first")
-    check_tracking_uri(tracking_uri, setting="--tracking-uri")
+    check_tracking_uri(tracking_uri, setting="--tracking-uri", write=False)  # (to look at runs is to read them)
     path = sqlite_path(tracking_uri)
     if path is not None and not _has_mlflow_schema(path):
         # MLflow would add its tables to whatever database it is given.

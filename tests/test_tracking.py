@@ -1,7 +1,15 @@
-"""MLflow helpers: config flattening, tracking-store checks."""
+"""MLflow helpers: config flattening, tracking-store checks, a store this user can only read."""
 from __future__ import annotations
 
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
 import pytest
+from conftest import PROJECT_DIR, subprocess_env
 
 from ddlx.errors import ConfigError
 from ddlx.tracking import check_tracking_uri, flatten_config, use_case
@@ -19,7 +27,7 @@ def test_use_cases_of_source_000():
 
 
 def test_sqlite_store_in_missing_folder(tmp_path):
-    with pytest.raises(ConfigError, match="does not exist or is not writable"):
+    with pytest.raises(ConfigError, match=r"folder \S+/no/such/dir does not exist"):
         check_tracking_uri(f"sqlite:///{tmp_path}/no/such/dir/mlflow.db")
 
 
@@ -90,3 +98,65 @@ def test_writers_started_at_once_are_all_recorded_by_a_new_store_and_an_existing
     found = client.search_runs([client.get_experiment_by_name("ddlx").experiment_id])
     assert sorted(r.info.run_name for r in found) == sorted(f"{w}{i}" for w in ("new", "existing") for i in range(4))
     assert all(r.info.status == "FINISHED" and len(client.get_metric_history(r.info.run_id, "loss")) == 20 for r in found)
+
+
+def as_reader(cmd: list[str]) -> list[str]:
+    """``cmd`` run as a user held to the files' modes: root without the capabilities that let it
+    write where the modes say no (as root in CI; another user is held to them anyway)."""
+    if os.geteuid() != 0:
+        return cmd
+    if shutil.which("setpriv") is None:
+        pytest.skip("as root, a read-only folder needs setpriv (util-linux) to drop root's override")
+    return ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--", *cmd]
+
+
+@pytest.mark.integration
+def test_a_store_this_user_can_only_read_is_reported_and_recommended_from_without_a_write(tmp_path):
+    """A colleague's or a shared read-only results folder: the report (--no-log), recommend.py
+    (log=false) and the UI read it, with no lock file and nothing changed; a run left RUNNING by a
+    vanished process reads as failed; asked to log there, each refuses at once, naming the option."""
+    from mlflow.tracking import MlflowClient
+    from test_report import _log
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    uri = f"sqlite:///{shared}/mlflow.db"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("ddlx")
+    _log(client, exp, "sequential", 30.0, tags={"threads": "1"})
+    _log(client, exp, "sequential", 16.0, tags={"threads": "2"})
+    lost = client.create_run(exp, start_time=int((time.time() - 2 * 86400) * 1000),
+                             tags={"strategy": "cpu_mp", "host": "elsewhere", "accelerator": "cpu", "sweep_id": "multirun/a"})
+    (shared / "mlflow.db").chmod(0o444)
+    shared.chmod(0o555)
+    before = {f.name: f.stat().st_mtime_ns for f in shared.iterdir()}
+    try:
+        def run(*cmd: str) -> subprocess.CompletedProcess:
+            return subprocess.run(as_reader([sys.executable, *cmd]), capture_output=True, text=True, timeout=300,
+                                  env=subprocess_env(), cwd=tmp_path)
+
+        report = run("-m", "ddlx.report", "--tracking-uri", uri, "--no-log", "--out", str(tmp_path / "report"))
+        assert report.returncode == 0, report.stderr[-3000:]
+        assert "sequential threads=2" in report.stdout and "1.88" in report.stdout, "the speedup 30/16"
+        assert any(line.startswith("failed:") and f"cpu_mp (run {lost.info.run_id})" in line and
+                   "no heartbeat from elsewhere" in line for line in report.stdout.splitlines()), \
+            "the lost run reads as failed, with why"
+        refused = run("-m", "ddlx.report", "--tracking-uri", uri)
+        assert refused.returncode == 2 and "is not writable" in refused.stderr and "--no-log" in refused.stderr
+
+        recommend = [str(PROJECT_DIR / "recommend.py"), "hw=titanrtx_4x", "model=alexnet", "output=json", "probe=false",
+                     f"paths.root={tmp_path}", f"hydra.run.dir={tmp_path}/out", f"logger.tracking_uri={uri}"]
+        answer = run(*recommend, "log=false")
+        assert answer.returncode == 0, answer.stderr[-3000:]
+        assert '"runs": "3 runs from ' in answer.stdout
+        refused = run(*recommend)
+        assert refused.returncode == 2 and "is not writable" in refused.stderr and "log=false" in refused.stderr
+        with socket.socket() as taken:  # ddlx.ui stops at the port, after the store's checks
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            ui = run("-m", "ddlx.ui", "--tracking-uri", uri, "--port", str(taken.getsockname()[1]))
+        assert ui.returncode == 2 and "is taken" in ui.stderr, "the UI serves it: to look at runs is to read them"
+        assert {f.name: f.stat().st_mtime_ns for f in shared.iterdir()} == before, "nothing written, no lock file"
+    finally:
+        shared.chmod(0o755)
+    assert MlflowClient(uri).get_run(lost.info.run_id).info.status == "RUNNING", "the store itself unchanged"

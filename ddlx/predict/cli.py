@@ -109,7 +109,7 @@ def measured_runs(cfg: RecommendConfig) -> tuple[list, str]:
     uri = cfg.logger.tracking_uri
     if not store_exists(uri):
         return [], f"no MLflow store at {uri}"
-    check_tracking_uri(uri)
+    check_tracking_uri(uri, write=False)
     runs, missing = [], []
     for name in cfg.experiments:
         try:
@@ -147,6 +147,8 @@ def run(composed: DictConfig, out_dir: Path, hw_dir: Path, job_overrides: list[s
     detected_dir = Path(cfg.detected_dir) if cfg.detected_dir else None
     target = hardware(composed.hw, detected_dir, refresh=cfg.mode == "probe")
     check_recommend_job(composed, False, hw_dir)  # compare= names machines; max_epoch_s is a time
+    if cfg.mode == "recommend" and cfg.log:  # the answer is recorded there: refused now, not after it
+        check_tracking_uri(cfg.logger.tracking_uri, read_only_option="log=false")
     if job is not None:
         numerics_on(job.precision, target.device_kind)  # 16-mixed on CPU: Lightning would train bf16-mixed
         job = with_data_cache(job, cfg, target)
@@ -194,7 +196,8 @@ def run(composed: DictConfig, out_dir: Path, hw_dir: Path, job_overrides: list[s
         table = recommendation_table(rec, note, elapsed, cfg.close_call, overrides)
         extra = comparison_lines(recs, comparison, overrides) if comparison is not None else []
         print("\n".join([table, *extra]))
-    log_recommendation(cfg, rec, answer, out_dir)
+    if cfg.log:
+        log_recommendation(cfg, rec, answer, out_dir)
 
 
 def close_call_errors(unprobed: Predictor, cpu_allocator: str, rec: Recommendation) -> dict[str, float]:
@@ -260,7 +263,6 @@ def _probe_data(cfg: RecommendConfig, job: Job, runs) -> DataConfig:
 def log_recommendation(cfg: RecommendConfig, rec: Recommendation, answer: dict, out_dir: Path) -> None:
     """One run in the ``recommendations`` experiment: the inputs as params, the answer as tags,
     metrics and a JSON artifact (``answer``, the other machines' included)."""
-    check_tracking_uri(cfg.logger.tracking_uri)
     best = rec.best
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "recommendation.json"

@@ -7,6 +7,7 @@ shows its runs side by side in the MLflow UI.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -32,15 +33,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     experiments = args.experiment or ["ddlx"]
+    out = args.out or Path("reports") / time.strftime("%Y-%m-%d_%H-%M-%S")
     try:
         check_tracking_uri(args.tracking_uri, setting="--tracking-uri", write=not args.no_log, read_only_option="--no-log")
+        check_out(out)
         runs = load_runs(args.tracking_uri, experiments, args.sweep_id)
     except ValueError as err:  # StoreError (a ConfigError) among them: no store, a damaged one
         print(f"ddlx.report: error: {err}", file=sys.stderr)
         return 2
     built = report.build_report(runs)
     print(report.to_text(built))
-    out = args.out or Path("reports") / time.strftime("%Y-%m-%d_%H-%M-%S")
     files = report.write(built, out)
     print(f"\nwrote {', '.join(str(f) for f in files)}")
     if args.sweep_id is not None:
@@ -53,6 +55,15 @@ def main(argv: list[str] | None = None) -> int:
         (reports,) = experiment_ids(args.tracking_uri, ["reports"])
         print(f"logged as MLflow run {run_id} in experiment 'reports': {open_command(args.tracking_uri, run_page(reports, run_id))}")
     return 0
+
+
+def check_out(out: Path) -> None:
+    """A ValueError, before any run is read, when the report's folder cannot be made (run from a
+    folder the user can only read, as a shared results folder)."""
+    there = next(folder for folder in (out, *out.parents) if folder.exists())
+    if not there.is_dir() or not os.access(there, os.W_OK):
+        raise ValueError(f"--out {out}: {there.resolve()} is not a folder this user can write; "
+                         f"pass --out with one (e.g. --out ~/reports)")
 
 
 def experiment_ids(tracking_uri: str, names: list[str]) -> list[str]:

@@ -89,6 +89,14 @@ def check_tracking_uri(uri: str, timeout_s: float = 5.0, setting: str = "logger.
                     db.execute("pragma schema_version")  # reads the header: fails on a non-database
             except sqlite3.DatabaseError as err:
                 raise StoreError(f"{setting}={uri}: {path} is not an SQLite database ({err})") from err
+            if not write and not has_mlflow_schema(path):  # a reader's first contact would add MLflow's tables
+                raise StoreError(f"{setting}={uri}: {path} is an SQLite database but no MLflow store (it has no "
+                                 f"alembic_version table); pass the store train.py wrote (its paths.root/mlflow.db)")
+
+
+def has_mlflow_schema(path: Path) -> bool:
+    with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
+        return db.execute("select 1 from sqlite_master where type = 'table' and name = 'alembic_version'").fetchone() is not None
 
 
 def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:

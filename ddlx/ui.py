@@ -15,12 +15,10 @@ import json
 import os
 import signal
 import socket
-import sqlite3
 import subprocess
 import sys
 import time
 import urllib.request
-from contextlib import closing
 from urllib.parse import quote
 
 from .errors import StoreError
@@ -84,24 +82,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def check_store(tracking_uri: str) -> None:
     """A StoreError naming the store when it is an SQLite path with no file (serving it would
-    create an empty store there), a file that is not an SQLite database, or a server that does
-    not answer."""
+    create an empty store there), a file that is not an SQLite database or holds no MLflow store
+    (MLflow would add its tables to it), or a server that does not answer."""
     from .tracking import check_tracking_uri, sqlite_path, store_exists
 
     if not store_exists(tracking_uri):
         raise StoreError(f"no MLflow store at --tracking-uri {tracking_uri} ({sqlite_path(tracking_uri)} does not exist): "
                          f"pass the store train.py wrote (its paths.root/mlflow.db), or train first")
     check_tracking_uri(tracking_uri, setting="--tracking-uri", write=False)  # (to look at runs is to read them)
-    path = sqlite_path(tracking_uri)
-    if path is not None and not _has_mlflow_schema(path):
-        # MLflow would add its tables to whatever database it is given.
-        raise StoreError(f"--tracking-uri {tracking_uri}: {path} is an SQLite database but no MLflow store (it has no "
-                         f"alembic_version table); pass the store train.py wrote (its paths.root/mlflow.db)")
-
-
-def _has_mlflow_schema(path) -> bool:
-    with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
-        return db.execute("select 1 from sqlite_master where type = 'table' and name = 'alembic_version'").fetchone() is not None
 
 
 def experiment_links(tracking_uri: str) -> list[tuple[str, str]]:

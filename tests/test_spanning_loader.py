@@ -98,10 +98,18 @@ def test_each_rank_reads_ahead_its_share_of_the_global_batches(tmp_path):
 def test_loaders_that_do_not_read_ahead_and_one_replaced(tmp_path):
     from types import SimpleNamespace
 
+    from pytorch_lightning.trainer.connectors.data_connector import _resolve_overfit_batches
+    from pytorch_lightning.trainer.states import RunningStage
+    from pytorch_lightning.utilities.combined_loader import CombinedLoader
+
     dm = module(tmp_path, workers=2)
     dm.trainer = SimpleNamespace(overfit_batches=2, strategy=None)
     overfit = dm.train_dataloader()
     assert not isinstance(overfit.batch_sampler, SpanningBatches), "overfit_batches: each epoch stops after its batches"
+    for made, stage in ((overfit, RunningStage.TRAINING), (dm.val_dataloader(), RunningStage.VALIDATING)):
+        combined = CombinedLoader([made])
+        _resolve_overfit_batches(combined, stage)
+        assert combined.flattened == [made], f"Lightning swapped the {stage.value} loader's sampler (its own cannot resume or shard)"
     drawn = []
     for number in (0, 1):
         overfit.batch_sampler.sampler.set_epoch(number)

@@ -4,9 +4,11 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
+from contextlib import closing
 
 import pytest
 from conftest import PROJECT_DIR, subprocess_env
@@ -127,13 +129,16 @@ def test_a_store_this_user_can_only_read_is_reported_and_recommended_from_withou
     _log(client, exp, "sequential", 16.0, tags={"threads": "2"})
     lost = client.create_run(exp, start_time=int((time.time() - 2 * 86400) * 1000),
                              tags={"strategy": "cpu_mp", "host": "elsewhere", "accelerator": "cpu", "sweep_id": "multirun/a"})
+    with closing(sqlite3.connect(shared / "notes.db")) as db:
+        db.execute("create table notes (text)")
+    (shared / "notes.db").chmod(0o444)
     (shared / "mlflow.db").chmod(0o444)
     shared.chmod(0o555)
     before = {f.name: f.stat().st_mtime_ns for f in shared.iterdir()}
     try:
-        def run(*cmd: str) -> subprocess.CompletedProcess:
+        def run(*cmd: str, cwd=tmp_path) -> subprocess.CompletedProcess:
             return subprocess.run(as_reader([sys.executable, *cmd]), capture_output=True, text=True, timeout=300,
-                                  env=subprocess_env(), cwd=tmp_path)
+                                  env=subprocess_env(), cwd=cwd)
 
         report = run("-m", "ddlx.report", "--tracking-uri", uri, "--no-log", "--out", str(tmp_path / "report"))
         assert report.returncode == 0, report.stderr[-3000:]
@@ -143,6 +148,10 @@ def test_a_store_this_user_can_only_read_is_reported_and_recommended_from_withou
             "the lost run reads as failed, with why"
         refused = run("-m", "ddlx.report", "--tracking-uri", uri)
         assert refused.returncode == 2 and "is not writable" in refused.stderr and "--no-log" in refused.stderr
+        from_there = run("-m", "ddlx.report", "--tracking-uri", "sqlite:///mlflow.db", "--no-log", cwd=shared)
+        assert from_there.returncode == 2 and "--out reports/" in from_there.stderr, "its files' default folder: refused first"
+        other = run("-m", "ddlx.report", "--tracking-uri", f"sqlite:///{shared}/notes.db", "--no-log")
+        assert other.returncode == 2 and "no MLflow store" in other.stderr and "Traceback" not in other.stderr
 
         recommend = [str(PROJECT_DIR / "recommend.py"), "hw=titanrtx_4x", "model=alexnet", "output=json", "probe=false",
                      f"paths.root={tmp_path}", f"hydra.run.dir={tmp_path}/out", f"logger.tracking_uri={uri}"]

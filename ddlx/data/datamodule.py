@@ -151,16 +151,8 @@ class ResumableLoader(ForkingLoader):
     iteration starts, so a resumed epoch trains, in order, the samples the stopped one had not.
     With workers, they load the next epoch's first batches while this one ends (:mod:`.spanning`)."""
 
-    def __init__(self, dataset, *, sampler: ResumableSampler, batch_size: int,
-                 position: Callable[[], tuple[int, int]], read_ahead: bool, **kwargs) -> None:
-        # Its sampler inside a batch sampler, where Lightning's overfit_batches does not swap it
-        # for a SequentialSampler, which could not resume (the DataLoader's own ``sampler`` is
-        # then a sequential stand-in, which Lightning takes as already not shuffling).
-        if read_ahead and kwargs.get("persistent_workers"):  # (which needs workers)
-            batches = SpanningBatches(sampler, batch_size)
-        else:
-            batches = BatchSampler(sampler, batch_size, drop_last=False)
-        super().__init__(dataset, batch_sampler=batches, **kwargs)
+    def __init__(self, dataset, *, position: Callable[[], tuple[int, int]], **kwargs) -> None:
+        super().__init__(dataset, **kwargs)
         self._position = position
 
     def __iter__(self):
@@ -337,9 +329,14 @@ class ImageFolderDataModule(pl.LightningDataModule):
             seed=self.data.seed,
             batch_size=self.batch_size,
         )
+        # The sampler inside a batch sampler, where Lightning's overfit_batches does not swap it for
+        # a SequentialSampler (which could not resume, and would give every rank the same samples):
+        # the DataLoader's own ``sampler`` is then a sequential stand-in, taken as not shuffling.
+        read_ahead = resumable and workers > 0 and not overfit  # (persistent workers, below)
+        batches = SpanningBatches(sampler, self.batch_size) if read_ahead else \
+            BatchSampler(sampler, self.batch_size, drop_last=False)
         kwargs = dict(
-            batch_size=self.batch_size,
-            sampler=sampler,
+            batch_sampler=batches,
             num_workers=workers,
             persistent_workers=workers > 0,
             pin_memory=self.data.pin_memory,
@@ -348,8 +345,8 @@ class ImageFolderDataModule(pl.LightningDataModule):
             # process's random state (dropout's), which a checkpoint keeps and a resume restores.
             generator=torch.Generator().manual_seed(self.data.seed),
         )
-        loader = ResumableLoader(dataset, position=self._training_position, read_ahead=not overfit, **kwargs) \
-            if resumable else ForkingLoader(dataset, **kwargs)
+        loader = ResumableLoader(dataset, position=self._training_position, **kwargs) if resumable \
+            else ForkingLoader(dataset, **kwargs)
         self._loaders.append(loader)
         return loader
 

@@ -109,7 +109,7 @@ def measured_runs(cfg: RecommendConfig) -> tuple[list, str]:
     uri = cfg.logger.tracking_uri
     if not store_exists(uri):
         return [], f"no MLflow store at {uri}"
-    check_tracking_uri(uri, write=False)
+    check_tracking_uri(uri, write=False)  # (where the answer is recorded, checked at the start)
     runs, missing = [], []
     for name in cfg.experiments:
         try:

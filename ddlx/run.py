@@ -338,6 +338,9 @@ def prepare_job(cfg: TrainConfig, tags: dict, rank0: bool):
     why = refused.get(precision_of(cfg.trainer.precision))
     if why is not None:
         raise ConfigError(f"trainer.precision={cfg.trainer.precision} with strategy={cfg.strategy.name}: {why}")
+    if cfg.trainer.sync_batchnorm and on_cpu:  # torch's SyncBatchNorm would fail at the first step
+        raise ConfigError("trainer.sync_batchnorm=true: torch's SyncBatchNorm runs only on CUDA devices; "
+                          "train on GPUs (trainer=gpu) or set trainer.sync_batchnorm=false")
     if cfg.data.batch_per == "worker":
         plan = batch_of_workers(cfg, plan, meta, rank0)
     if cfg.ckpt_path:

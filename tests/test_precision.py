@@ -58,6 +58,17 @@ def test_16_mixed_on_cpu_is_refused_as_lightning_would_train_bf16(tiny_config):
         train(cfg, output_dir=cfg.paths.root)
 
 
+@pytest.mark.integration
+def test_sync_batchnorm_on_cpu_is_refused_before_any_work(tiny_config):
+    """torch's SyncBatchNorm raises a ValueError at the first step on CPU (a traceback, after the
+    data was prepared and the run opened): refused up front, naming the fix."""
+    from ddlx.run import train
+
+    cfg = tiny_config("strategy=ddp_gloo", "strategy.processes=2", "model=resnet18", "trainer.sync_batchnorm=true")
+    with pytest.raises(ConfigError, match=r"trainer.sync_batchnorm=true: .*CUDA.*trainer.sync_batchnorm=false"):
+        train(cfg, output_dir=cfg.paths.root)
+
+
 @pytest.mark.parametrize("strategy, refuses", [(["strategy=cpu_mp"], True), (["strategy=fsdp"], True),
                                                (["strategy=pipe", "strategy.engine=torch"], True),
                                                (["strategy=pipe"], False), (["strategy=ddp_gloo"], False)])

@@ -73,10 +73,12 @@ def malloc_library() -> str | None:
     """The path of the shared library whose ``malloc`` this process calls (the C library's, or
     a replacement's interposed through ``LD_PRELOAD``), or None where the loader cannot say."""
     found = _defining("malloc")
-    if found is not None and _is_main_program(*found):
+    if found is not None and found[1] == _main_program_start():
         # A non-PIE executable that takes malloc's address (Debian's and uv's Pythons among them)
         # defines the symbol at its own PLT entry, which the loader binds to the first
-        # preloaded library that has malloc, else the C library's.
+        # preloaded library that has malloc, else the C library's. dladdr names the executable
+        # by the argv[0] it was started with ("python3" found through PATH, a relative path), so
+        # its name does not say that it is the executable: where it is loaded does.
         return next((lib for lib in _preloaded() if _same_file(_library_defining("malloc", lib), lib)), None)
     return found[0] if found else None
 
@@ -100,13 +102,6 @@ def _defining(symbol: str, within: str | None = None) -> tuple[str, int] | None:
     if not dladdr(ctypes.cast(address, ctypes.c_void_p), ctypes.byref(info)) or not info.dli_fname:
         return None
     return os.fsdecode(info.dli_fname), info.dli_fbase or 0
-
-
-def _is_main_program(name: str, base: int) -> bool:
-    """Whether dladdr's answer is the executable. It names that by the ``argv[0]`` it was started
-    with ("python3" found through PATH, a relative path), so the name does not say: where the
-    executable is loaded does."""
-    return base == _main_program_start()
 
 
 def _main_program_start() -> int | None:

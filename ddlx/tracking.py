@@ -51,8 +51,7 @@ def store_writable(tracking_uri: str) -> bool:
     path = sqlite_path(tracking_uri)
     if path is None:
         return True
-    folder = path.parent if path.parent != Path("") else Path(".")
-    return os.access(folder, os.W_OK) and (not path.exists() or os.access(path, os.W_OK))
+    return os.access(path.parent, os.W_OK) and (not path.exists() or os.access(path, os.W_OK))
 
 
 def check_tracking_uri(uri: str, timeout_s: float = 5.0, setting: str = "logger.tracking_uri", *,
@@ -73,7 +72,7 @@ def check_tracking_uri(uri: str, timeout_s: float = 5.0, setting: str = "logger.
                 f"(mlflow server --host ... --port ...) or log locally with {setting}=sqlite:///mlflow.db"
             ) from err
     elif (path := sqlite_path(uri)) is not None:
-        folder = path.parent if path.parent != Path("") else Path(".")
+        folder = path.parent  # Path("mlflow.db").parent is Path(".")
         if not folder.is_dir():
             raise StoreError(f"{setting}={uri}: folder {folder} does not exist; create it or choose another path")
         if path.exists() and not os.access(path, os.R_OK):
@@ -89,12 +88,12 @@ def check_tracking_uri(uri: str, timeout_s: float = 5.0, setting: str = "logger.
                     db.execute("pragma schema_version")  # reads the header: fails on a non-database
             except sqlite3.DatabaseError as err:
                 raise StoreError(f"{setting}={uri}: {path} is not an SQLite database ({err})") from err
-            if not write and not has_mlflow_schema(path):  # a reader's first contact would add MLflow's tables
+            if not write and not _has_mlflow_schema(path):  # a reader's first contact would add MLflow's tables
                 raise StoreError(f"{setting}={uri}: {path} is an SQLite database but no MLflow store (it has no "
                                  f"alembic_version table); pass the store train.py wrote (its paths.root/mlflow.db)")
 
 
-def has_mlflow_schema(path: Path) -> bool:
+def _has_mlflow_schema(path: Path) -> bool:
     with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
         return db.execute("select 1 from sqlite_master where type = 'table' and name = 'alembic_version'").fetchone() is not None
 

@@ -81,10 +81,10 @@ TRAINER_ARGS_SET_BY_DDLX = {
 }
 
 
-# Lightning's accelerator names and precision values (its Trainer's precision Literal).
+# Lightning's accelerator names and precision values (its Trainer's precision Literal), but
+# Transformer Engine's: ddlx has never trained under it, and neither records nor predicts its numerics.
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps", "tpu", "xla")
-PRECISIONS = ("64", "32", "16", "bf16", "64-true", "32-true", "16-true", "16-mixed", "bf16-true", "bf16-mixed",
-              "transformer-engine", "transformer-engine-float16")
+PRECISIONS = ("64", "32", "16", "bf16", "64-true", "32-true", "16-true", "16-mixed", "bf16-true", "bf16-mixed")
 
 
 @dataclass

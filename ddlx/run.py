@@ -35,7 +35,7 @@ from .console import EpochLines, RunSummary, is_terminal, silence_known_noise
 from .data.datamodule import build_datamodule
 from .data.folder import complete_data_config
 from .errors import ConfigError, Stopped
-from .job import FP32, precision_of
+from .job import precision_of
 from .machine import busy_cores, machine_tags
 from .measure.resources import ResourceMonitor
 from .measure.timing import EpochTimer
@@ -52,7 +52,7 @@ from .parallel.launch import (
 from .parallel.network import stages_run
 from .parallel.same_job import SameJobOnEveryRank
 from .costmodel.memory import GIB, estimate_training_memory
-from .costmodel.numerics import CPU_FP16, PRECISION_NUMERICS
+from .costmodel.numerics import CPU_FP16
 from .preflight import check_before_torch
 from .records import run_name
 from .slurm import run_tags as slurm_run_tags
@@ -103,7 +103,7 @@ def check_memory(cfg: TrainConfig, data_parallel: int = 1, replicas: int = 1, re
     batch = max(1, data.batch_size // data_parallel)
     estimate, per_sample = estimate_training_memory(
         cfg.model.name, data.num_classes, data.channels, data.image_size, batch,
-        precision=precision if precision in PRECISION_NUMERICS else FP32,  # one it has no model of: as fp32
+        precision=precision,
         recompute=recompute,
     )
     working = 0

@@ -135,7 +135,11 @@ def test_every_trainer_argument_can_be_set_and_the_schema_follows_lightning():
     accepted = {str(v) for literal in get_args(precision) for v in get_args(literal)}
     from ddlx.config import PRECISIONS
 
-    assert set(PRECISIONS) == accepted, "the schema's precision choices are Lightning's"
+    assert accepted - set(PRECISIONS) == {"transformer-engine", "transformer-engine-float16"}, \
+        "the schema's precision choices are Lightning's, but Transformer Engine's"
+    assert set(PRECISIONS) <= accepted
+    with pytest.raises(ConfigError, match=r"trainer.precision=transformer-engine: expected one of .*bf16-mixed"):
+        check_config(compose_config(["trainer.precision=transformer-engine"]))
     with pytest.raises(ConfigError, match=r"trainer.precision=bf17: expected one of .*bf16-mixed"):
         check_config(compose_config(["trainer.precision=bf17"]))
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from typing import Mapping
 
 PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15  # linux/prctl.h
 WORKER_ENV = "DDLX_RANK_WORKER"
@@ -28,6 +29,22 @@ def end_with_parent(expected_parent: int | None = None) -> bool:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     alive = parent != 1 and os.getppid() == parent
     return alive and (expected_parent is None or parent == expected_parent)
+
+
+def ddlx_child_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``env`` (this process's by default) for a ``python -m ddlx....`` child, with the folder this
+    process's ddlx comes from first on PYTHONPATH, so the child runs the same ddlx: ``train.py``'s
+    folder is on its own path, not on a child's, and may hold another clone than the installed one,
+    or the only one. An installed ddlx (a site folder) is left to the child's own path."""
+    import site
+
+    env = dict(os.environ if env is None else env)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sites = {os.path.abspath(p) for p in (*site.getsitepackages(), site.getusersitepackages())}
+    if root not in sites:
+        rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.abspath(p) != root]
+        env["PYTHONPATH"] = os.pathsep.join([root, *rest])
+    return env
 
 
 def name_process(name: str) -> None:

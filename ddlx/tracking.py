@@ -396,9 +396,11 @@ class ProcessWatch:
         import subprocess
         import sys
 
+        from .process import ddlx_child_env
+
         try:
             self._process = subprocess.Popen([sys.executable, "-m", "ddlx.run_watch", tracking_uri, run_id, str(os.getpid())],
-                                             stdin=subprocess.PIPE, start_new_session=True)
+                                             stdin=subprocess.PIPE, start_new_session=True, env=ddlx_child_env())
         except OSError as err:
             log.warning("no watch on MLflow run %s (%s): if this process is killed, the next command against the "
                         "store marks it FAILED", run_id, err)

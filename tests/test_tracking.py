@@ -169,3 +169,28 @@ def test_a_store_this_user_can_only_read_is_reported_and_recommended_from_withou
     finally:
         shared.chmod(0o755)
     assert MlflowClient(uri).get_run(lost.info.run_id).info.status == "RUNNING", "the store itself unchanged"
+
+
+def test_a_runs_watch_imports_the_ddlx_its_run_imported_not_the_installed_one(tmp_path):
+    """train.py run from a clone other than the installed one (or with none installed) has the
+    clone's ddlx, its script's folder being on its path: its run's watch, a ``python -m
+    ddlx.run_watch`` child, must run that ddlx too. The clone's watch here writes which ddlx it is."""
+    clone, marker = tmp_path / "clone", tmp_path / "watch_ran"
+    shutil.copytree(PROJECT_DIR / "ddlx", clone / "ddlx", ignore=shutil.ignore_patterns("__pycache__"))
+    (clone / "ddlx" / "run_watch.py").write_text(
+        f"import pathlib, ddlx\npathlib.Path({str(marker)!r}).write_text(ddlx.__file__)\n")
+    parent = (f"import sys; sys.path.insert(0, {str(clone)!r}); from ddlx.tracking import ProcessWatch; "
+              "ProcessWatch('sqlite:///unused.db', 'run-id').stop()")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    subprocess.run([sys.executable, "-c", parent], cwd=elsewhere, env=dict(os.environ), check=True, timeout=60)
+    assert marker.read_text() == str(clone / "ddlx" / "__init__.py")
+
+
+def test_a_ddlx_child_has_its_parents_ddlx_first_on_its_path(tmp_path):
+    from ddlx.process import ddlx_child_env
+
+    root = str(PROJECT_DIR)
+    env = ddlx_child_env({"PYTHONPATH": os.pathsep.join(["/elsewhere", root]), "KEPT": "1"})
+    assert env["PYTHONPATH"].split(os.pathsep) == [root, "/elsewhere"] and env["KEPT"] == "1"
+    assert ddlx_child_env({})["PYTHONPATH"] == root

@@ -27,7 +27,7 @@ from pytorch_lightning.strategies.launchers.subprocess_script import (
     _SubprocessScriptLauncher,
 )
 
-from ..process import PARENT_ENV, STARTED_EXTERNALLY, WORKER_ENV, is_rank_worker
+from ..process import PARENT_ENV, STARTED_EXTERNALLY, WORKER_ENV, ddlx_child_env, is_rank_worker
 
 log = logging.getLogger(__name__)
 
@@ -226,7 +226,7 @@ class WorkerLauncher(_SubprocessScriptLauncher):
                 self.procs.append(server.spawn(self.worker_args, child_env))
             else:
                 command = [sys.executable, "-m", "ddlx.rank_worker", *self.worker_args]
-                self.procs.append(subprocess.Popen(command, env=child_env))
+                self.procs.append(subprocess.Popen(command, env=ddlx_child_env(child_env)))
 
 
 def plain_optimizer(optimizer):

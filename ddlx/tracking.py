@@ -88,14 +88,22 @@ def check_tracking_uri(uri: str, timeout_s: float = 5.0, setting: str = "logger.
                     db.execute("pragma schema_version")  # reads the header: fails on a non-database
             except sqlite3.DatabaseError as err:
                 raise StoreError(f"{setting}={uri}: {path} is not an SQLite database ({err})") from err
-            if not write and not _has_mlflow_schema(path):  # a reader's first contact would add MLflow's tables
+            tables = _sqlite_tables(path)
+            if not write and "alembic_version" not in tables:  # a reader's first contact would add MLflow's tables
                 raise StoreError(f"{setting}={uri}: {path} is an SQLite database but no MLflow store (it has no "
                                  f"alembic_version table); pass the store train.py wrote (its paths.root/mlflow.db)")
+            if tables and not tables & MLFLOW_FIRST_TABLES:  # another program's database: MLflow would add its tables
+                raise StoreError(f"{setting}={uri}: {path} holds another database (tables {', '.join(sorted(tables)[:5])}), "
+                                 f"not an MLflow store; choose a new file, e.g. {setting}=sqlite:///mlflow.db")
 
 
-def _has_mlflow_schema(path: Path) -> bool:
+# A store MLflow is creating has these first (a writer beside it must not take it for another database).
+MLFLOW_FIRST_TABLES = {"alembic_version", "experiments"}
+
+
+def _sqlite_tables(path: Path) -> set[str]:
     with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
-        return db.execute("select 1 from sqlite_master where type = 'table' and name = 'alembic_version'").fetchone() is not None
+        return {name for (name,) in db.execute("select name from sqlite_master where type = 'table'")}
 
 
 def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:

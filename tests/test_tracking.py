@@ -40,6 +40,20 @@ def test_sqlite_store_that_is_not_a_database(tmp_path):
         check_tracking_uri(f"sqlite:///{bogus}")
 
 
+def test_another_programs_sqlite_database_is_refused_as_a_store_and_an_empty_one_taken(tmp_path):
+    other = tmp_path / "inventory.db"
+    with closing(sqlite3.connect(other)) as db:
+        db.execute("create table parts (name text)")
+        db.commit()
+    for write in (True, False):
+        with pytest.raises(ConfigError, match=r"logger.tracking_uri=sqlite:///\S+/inventory.db: .*(another database|no MLflow store)"):
+            check_tracking_uri(f"sqlite:///{other}", write=write)
+    assert [t for (t,) in sqlite3.connect(other).execute("select name from sqlite_master")] == ["parts"], "left as it was"
+    empty = tmp_path / "empty.db"
+    sqlite3.connect(empty).close()
+    check_tracking_uri(f"sqlite:///{empty}")  # an empty file: MLflow makes its store in it
+
+
 def test_unreachable_server():
     with pytest.raises(ConfigError, match=r"http://127.0.0.1:9 is unreachable.*sqlite:///mlflow.db"):
         check_tracking_uri("http://127.0.0.1:9", timeout_s=2)

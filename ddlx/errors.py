@@ -53,6 +53,7 @@ class Stopped(BaseException):
 
 
 def missing_data_root(root) -> str:
-    return (f"data.root={root} does not exist. Point data.root at an ImageFolder (one sub-folder per class with "
+    shown = root if str(root).strip() else repr(root)
+    return (f"data.root={shown} does not exist. Point data.root at an ImageFolder (one sub-folder per class with "
             f"its images), or set data.root=null to train on a synthetic stand-in that ddlx writes under "
             f"data.synthetic_dir on first use")

@@ -49,9 +49,10 @@ def consistency_problems(cfg: TrainConfig) -> list[str]:
 
 def path_problems(cfg: TrainConfig) -> list[str]:
     problems = []
-    if cfg.data.root is not None and not Path(cfg.data.root).expanduser().is_dir():
+    root = cfg.data.root
+    if root is not None and (not str(root).strip() or not Path(root).expanduser().is_dir()):  # "": not the current folder
         problems.append(missing_data_root(cfg.data.root))
-    if cfg.ckpt_path:
+    if cfg.ckpt_path is not None:
         problem = checkpoint_path_problem(cfg.ckpt_path)
         if problem:
             problems.append(problem)
@@ -60,8 +61,10 @@ def path_problems(cfg: TrainConfig) -> list[str]:
 
 def checkpoint_path_problem(path) -> str | None:
     """Why ``ckpt_path=path`` names no checkpoint file (None: it names a file)."""
-    path = Path(path).expanduser().resolve()
     fix = "give the path of a run's checkpoints/last.ckpt"
+    if not str(path).strip():  # an unset shell variable: Path("") would be the current folder
+        return f"ckpt_path={path!r} is empty; {fix}, or leave ckpt_path out to start a new run"
+    path = Path(path).expanduser().resolve()
     if path.is_dir():
         inside = next((c for c in (path / "last.ckpt", path / "checkpoints" / "last.ckpt") if c.is_file()), None)
         return (f"ckpt_path={path} is a folder, not a checkpoint file; "

@@ -48,6 +48,8 @@ def train_py(*overrides: str, multirun: bool = False, script: str = "train.py") 
     (f"ckpt_path={PROJECT_DIR / 'conf'}", r"ckpt_path=\S+/conf is a folder, not a checkpoint file", r"last.ckpt"),
     ("ckpt_path=/nowhere/last.ckpt", r"ckpt_path=/nowhere/last.ckpt does not exist", r"last.ckpt"),
     ("data=imagefolder data.root=/nowhere", r"data.root=/nowhere does not exist", r"data.root=null"),
+    ("ckpt_path=", r"ckpt_path='' is empty", r"leave ckpt_path out"),
+    ("data=imagefolder data.root=", r"data.root='' does not exist", r"data.root=null"),
     ("hydra.run.dir=/proc/ddlx-run", r"hydra.run.dir=/proc/ddlx-run: cannot create a folder in /proc",
      r"choose another hydra.run.dir"),
 ])

@@ -97,6 +97,8 @@ def test_one_class_or_no_root_is_refused_with_the_fix(tmp_path, tiny_config):
         complete_data_config(tiny_config("data=imagefolder", f"data.root={tmp_path / 'only'}").data)
     with pytest.raises(ConfigError, match=r"data.root is not set.*data.root=DIR"):
         complete_data_config(tiny_config("data=imagefolder", "data.root=null").data)
+    with pytest.raises(ConfigError, match=r"data.root='' does not exist.*data.root=null"):  # not the current folder
+        complete_data_config(tiny_config("data=imagefolder", "data.root=").data)
 
 
 @pytest.mark.integration

@@ -56,6 +56,8 @@ def scan_imagefolder(root: Path) -> tuple[list[str], list[tuple[str, int]]]:
 
 
 def read_folder(root: str | Path) -> FolderContents:
+    if not str(root).strip():  # Path("") would be the current folder
+        raise ConfigError(missing_data_root(root))
     root = Path(root).expanduser()
     classes, samples = scan_imagefolder(root)
     sample = random.Random(0).sample(samples, min(CHANNEL_SAMPLE, len(samples)))

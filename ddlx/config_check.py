@@ -163,6 +163,8 @@ def _unknown_key(full_key: str, object_type: Any) -> str:
     parent, _, leaf = full_key.rpartition(".")
     if parent == "trainer" and leaf in TRAINER_ARGS_SET_BY_DDLX:
         return f"trainer.{leaf} is set by ddlx: {TRAINER_ARGS_SET_BY_DDLX[leaf]}"
+    if object_type is dict:  # a free mapping (logger.tags): Hydra adds an entry only with '+'
+        return f"{full_key} is not in {parent} yet; add it with +{full_key}=VALUE"
     known = [f.name for f in fields(object_type)] if is_dataclass(object_type) else []
     where = f"{parent}" if parent else "the config"
     if parent == "strategy":

@@ -40,6 +40,7 @@ def train_py(*overrides: str, multirun: bool = False, script: str = "train.py") 
     ("trainer.devices=4", r"trainer.devices is set by ddlx", r"strategy.processes"),
     ("strategy.processes=2", r"strategy.processes is not a knob of strategy=sequential", r"knob of strategy=cpu_mp"),
     ("model=vgg17", r"model=vgg17 is not an option of model", r"did you mean model=vgg16\?"),
+    ("logger.tags.hw=x", r"logger.tags.hw is not in logger.tags yet", r"add it with \+logger.tags.hw=VALUE"),
     # Known before torch loads: across keys, the paths named, the machine.
     ("trainer.max_epochs=0", r"measure.warmup_epochs=0 with trainer.max_epochs=0", r"use 0 <= warmup_epochs < max_epochs"),
     ("trainer=gpu", r"trainer.accelerator=gpu, but this machine has no GPU", r"trainer=default"),

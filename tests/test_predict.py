@@ -766,8 +766,12 @@ def test_recommend_py_answers_as_json_with_no_runs(tmp_path):
     assert {"sequential", "ddp_nccl", "split", "pipe", "hybrid"} <= setups
     assert answer["recommended"]["fits"] and answer["recommended"]["predicted_epoch_s"] > 0
     assert answer["recommended"]["basis_kind"] == "estimate" and "not measured" in answer["memory_basis"]
-    assert any("strategy=sequential trainer=gpu logger.tags.hw=titanrtx_4x" in c for c in answer["calibrate_with"]), \
+    assert any("strategy=sequential trainer=gpu +logger.tags.hw=titanrtx_4x" in c for c in answer["calibrate_with"]), \
         "an estimate says what to run on the target to calibrate it"
+    from ddlx.config_check import check_config
+
+    for command in [rec["command"], *answer["calibrate_with"], *(c["command"] for c in answer["close_calls"])]:
+        check_config(compose_config(command.split()[2:]))  # each printed command is one train.py takes
     assert all({"predicted_epoch_s", "speedup", "memory_per_device_gb", "fits", "basis"} <= set(p) for p in answer["predictions"])
     best = answer["recommended"]["predicted_epoch_s"]
     assert best == min(p["predicted_epoch_s"] for p in answer["predictions"] if p["fits"]), "the fastest that fits"

@@ -42,7 +42,7 @@ def calibration_commands(rec: Recommendation, prediction: Prediction, job_overri
     """What to run on the target to calibrate an estimate: its one-device baseline and the setup
     itself, tagged with the hardware's name when it is not this machine."""
     baseline = rec.reference or next((p for p in rec.predictions if p.setup.strategy == BASELINE), None)
-    tag = f" logger.tags.hw={rec.hw.name}" if rec.hw.name != "local" else ""
+    tag = f" +logger.tags.hw={rec.hw.name}" if rec.hw.name != "local" else ""
     chosen = [p for p in (baseline, prediction) if p is not None and p.memory.fits]  # never a run that cannot be made
     return list(dict.fromkeys(train_command(rec, p, job_overrides) + tag for p in chosen))
 

@@ -10,6 +10,7 @@ import sqlite3
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import closing, contextmanager
@@ -60,6 +61,12 @@ def check_tracking_uri(uri: str, timeout_s: float = 5.0, setting: str = "logger.
     that chose ``uri``, as the error names it. ``write=False``: the command only reads the store,
     which then need not be writable; ``read_only_option``: the option that makes it read only,
     which the refusal of a store it cannot write names."""
+    example = f"{setting}=sqlite:///mlflow.db"
+    if not uri.strip():
+        raise StoreError(f"{setting} is empty; give an MLflow store, e.g. {example} (a file) or http://HOST:5000 (a server)")
+    if urllib.parse.urlparse(uri).scheme in ("", "file") and not uri.startswith("databricks"):
+        raise StoreError(f"{setting}={uri} is a folder (MLflow's file store), which MLflow 3 refuses as in maintenance; "
+                         f"use an SQLite store, e.g. {example} (mlflow migrate-filestore moves a file store's runs into one)")
     if uri.startswith(("http://", "https://")):
         health = uri.rstrip("/") + "/health"
         try:
@@ -178,6 +185,9 @@ def check_experiment(tracking_uri: str, name: str) -> None:
     IntegrityError from deep inside the store."""
     from mlflow.tracking import MlflowClient
 
+    if not name.strip():
+        raise StoreError(f"logger.experiment_name={name!r} is empty; name the experiment the run goes in, e.g. "
+                         f"logger.experiment_name=ddlx")
     if not store_exists(tracking_uri):
         return  # a new store has no experiments; opening it here would create it
 

@@ -14,7 +14,7 @@ import pytest
 from conftest import PROJECT_DIR, subprocess_env
 
 from ddlx.errors import ConfigError
-from ddlx.tracking import check_tracking_uri, flatten_config, use_case
+from ddlx.tracking import check_experiment, check_tracking_uri, flatten_config, use_case
 
 
 def test_flatten_config_uses_override_names():
@@ -52,6 +52,19 @@ def test_another_programs_sqlite_database_is_refused_as_a_store_and_an_empty_one
     empty = tmp_path / "empty.db"
     sqlite3.connect(empty).close()
     check_tracking_uri(f"sqlite:///{empty}")  # an empty file: MLflow makes its store in it
+
+
+@pytest.mark.parametrize("uri,why", [("", r"logger.tracking_uri is empty"),
+                                     ("./mlruns", r"logger.tracking_uri=./mlruns is a folder \(MLflow's file store\)"),
+                                     ("file:///tmp/mlruns", r"file:///tmp/mlruns is a folder")])
+def test_an_empty_uri_or_a_file_store_is_refused_with_an_sqlite_store_to_use(uri, why):
+    with pytest.raises(ConfigError, match=rf"{why}.*logger.tracking_uri=sqlite:///mlflow.db"):
+        check_tracking_uri(uri)
+
+
+def test_an_empty_experiment_name_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"logger.experiment_name='' is empty.*logger.experiment_name=ddlx"):
+        check_experiment(f"sqlite:///{tmp_path}/mlflow.db", "")
 
 
 def test_unreachable_server():

@@ -1087,6 +1087,22 @@ def test_json_answer_stays_parseable_when_a_probe_logs(tmp_path):
     assert answer["sequential_basis"].startswith("local probe") and "INFO" in proc.stderr
 
 
+@pytest.mark.integration
+def test_the_step_probe_leaves_no_loader_workers_behind(tiny_config):
+    """Workers left waiting (persistent, the probe stopping after a few batches) were killed at
+    recommend.py's exit, torch printing a traceback for each."""
+    import psutil
+
+    from ddlx.config_check import typed_config
+    from ddlx.predict.sequential_time import probe_batches
+
+    data = typed_config(tiny_config("data.num_workers=1")).data
+    before = {c.pid for c in psutil.Process().children(recursive=True)}
+    assert len(probe_batches(data, "resnet18")(2)) == 2
+    left = [c for c in psutil.Process().children(recursive=True) if c.pid not in before and c.status() != psutil.STATUS_ZOMBIE]
+    assert not left, left
+
+
 def test_the_training_process_data_loading_is_split_by_processes_not_by_threads():
     hw = _hw()
     job = Job("resnet18", "firesmall", 3, 3, 64, 32, 320)

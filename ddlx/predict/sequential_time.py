@@ -232,22 +232,25 @@ def probe_batches(cfg_data, model: str, threads: int = 1, max_seconds: float = 3
             module = plugin.convert_module(module).to(device)
             opt = module.configure_optimizers()
             times, start, spent = [], time.perf_counter(), time.perf_counter()
-            for i, (x, y) in enumerate(dm.train_dataloader()):
-                x, y = plugin.convert_input(x.to(device)), y.to(device)
-                loaded = time.perf_counter()
-                opt.zero_grad(set_to_none=True)
-                with plugin.forward_context():
-                    loss = module.loss(module(x), y)
-                loss.backward()
-                opt.step()
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                now = time.perf_counter()
-                if i > 0:
-                    times.append(ProbedBatch(now - start, loaded - start))
-                start = now
-                if len(times) >= n or (len(times) >= 2 and now - spent > max_seconds):
-                    break
+            try:
+                for i, (x, y) in enumerate(dm.train_dataloader()):
+                    x, y = plugin.convert_input(x.to(device)), y.to(device)
+                    loaded = time.perf_counter()
+                    opt.zero_grad(set_to_none=True)
+                    with plugin.forward_context():
+                        loss = module.loss(module(x), y)
+                    loss.backward()
+                    opt.step()
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    now = time.perf_counter()
+                    if i > 0:
+                        times.append(ProbedBatch(now - start, loaded - start))
+                    start = now
+                    if len(times) >= n or (len(times) >= 2 and now - spent > max_seconds):
+                        break
+            finally:  # the loader's workers, left waiting by the break: at exit multiprocessing would kill
+                dm.end_workers()  # them, and torch's SIGCHLD handler print a traceback for each
         return times
 
     return run

@@ -452,6 +452,15 @@ def test_absent_gpus_are_named_with_a_working_override():
         _plan("strategy=ddp_nccl")
 
 
+def test_an_empty_or_unknown_device_list_is_named_with_a_working_one():
+    with pytest.raises(ConfigError, match=r"strategy.devices=\[\] for strategy=pipe; .*one per stage, e.g. strategy.devices=\[cpu,cpu\]"):
+        _plan("strategy=pipe", "strategy.devices=[]")
+    with pytest.raises(ConfigError, match=r"strategy=pipe: 'foo' is not a device; expected cpu or cuda:N"):
+        _plan("strategy=pipe", "strategy.devices=[cpu,foo]")
+    with pytest.raises(ConfigError, match=r"strategy=hybrid; expected auto or a list of 4 devices, e.g. strategy.devices=\[cpu,cpu,cpu,cpu\]"):
+        _plan("strategy=hybrid", "strategy.devices=[cpu,cpu]")
+
+
 def test_pipe_knobs_are_checked():
     with pytest.raises(ConfigError, match=r"strategy.balance=\[3, 3\] .*summing to alexnet's 22 layers.*strategy.balance=\[10,12\]"):
         _plan("strategy=pipe", "strategy.balance=[3,3]")

@@ -28,9 +28,18 @@ def resolve_devices(spec: str | Sequence[str] | None, count: int, strategy: str)
             return [torch.device(d) for d in gpus[:count]]
         log.info("strategy=%s: %d GPU(s) here, fewer than %d: running its %d stages on [%s]", strategy, len(gpus), count, count, ", ".join(["cpu"] * count))
         return [torch.device("cpu")] * count
-    if isinstance(spec, str) or len(spec) != count:
-        raise ConfigError(f"strategy.devices={spec!r} for strategy={strategy}; expected auto or a list of {count} devices, e.g. strategy.devices=[cpu,cpu]")
+    example = "[" + ",".join(["cpu"] * max(count, 2)) + "]"
+    if isinstance(spec, str) or len(spec) != count or count == 0:  # pipe: as many stages as devices listed
+        many = f"{count} devices" if count else "devices, one per stage"
+        raise ConfigError(f"strategy.devices={spec!r} for strategy={strategy}; expected auto or a list of {many}, "
+                          f"e.g. strategy.devices={example}")
     wanted = [str(d) for d in spec]
+    for name in wanted:
+        try:
+            torch.device(name)
+        except RuntimeError:
+            raise ConfigError(f"strategy.devices={spec!r} for strategy={strategy}: {name!r} is not a device; expected "
+                              f"cpu or cuda:N, e.g. strategy.devices={example}") from None
     missing = [d for d in wanted if torch.device(d).type == "cuda" and _normal(d) not in present]
     if missing:
         fallback = "[" + ",".join((gpus * count)[:count]) + "]" if gpus else "[" + ",".join(["cpu"] * count) + "]"

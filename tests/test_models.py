@@ -93,3 +93,15 @@ def test_bad_requests_are_clear():
         build_model("alexnet", 3, 3, 8)
     with pytest.raises(KeyError, match="no cut point 'nope'"):
         build_model("resnet18", 3, 3, 32).cut("nope")
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_every_model_is_profiled_at_the_smallest_image_size_it_takes(arch):
+    """train.py and recommend.py count the profile (one sample, on the meta device) before any
+    work; VGG's last batch norm at 16 px sees one value per channel, which training mode refuses."""
+    from ddlx.costmodel.profile import _count_profile
+    from ddlx.models import MIN_IMAGE_SIZE
+
+    profile = _count_profile(arch, 3, 3, MIN_IMAGE_SIZE)
+    assert profile.image_size == MIN_IMAGE_SIZE and all(layer.forward_flops >= 0 for layer in profile.layers)
+    assert sum(layer.forward_flops for layer in profile.layers) > 0

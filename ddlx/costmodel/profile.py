@@ -205,8 +205,8 @@ def profile_model(arch: str, num_classes: int, in_channels: int, image_size: int
 
 
 def _count_profile(arch: str, num_classes: int, in_channels: int, image_size: int) -> ModelProfile:
-    with torch.device("meta"):
-        model = build_model(arch, num_classes, in_channels, image_size)
+    with torch.device("meta"):  # eval: batch norm of one sample at 1x1 px has no batch statistics (the FLOPs are the same)
+        model = build_model(arch, num_classes, in_channels, image_size).eval()
     x = torch.empty(1, in_channels, image_size, image_size, device="meta")
     flops = []
     with torch.no_grad():

@@ -21,6 +21,9 @@ from .strategies import STRATEGIES
 # ---- the train config ------------------------------------------------------------------------
 
 
+MAX_SEED = 2**32 - 1  # numpy's seeds, which Lightning's seed_everything also takes
+
+
 @dataclass
 class ModelConfig:
     name: str = MISSING  # built by ddlx.models.build_model
@@ -50,7 +53,7 @@ class DataConfig:
     synthetic_dir: str = MISSING
     synthetic_size: List[int] = MISSING
     synthetic_format: str = knob("jpg", choices=("jpg", "png"))
-    seed: int = 0
+    seed: int = knob(0, low=0, high=MAX_SEED)
     pin_memory: bool = False
     shuffle: bool = True
     random_flip: bool = True
@@ -176,7 +179,7 @@ class CheckpointConfig:
 
 @dataclass
 class TrainConfig:
-    seed: int = 42
+    seed: int = knob(42, low=0, high=MAX_SEED)
     ckpt_path: Optional[str] = None  # resume from this checkpoint, into the MLflow run it belongs to
     paths: PathsConfig = field(default_factory=PathsConfig)
     optim: OptimConfig = MISSING
@@ -212,7 +215,7 @@ class RecommendConfig:
     output: str = "table"
     log: bool = True
     probe: bool = True
-    seed: int = 42
+    seed: int = knob(42, low=0, high=MAX_SEED)
     probe_max_s: float = 30.0
     compare: Optional[List[str]] = None
     max_epoch_s: Optional[float] = None

@@ -27,11 +27,11 @@ class Bound:
             return "one of " + ", ".join(str(c) for c in self.choices)
         parts = []
         if self.low is not None and self.high is not None:
-            return f"a value in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+            return f"a value in {'(' if self.low_open else '['}{_number(self.low)}, {_number(self.high)}{')' if self.high_open else ']'}"
         if self.low is not None:
-            parts.append(f"{'>' if self.low_open else '>='} {self.low:g}")
+            parts.append(f"{'>' if self.low_open else '>='} {_number(self.low)}")
         if self.high is not None:
-            parts.append(f"{'<' if self.high_open else '<='} {self.high:g}")
+            parts.append(f"{'<' if self.high_open else '<='} {_number(self.high)}")
         return "a value " + " and ".join(parts)
 
     def accepts(self, value: Any) -> bool:
@@ -60,6 +60,10 @@ class SetupRole:
     def holds(self, value_of) -> bool:
         """Whether its ``when`` holds, ``value_of(knob)`` giving the setup's other knobs."""
         return all(value_of(key) == value for key, value in self.when)
+
+
+def _number(bound: float) -> str:
+    return str(bound) if isinstance(bound, int) else f"{bound:g}"  # an integer bound in full (seeds: 4294967295)
 
 
 def knob(default: Any = NO_DEFAULT, *, low=None, high=None, low_open=False, high_open=False, choices=None,

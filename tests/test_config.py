@@ -27,6 +27,7 @@ def train_py(*overrides: str, multirun: bool = False, script: str = "train.py") 
 @pytest.mark.integration
 @pytest.mark.parametrize("override,key,expected", [
     ("seed=abc", r"seed=abc", r"an integer, e.g. seed=42"),
+    ("seed=-1", r"seed=-1", r"a value in \[0, 4294967295\], e.g. seed=42"),
     ("data.image_size=abc", r"data.image_size=abc", r"an integer"),
     ("data.batch_size=0", r"data.batch_size=0", r">= 1"),
     ("optim.lr=-1", r"optim.lr=-1.0", r"> 0, e.g. optim.lr=0.01"),

@@ -86,7 +86,7 @@ TRAINER_ARGS_SET_BY_DDLX = {
 
 # Lightning's accelerator names and precision values (its Trainer's precision Literal), but
 # Transformer Engine's: ddlx has never trained under it, and neither records nor predicts its numerics.
-ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps", "tpu", "xla")
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda")  # ddlx's strategies run on CPUs and CUDA GPUs (not mps, tpu, xla)
 PRECISIONS = ("64", "32", "16", "bf16", "64-true", "32-true", "16-true", "16-mixed", "bf16-true", "bf16-mixed")
 
 
@@ -110,7 +110,7 @@ class TrainerConfig:
     limit_test_batches: Any = knob(None, low=0)
     limit_predict_batches: Any = knob(None, low=0)
     overfit_batches: Any = knob(0.0, low=0)
-    val_check_interval: Any = None
+    val_check_interval: Any = knob(None, low=0, low_open=True)
     check_val_every_n_epoch: Optional[int] = knob(1, low=1)
     num_sanity_val_steps: Optional[int] = knob(None, low=-1)
     log_every_n_steps: Optional[int] = knob(None, low=1)

@@ -330,6 +330,11 @@ def check_train_job(cfg: DictConfig, multirun: bool) -> None:
 def check_recommend_job(cfg: DictConfig, multirun: bool, hw_dir: Path) -> None:
     """recommend.py's job: its hardware is one of the descriptions in ``hw_dir``, not the schema
     they extend (an option of the group, but no machine)."""
+    from . import preflight
+
+    empty = preflight.empty_folders(lambda key: OmegaConf.select(cfg, key, default=None))
+    if empty:
+        raise ConfigError("; ".join(empty))
     options = sorted(p.stem for p in hw_dir.glob("*.yaml"))
     if OmegaConf.select(cfg, "hydra.runtime.choices.hw") == "schema":
         raise ConfigError(f"hw=schema is the fields every machine description has, not a machine; "

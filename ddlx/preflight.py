@@ -10,7 +10,9 @@ import glob
 import os
 import sys
 import tempfile
+from operator import attrgetter
 from pathlib import Path
+from typing import Callable
 
 from .config import TrainConfig
 from .errors import ConfigError, missing_data_root
@@ -33,6 +35,9 @@ def consistency_problems(cfg: TrainConfig) -> list[str]:
             f"measure.warmup_epochs={m.warmup_epochs} with trainer.max_epochs={epochs} leaves no epoch to measure; "
             f"use 0 <= warmup_epochs < max_epochs (e.g. trainer.max_epochs={max(1, m.warmup_epochs) + 3} "
             f"measure.warmup_epochs={m.warmup_epochs} for the thesis' mean of 3)")
+    for key, value in (("trainer.max_steps", cfg.trainer.max_steps), ("trainer.limit_train_batches", cfg.trainer.limit_train_batches)):
+        if value == 0:  # Lightning skips training: the run would end FINISHED with no epoch measured
+            problems.append(f"{key}=0 trains no batch, so there is nothing to measure; leave {key} out for every batch")
     if cfg.checkpoint.keep_best and cfg.data.val_fraction == 0:
         problems.append("checkpoint.keep_best=true keeps the checkpoint with the best val_acc, but data.val_fraction=0 "
                         "holds no images out to validate on; set data.val_fraction=0.2 (or keep_best=false)")
@@ -47,8 +52,18 @@ def consistency_problems(cfg: TrainConfig) -> list[str]:
     return problems
 
 
+# Folders an empty value would silently put at the file system's root (${paths.root}/mlflow.db: /mlflow.db).
+FOLDER_KEYS = ("paths.root", "paths.data_dir", "data.synthetic_dir", "logger.artifact_location")
+
+
+def empty_folders(value_of: Callable[[str], object]) -> list[str]:
+    """The :data:`FOLDER_KEYS` set to '' (``value_of(key)``: a key's value, None where unset)."""
+    return [f"{key}='' is empty; give a folder, or leave {key} out for its default"
+            for key in FOLDER_KEYS if (value := value_of(key)) is not None and not str(value).strip()]
+
+
 def path_problems(cfg: TrainConfig) -> list[str]:
-    problems = []
+    problems = empty_folders(lambda key: attrgetter(key)(cfg))
     root = cfg.data.root
     if root is not None and (not str(root).strip() or not Path(root).expanduser().is_dir()):  # "": not the current folder
         problems.append(missing_data_root(cfg.data.root))

@@ -42,6 +42,13 @@ def train_py(*overrides: str, multirun: bool = False, script: str = "train.py") 
     ("strategy.processes=2", r"strategy.processes is not a knob of strategy=sequential", r"knob of strategy=cpu_mp"),
     ("model=vgg17", r"model=vgg17 is not an option of model", r"did you mean model=vgg16\?"),
     ("logger.tags.hw=x", r"logger.tags.hw is not in logger.tags yet", r"add it with \+logger.tags.hw=VALUE"),
+    ("trainer.accelerator=tpu", r"trainer.accelerator=tpu", r"expected one of auto, cpu, gpu, cuda"),
+    ("trainer.val_check_interval=0", r"trainer.val_check_interval=0", r"> 0"),
+    ("trainer.max_steps=0", r"trainer.max_steps=0 trains no batch", r"leave trainer.max_steps out"),
+    ("trainer.limit_train_batches=0", r"trainer.limit_train_batches=0 trains no batch", r"leave trainer.limit_train_batches out"),
+    ("paths.root=", r"paths.root='' is empty", r"leave paths.root out"),
+    ("data.synthetic_size=[10]", r"data.synthetic_size=\[10\]", r"1 <= min <= max, e.g. data.synthetic_size=\[320,800\]"),
+    ("data.std=[0,0,0]", r"data.std=\[0.0, 0.0, 0.0\]", r"values > 0"),
     # Known before torch loads: across keys, the paths named, the machine.
     ("trainer.max_epochs=0", r"measure.warmup_epochs=0 with trainer.max_epochs=0", r"use 0 <= warmup_epochs < max_epochs"),
     ("trainer=gpu", r"trainer.accelerator=gpu, but this machine has no GPU", r"trainer=default"),
@@ -81,7 +88,8 @@ def test_what_the_config_and_the_machine_tell_is_checked_before_torch_loads():
 def test_recommend_names_an_unknown_machine_or_model_with_the_options(tmp_path):
     for override, expected in (("hw=nosuch", r"hw=nosuch is not an option of hw.*expected one of .*titanrtx_4x"),
                                ("model=nosuch", r"model=nosuch is not an option of model.*expected one of .*vgg16"),
-                               ("hw=schema", r"hw=schema is the fields every machine description has, not a machine")):
+                               ("hw=schema", r"hw=schema is the fields every machine description has, not a machine"),
+                               ("data.synthetic_dir=", r"data.synthetic_dir='' is empty")):  # else written at /synthetic
         proc, _ = train_py(override, f"paths.root={tmp_path}", script="recommend.py")
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
         assert re.search(rf"ddlx: error: {expected}", proc.stderr), proc.stderr

@@ -69,13 +69,19 @@ def open_command(tracking_uri: str, link: str) -> str:
 # ---- serving a store ----------------------------------------------------------------------
 
 
+def _port(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port; expected a number in 1-65535, e.g. --port 5000")
+    return int(text)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m ddlx.ui", description=__doc__.splitlines()[0])
     parser.add_argument("--tracking-uri", default="sqlite:///mlflow.db",
                         help="the MLflow store (default: sqlite:///mlflow.db, train.py's store when run from the project folder)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="interface to serve on (default: 127.0.0.1; from another machine: ssh -L 5000:127.0.0.1:5000 HOST)")
-    parser.add_argument("--port", type=int, default=5000, help="port to serve on (default: 5000)")
+    parser.add_argument("--port", type=_port, default=5000, help="port to serve on (default: 5000)")
     parser.add_argument("--browser", action="store_true", help="also open the first link in this machine's web browser")
     return parser.parse_args(argv)
 

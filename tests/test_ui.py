@@ -99,6 +99,15 @@ def test_a_port_in_use_is_refused_in_one_line_before_mlflow_starts(tracking_uri,
     assert f"--port {port}" in err and "taken" in err and len(err.strip().splitlines()) == 1
 
 
+def test_a_port_out_of_range_is_refused_by_argparse_in_one_line(tracking_uri, capsys):
+    for bad in ("99999", "0", "abc"):
+        with pytest.raises(SystemExit) as stop:
+            ui.main(["--tracking-uri", tracking_uri, "--port", bad])
+        assert stop.value.code == 2
+        err = capsys.readouterr().err
+        assert f"argument --port: {bad!r} is not a port" in err and "Traceback" not in err
+
+
 def test_the_links_are_the_runs_tables_of_experiments_with_runs(tracking_uri):
     from mlflow.tracking import MlflowClient
 

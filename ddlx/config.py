@@ -216,7 +216,7 @@ class RecommendConfig:
     log: bool = True
     probe: bool = True
     seed: int = knob(42, low=0, high=MAX_SEED)
-    probe_max_s: float = 30.0
+    probe_max_s: float = knob(30.0, low=0, low_open=True)
     compare: Optional[List[str]] = None
     max_epoch_s: Optional[float] = None
     close_call: float = 0.05

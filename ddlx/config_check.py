@@ -57,15 +57,17 @@ def typed_config(cfg: DictConfig):
 
 def typed_recommend_config(cfg: DictConfig):
     """recommend.py's config but ``hw`` as a :class:`~ddlx.config.RecommendConfig`; a key it does
-    not have or a value of the wrong type is a :class:`ConfigError` naming it."""
+    not have, a value of the wrong type or out of its range is a :class:`ConfigError` naming it."""
     from .config import RecommendConfig
 
     try:
         given = OmegaConf.to_container(cfg, resolve=True)
         given.pop("hw", None)
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RecommendConfig), given))
+        typed = OmegaConf.merge(OmegaConf.structured(RecommendConfig), given)
     except OmegaConfBaseException as err:
         raise explain(err) from None
+    check_bounds(typed)  # its own keys' ranges (seed, probe_max_s) and the model and data groups'
+    return OmegaConf.to_object(typed)
 
 
 def check_bounds(cfg: DictConfig) -> None:

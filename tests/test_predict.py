@@ -738,6 +738,10 @@ def test_bad_hw_configs_are_clear_errors():
         _compose_hw("hw=titanrtx_4x", "hw.nodes=two")
     with pytest.raises(ConfigError, match=r"hw.nodes=0 .* must be 1 or more"):
         hardware(_compose_hw("hw=titanrtx_4x", "hw.nodes=0"))
+    with pytest.raises(ConfigError, match=r"hw.memory_bandwidth_gb_s=-1.0 for hw=titanrtx_4x; must be > 0"):
+        hardware(_compose_hw("hw=titanrtx_4x", "hw.memory_bandwidth_gb_s=-1"))
+    with pytest.raises(ConfigError, match=r"hw.allreduce_fixed_us=-5.0 for hw=titanrtx_4x; must be >= 0"):
+        hardware(_compose_hw("hw=titanrtx_4x", "hw.allreduce_fixed_us=-5"))
     with pytest.raises(ConfigError, match="no inter_node link"):
         hardware(_compose_hw("hw=h100_1x", "hw.nodes=2"))
     with pytest.raises(ConfigError, match=r"intra_node_pairs\[0\].devices=\[0, 7\]"):
@@ -807,7 +811,9 @@ def test_recommend_py_names_bad_values(tmp_path):
     for bad, message in [("data.image_size=8", "image_size=8 is too small for alexnet; use data.image_size >= 16"),
                          ("detected_dir=/proc/ddlx", "detected_dir=/proc/ddlx"),
                          ("close_call=5", "close_call=5; expected a fraction in [0, 1)"),
-                         ("probe_max_s=abc", "probe_max_s=abc: expected a number")]:
+                         ("probe_max_s=abc", "probe_max_s=abc: expected a number"),
+                         ("probe_max_s=0", "probe_max_s=0.0: expected a value > 0"),
+                         ("seed=-1", "seed=-1: expected a value in [0, 4294967295]")]:
         cfg = _compose_recommend("hw=local", bad, f"paths.root={tmp_path}")
         with pytest.raises(ConfigError, match=re.escape(message)):
             run_recommend(cfg, tmp_path / "out", CONF_DIR / "hw")

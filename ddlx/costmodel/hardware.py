@@ -104,9 +104,12 @@ def validate(spec: HardwareSpec) -> HardwareSpec:
     for key in ("nodes", "devices_per_node", "cores_per_node"):
         if getattr(spec, key) < 1:
             raise ConfigError(f"hw.{key}={getattr(spec, key)} for hw={spec.name}; must be 1 or more")
-    for key in ("memory_per_device_gb", "ram_per_node_gb", "peak_tflops"):
+    for key in ("memory_per_device_gb", "ram_per_node_gb", "peak_tflops", "memory_bandwidth_gb_s"):
         if getattr(spec, key) <= 0:
             raise ConfigError(f"hw.{key}={getattr(spec, key)} for hw={spec.name}; must be > 0")
+    for key in ("node_memory_bandwidth_gb_s", "allreduce_fixed_us"):  # 0: node bandwidth from one core's
+        if getattr(spec, key) < 0:
+            raise ConfigError(f"hw.{key}={getattr(spec, key)} for hw={spec.name}; must be >= 0")
     for key, value in spec.peak_tflops_by_type.items():
         if key not in NUMBER_TYPES or value <= 0:
             raise ConfigError(f"hw.peak_tflops_by_type.{key}={value} for hw={spec.name}: expected a format of "

@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..allocator import apply_allocator, check_allocator, resolve_allocator
 from ..config import DataConfig, RecommendConfig
-from ..config_check import check_bounds, check_recommend_job, typed_recommend_config
+from ..config_check import check_recommend_job, typed_recommend_config
 from ..data.folder import complete_data_config
 from ..errors import ConfigError
 from ..job import Batches, Job, cache_outcome
@@ -135,7 +135,6 @@ def run(composed: DictConfig, out_dir: Path, hw_dir: Path, job_overrides: list[s
     cfg: RecommendConfig = typed_recommend_config(composed)
     if cfg.mode not in MODES:
         raise ConfigError(f"mode={cfg.mode}; expected one of {', '.join(MODES)}")
-    check_bounds(composed)  # the model and data groups' declared ranges
     if cfg.output not in OUTPUTS:
         raise ConfigError(f"output={cfg.output}; expected one of {', '.join(OUTPUTS)}")
     if not 0 <= cfg.close_call < 1:

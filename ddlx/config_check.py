@@ -9,7 +9,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import fields, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_origin, get_type_hints
 
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import (
@@ -67,7 +67,10 @@ def typed_recommend_config(cfg: DictConfig):
     except OmegaConfBaseException as err:
         raise explain(err) from None
     check_bounds(typed)  # its own keys' ranges (seed, probe_max_s) and the model and data groups'
-    return OmegaConf.to_object(typed)
+    try:
+        return OmegaConf.to_object(typed)
+    except OmegaConfBaseException as err:
+        raise explain(err) from None
 
 
 def check_bounds(cfg: DictConfig) -> None:
@@ -165,7 +168,7 @@ def _unknown_key(full_key: str, object_type: Any) -> str:
     parent, _, leaf = full_key.rpartition(".")
     if parent == "trainer" and leaf in TRAINER_ARGS_SET_BY_DDLX:
         return f"trainer.{leaf} is set by ddlx: {TRAINER_ARGS_SET_BY_DDLX[leaf]}"
-    if object_type is dict:  # a free mapping (logger.tags): Hydra adds an entry only with '+'
+    if object_type is dict and parent in set(_free_mappings(TrainConfig, "")):  # logger.tags: '+' adds entries
         return f"{full_key} is not in {parent} yet; add it with +{full_key}=VALUE"
     known = [f.name for f in fields(object_type)] if is_dataclass(object_type) else []
     where = f"{parent}" if parent else "the config"
@@ -193,6 +196,15 @@ def _schema_keys(object_type: Any, prefix: str) -> Iterator[str]:
             yield from _schema_keys(nested, f"{prefix}{f.name}.")
         else:
             yield f"{prefix}{f.name}"
+
+
+def _free_mappings(object_type: Any, prefix: str) -> Iterator[str]:
+    """The schema's fields typed as mappings of any keys (``logger.tags``), by dotted name."""
+    for name, hint in get_type_hints(object_type).items():
+        if get_origin(hint) is dict:
+            yield f"{prefix}{name}"
+        elif is_dataclass(hint):
+            yield from _free_mappings(hint, f"{prefix}{name}.")
 
 
 def _dataclass_of(f) -> Any:
@@ -323,10 +335,10 @@ def check_train_job(cfg: DictConfig, multirun: bool) -> None:
         raise explain(err) from None
     with open_dict(cfg):
         cfg.pop("hydra")
+    preflight.check_before_torch(typed_config(cfg))  # first: an empty paths.root is why the run folder is /outputs
     problem = preflight.run_folder_problem(folder, key) if folder else None
     if problem:
         raise ConfigError(problem)
-    preflight.check_before_torch(typed_config(cfg))
 
 
 def check_recommend_job(cfg: DictConfig, multirun: bool, hw_dir: Path) -> None:

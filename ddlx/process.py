@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from typing import Mapping
 
 PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15  # linux/prctl.h
 WORKER_ENV = "DDLX_RANK_WORKER"
@@ -31,20 +30,18 @@ def end_with_parent(expected_parent: int | None = None) -> bool:
     return alive and (expected_parent is None or parent == expected_parent)
 
 
-def ddlx_child_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """``env`` (this process's by default) for a ``python -m ddlx....`` child, with the folder this
-    process's ddlx comes from first on PYTHONPATH, so the child runs the same ddlx: ``train.py``'s
+def ddlx_module_command(module: str, *args: str) -> list[str]:
+    """The command that runs ``python -m module args`` on the ddlx this process runs: ``train.py``'s
     folder is on its own path, not on a child's, and may hold another clone than the installed one,
-    or the only one. An installed ddlx (a site folder) is left to the child's own path."""
+    or the only one; and a child's current folder comes before PYTHONPATH. An installed ddlx (a
+    site folder) is left to the child's own path, whose other packages it must not move ahead."""
     import site
 
-    env = dict(os.environ if env is None else env)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sites = {os.path.abspath(p) for p in (*site.getsitepackages(), site.getusersitepackages())}
-    if root not in sites:
-        rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.abspath(p) != root]
-        env["PYTHONPATH"] = os.pathsep.join([root, *rest])
-    return env
+    if root in {os.path.abspath(p) for p in (*site.getsitepackages(), site.getusersitepackages())}:
+        return [sys.executable, "-m", module, *args]
+    run = f"import sys, runpy; sys.path.insert(0, {root!r}); runpy.run_module({module!r}, run_name='__main__', alter_sys=True)"
+    return [sys.executable, "-c", run, *args]
 
 
 def name_process(name: str) -> None:

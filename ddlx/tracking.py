@@ -5,6 +5,7 @@ import dataclasses
 import fcntl
 import logging
 import os
+import re
 import socket
 import sqlite3
 import threading
@@ -64,9 +65,13 @@ def check_tracking_uri(uri: str, timeout_s: float = 5.0, setting: str = "logger.
     example = f"{setting}=sqlite:///mlflow.db"
     if not uri.strip():
         raise StoreError(f"{setting} is empty; give an MLflow store, e.g. {example} (a file) or http://HOST:5000 (a server)")
-    if urllib.parse.urlparse(uri).scheme in ("", "file") and not uri.startswith("databricks"):
-        raise StoreError(f"{setting}={uri} is a folder (MLflow's file store), which MLflow 3 refuses as in maintenance; "
-                         f"use an SQLite store, e.g. {example} (mlflow migrate-filestore moves a file store's runs into one)")
+    if re.fullmatch(r"[\w.-]+:\d+", uri):  # localhost:5000: a server without its scheme
+        raise StoreError(f"{setting}={uri} names no scheme; for a tracking server give {setting}=http://{uri}")
+    if urllib.parse.urlparse(uri).scheme in ("", "file") and not uri.startswith("databricks") and _file_store_refused():
+        shown = f"e.g. {setting}=sqlite:///{uri}" if uri.endswith(".db") else f"e.g. {example}"
+        raise StoreError(f"{setting}={uri} is a folder (MLflow's file store), which this MLflow refuses as in maintenance; "
+                         f"use an SQLite store, {shown} (mlflow migrate-filestore moves a file store's runs into one), "
+                         f"or set MLFLOW_ALLOW_FILE_STORE=true to keep the file store")
     if uri.startswith(("http://", "https://")):
         health = uri.rstrip("/") + "/health"
         try:
@@ -101,7 +106,16 @@ def check_tracking_uri(uri: str, timeout_s: float = 5.0, setting: str = "logger.
                                  f"alembic_version table); pass the store train.py wrote (its paths.root/mlflow.db)")
             if tables and not tables & MLFLOW_FIRST_TABLES:  # another program's database: MLflow would add its tables
                 raise StoreError(f"{setting}={uri}: {path} holds another database (tables {', '.join(sorted(tables)[:5])}), "
-                                 f"not an MLflow store; choose a new file, e.g. {setting}=sqlite:///mlflow.db")
+                                 f"not an MLflow store; choose a new file, e.g. {setting}=sqlite:///{path.parent / 'ddlx-mlflow.db'}")
+
+
+def _file_store_refused() -> bool:
+    """Whether the installed MLflow refuses a file store (MLflow 3 does, unless told to allow it)."""
+    try:
+        from mlflow.environment_variables import MLFLOW_ALLOW_FILE_STORE
+    except ImportError:  # an MLflow (2.x) that takes file stores
+        return False
+    return not MLFLOW_ALLOW_FILE_STORE.get()
 
 
 # A store MLflow is creating has these first (a writer beside it must not take it for another database).
@@ -412,13 +426,12 @@ class ProcessWatch:
 
     def __init__(self, tracking_uri: str, run_id: str) -> None:
         import subprocess
-        import sys
 
-        from .process import ddlx_child_env
+        from .process import ddlx_module_command
 
         try:
-            self._process = subprocess.Popen([sys.executable, "-m", "ddlx.run_watch", tracking_uri, run_id, str(os.getpid())],
-                                             stdin=subprocess.PIPE, start_new_session=True, env=ddlx_child_env())
+            self._process = subprocess.Popen(ddlx_module_command("ddlx.run_watch", tracking_uri, run_id, str(os.getpid())),
+                                             stdin=subprocess.PIPE, start_new_session=True)
         except OSError as err:
             log.warning("no watch on MLflow run %s (%s): if this process is killed, the next command against the "
                         "store marks it FAILED", run_id, err)

@@ -57,9 +57,18 @@ def test_another_programs_sqlite_database_is_refused_as_a_store_and_an_empty_one
 @pytest.mark.parametrize("uri,why", [("", r"logger.tracking_uri is empty"),
                                      ("./mlruns", r"logger.tracking_uri=./mlruns is a folder \(MLflow's file store\)"),
                                      ("file:///tmp/mlruns", r"file:///tmp/mlruns is a folder")])
-def test_an_empty_uri_or_a_file_store_is_refused_with_an_sqlite_store_to_use(uri, why):
+def test_an_empty_uri_or_a_file_store_is_refused_with_an_sqlite_store_to_use(uri, why, monkeypatch):
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
     with pytest.raises(ConfigError, match=rf"{why}.*logger.tracking_uri=sqlite:///mlflow.db"):
         check_tracking_uri(uri)
+    if uri:  # MLflow's own opt-out keeps a file store
+        monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+        check_tracking_uri(uri)
+
+
+def test_a_server_without_its_scheme_is_named_with_it():
+    with pytest.raises(ConfigError, match=r"logger.tracking_uri=localhost:5000 names no scheme.*=http://localhost:5000"):
+        check_tracking_uri("localhost:5000")
 
 
 def test_an_empty_experiment_name_is_refused(tmp_path):
@@ -200,24 +209,18 @@ def test_a_store_this_user_can_only_read_is_reported_and_recommended_from_withou
 
 def test_a_runs_watch_imports_the_ddlx_its_run_imported_not_the_installed_one(tmp_path):
     """train.py run from a clone other than the installed one (or with none installed) has the
-    clone's ddlx, its script's folder being on its path: its run's watch, a ``python -m
-    ddlx.run_watch`` child, must run that ddlx too. The clone's watch here writes which ddlx it is."""
+    clone's ddlx, its script's folder being on its path: its run's watch, a ``ddlx.run_watch``
+    child, must run that ddlx too, even from a folder that holds yet another ddlx (a child's current
+    folder comes first on its path). The clone's watch here writes which ddlx it is."""
     clone, marker = tmp_path / "clone", tmp_path / "watch_ran"
     shutil.copytree(PROJECT_DIR / "ddlx", clone / "ddlx", ignore=shutil.ignore_patterns("__pycache__"))
     (clone / "ddlx" / "run_watch.py").write_text(
-        f"import pathlib, ddlx\npathlib.Path({str(marker)!r}).write_text(ddlx.__file__)\n")
-    parent = (f"import sys; sys.path.insert(0, {str(clone)!r}); from ddlx.tracking import ProcessWatch; "
-              "ProcessWatch('sqlite:///unused.db', 'run-id').stop()")
+        f"import pathlib, sys, ddlx\npathlib.Path({str(marker)!r}).write_text(ddlx.__file__ + ' ' + sys.argv[2])\n")
     elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
+    (elsewhere / "ddlx").mkdir(parents=True)
+    (elsewhere / "ddlx" / "__init__.py").write_text("")
+    (elsewhere / "ddlx" / "run_watch.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).write_text('decoy')\n")
+    parent = (f"import sys; sys.path[0] = {str(clone)!r}; from ddlx.tracking import ProcessWatch; "
+              "ProcessWatch('sqlite:///unused.db', 'run-id').stop()")  # as train.py's folder on its path
     subprocess.run([sys.executable, "-c", parent], cwd=elsewhere, env=dict(os.environ), check=True, timeout=60)
-    assert marker.read_text() == str(clone / "ddlx" / "__init__.py")
-
-
-def test_a_ddlx_child_has_its_parents_ddlx_first_on_its_path(tmp_path):
-    from ddlx.process import ddlx_child_env
-
-    root = str(PROJECT_DIR)
-    env = ddlx_child_env({"PYTHONPATH": os.pathsep.join(["/elsewhere", root]), "KEPT": "1"})
-    assert env["PYTHONPATH"].split(os.pathsep) == [root, "/elsewhere"] and env["KEPT"] == "1"
-    assert ddlx_child_env({})["PYTHONPATH"] == root
+    assert marker.read_text() == f"{clone / 'ddlx' / '__init__.py'} run-id", "the clone's watch, with its arguments"

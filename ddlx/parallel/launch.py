@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ from pytorch_lightning.strategies.launchers.subprocess_script import (
     _SubprocessScriptLauncher,
 )
 
-from ..process import PARENT_ENV, STARTED_EXTERNALLY, WORKER_ENV, ddlx_child_env, is_rank_worker
+from ..process import PARENT_ENV, STARTED_EXTERNALLY, WORKER_ENV, ddlx_module_command, is_rank_worker
 
 log = logging.getLogger(__name__)
 
@@ -225,8 +224,7 @@ class WorkerLauncher(_SubprocessScriptLauncher):
             if server is not None:
                 self.procs.append(server.spawn(self.worker_args, child_env))
             else:
-                command = [sys.executable, "-m", "ddlx.rank_worker", *self.worker_args]
-                self.procs.append(subprocess.Popen(command, env=ddlx_child_env(child_env)))
+                self.procs.append(subprocess.Popen(ddlx_module_command("ddlx.rank_worker", *self.worker_args), env=child_env))
 
 
 def plain_optimizer(optimizer):

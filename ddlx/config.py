@@ -122,7 +122,7 @@ class TrainerConfig:
     deterministic: Any = None
     benchmark: Optional[bool] = None
     inference_mode: bool = True
-    profiler: Optional[str] = knob(None, choices=("simple", "advanced", "pytorch", "xla"))
+    profiler: Optional[str] = knob(None, choices=("simple", "advanced", "pytorch"))  # not xla: see ACCELERATORS
     detect_anomaly: bool = False
     barebones: bool = False
     sync_batchnorm: bool = False

@@ -27,8 +27,20 @@ def check_before_torch(cfg: TrainConfig) -> None:
         raise ConfigError("; ".join(problems))
 
 
-def consistency_problems(cfg: TrainConfig) -> list[str]:
+def data_problems(data) -> list[str]:
+    """Values of the data config (:class:`~ddlx.config.DataConfig`) its keys' ranges cannot say."""
     problems = []
+    if data.std is not None and any(value <= 0 for value in data.std):
+        problems.append(f"data.std={list(data.std)}: every pixel is divided by it; give values > 0, one per channel")
+    sizes = list(data.synthetic_size)
+    if len(sizes) != 2 or not 1 <= sizes[0] <= sizes[1]:
+        problems.append(f"data.synthetic_size={sizes}: expected [min, max], the side in pixels of the synthetic images, "
+                        f"with 1 <= min <= max, e.g. data.synthetic_size=[320,800]")
+    return problems
+
+
+def consistency_problems(cfg: TrainConfig) -> list[str]:
+    problems = data_problems(cfg.data)
     m, epochs = cfg.measure, cfg.trainer.max_epochs
     if epochs not in (None, -1) and m.warmup_epochs >= epochs:
         problems.append(
@@ -37,7 +49,7 @@ def consistency_problems(cfg: TrainConfig) -> list[str]:
             f"measure.warmup_epochs={m.warmup_epochs} for the thesis' mean of 3)")
     for key, value in (("trainer.max_steps", cfg.trainer.max_steps), ("trainer.limit_train_batches", cfg.trainer.limit_train_batches)):
         if value == 0:  # Lightning skips training: the run would end FINISHED with no epoch measured
-            problems.append(f"{key}=0 trains no batch, so there is nothing to measure; leave {key} out for every batch")
+            problems.append(f"{key}={value} trains no batch, so there is nothing to measure; leave {key} out for every batch")
     if cfg.checkpoint.keep_best and cfg.data.val_fraction == 0:
         problems.append("checkpoint.keep_best=true keeps the checkpoint with the best val_acc, but data.val_fraction=0 "
                         "holds no images out to validate on; set data.val_fraction=0.2 (or keep_best=false)")

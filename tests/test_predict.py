@@ -1105,7 +1105,13 @@ def test_the_step_probe_leaves_no_loader_workers_behind(tiny_config):
     data = typed_config(tiny_config("data.num_workers=1")).data
     before = {c.pid for c in psutil.Process().children(recursive=True)}
     assert len(probe_batches(data, "resnet18")(2)) == 2
-    left = [c for c in psutil.Process().children(recursive=True) if c.pid not in before and c.status() != psutil.STATUS_ZOMBIE]
+    def alive(child) -> bool:
+        try:
+            return child.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    left = [c for c in psutil.Process().children(recursive=True) if c.pid not in before and alive(c)]
     assert not left, left
 
 

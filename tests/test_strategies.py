@@ -457,6 +457,8 @@ def test_an_empty_or_unknown_device_list_is_named_with_a_working_one():
         _plan("strategy=pipe", "strategy.devices=[]")
     with pytest.raises(ConfigError, match=r"strategy=pipe: 'foo' is not a device; expected cpu or cuda:N"):
         _plan("strategy=pipe", "strategy.devices=[cpu,foo]")
+    with pytest.raises(ConfigError, match=r"strategy=split: 'meta' is not a device; expected cpu or cuda:N"):
+        _plan("strategy=split", "strategy.devices=[cpu,meta]")
     with pytest.raises(ConfigError, match=r"strategy=hybrid; expected auto or a list of 4 devices, e.g. strategy.devices=\[cpu,cpu,cpu,cpu\]"):
         _plan("strategy=hybrid", "strategy.devices=[cpu,cpu]")
 

@@ -215,12 +215,6 @@ class ImageFolderDataModule(pl.LightningDataModule):
         if len(data.mean) != data.channels or len(data.std) != data.channels:
             raise ConfigError(f"data.mean/std have {len(data.mean)}/{len(data.std)} values for {data.channels} channels; "
                               f"give one per channel")
-        if any(value <= 0 for value in data.std):
-            raise ConfigError(f"data.std={list(data.std)}: every pixel is divided by it; give values > 0, one per channel")
-        sizes = list(data.synthetic_size)
-        if len(sizes) != 2 or not 1 <= sizes[0] <= sizes[1]:
-            raise ConfigError(f"data.synthetic_size={sizes}: expected [min, max], the side in pixels of the synthetic "
-                              f"images, with 1 <= min <= max, e.g. data.synthetic_size=[320,800]")
         if data.classes is not None and len(data.classes) != data.num_classes:
             raise ConfigError(f"data.classes lists {len(data.classes)} names but data.num_classes={data.num_classes}: give "
                               f"as many names as classes, or data.classes=null (for your own folder: data=imagefolder)")

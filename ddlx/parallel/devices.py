@@ -36,10 +36,12 @@ def resolve_devices(spec: str | Sequence[str] | None, count: int, strategy: str)
     wanted = [str(d) for d in spec]
     for name in wanted:
         try:
-            torch.device(name)
+            known = torch.device(name).type in ("cpu", "cuda")
         except RuntimeError:
+            known = False
+        if not known:
             raise ConfigError(f"strategy.devices={spec!r} for strategy={strategy}: {name!r} is not a device; expected "
-                              f"cpu or cuda:N, e.g. strategy.devices={example}") from None
+                              f"cpu or cuda:N, e.g. strategy.devices={example}")
     missing = [d for d in wanted if torch.device(d).type == "cuda" and _normal(d) not in present]
     if missing:
         fallback = "[" + ",".join((gpus * count)[:count]) + "]" if gpus else "[" + ",".join(["cpu"] * count) + "]"

@@ -17,6 +17,7 @@ from ..data.folder import complete_data_config
 from ..errors import ConfigError
 from ..job import Batches, Job, cache_outcome
 from ..models import check_request
+from ..preflight import data_problems
 from ..records import left_out
 from ..strategies import BASELINE
 from ..tracking import check_tracking_uri, load_runs, log_result_run, store_exists
@@ -133,6 +134,9 @@ def run(composed: DictConfig, out_dir: Path, hw_dir: Path, job_overrides: list[s
     ``hw`` a :class:`HardwareSpec`). ``job_overrides``: the model/data overrides the job was
     given, repeated in the train.py commands printed for it."""
     cfg: RecommendConfig = typed_recommend_config(composed)
+    problems = data_problems(cfg.data)
+    if problems:
+        raise ConfigError("; ".join(problems))
     if cfg.mode not in MODES:
         raise ConfigError(f"mode={cfg.mode}; expected one of {', '.join(MODES)}")
     if cfg.output not in OUTPUTS:

@@ -342,13 +342,15 @@ def check_train_job(cfg: DictConfig, multirun: bool) -> None:
 
 
 def check_recommend_job(cfg: DictConfig, multirun: bool, hw_dir: Path) -> None:
-    """recommend.py's job: its hardware is one of the descriptions in ``hw_dir``, not the schema
-    they extend (an option of the group, but no machine)."""
+    """recommend.py's job: no folder key empty, its data values consistent (as train.py's,
+    :mod:`.preflight`), its hardware one of the descriptions in ``hw_dir``, not the schema they
+    extend (an option of the group, but no machine)."""
     from . import preflight
 
-    empty = preflight.empty_folders(lambda key: OmegaConf.select(cfg, key, default=None))
-    if empty:
-        raise ConfigError("; ".join(empty))
+    problems = [*preflight.empty_folders(lambda key: OmegaConf.select(cfg, key, default=None)),
+                *preflight.data_problems(cfg.data)]
+    if problems:
+        raise ConfigError("; ".join(problems))
     options = sorted(p.stem for p in hw_dir.glob("*.yaml"))
     if OmegaConf.select(cfg, "hydra.runtime.choices.hw") == "schema":
         raise ConfigError(f"hw=schema is the fields every machine description has, not a machine; "

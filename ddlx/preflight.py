@@ -78,7 +78,7 @@ def path_problems(cfg: TrainConfig) -> list[str]:
     problems = empty_folders(lambda key: attrgetter(key)(cfg))
     root = cfg.data.root
     if root is not None and (not str(root).strip() or not Path(root).expanduser().is_dir()):  # "": not the current folder
-        problems.append(missing_data_root(cfg.data.root))
+        problems.append(missing_data_root(root))
     if cfg.ckpt_path is not None:
         problem = checkpoint_path_problem(cfg.ckpt_path)
         if problem:

@@ -81,7 +81,7 @@ def check_tracking_uri(uri: str, timeout_s: float = 5.0, setting: str = "logger.
         except (OSError, urllib.error.URLError) as err:
             raise StoreError(
                 f"MLflow tracking server {setting}={uri} is unreachable ({err}); start it "
-                f"(mlflow server --host ... --port ...) or log locally with {setting}=sqlite:///mlflow.db"
+                f"(mlflow server --host ... --port ...) or log locally with {example}"
             ) from err
     elif (path := sqlite_path(uri)) is not None:
         folder = path.parent  # Path("mlflow.db").parent is Path(".")
@@ -96,11 +96,9 @@ def check_tracking_uri(uri: str, timeout_s: float = 5.0, setting: str = "logger.
                              f"choose a writable store{reading}")
         if path.exists():
             try:
-                with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
-                    db.execute("pragma schema_version")  # reads the header: fails on a non-database
+                tables = _sqlite_tables(path)  # reads the header: fails on a non-database
             except sqlite3.DatabaseError as err:
                 raise StoreError(f"{setting}={uri}: {path} is not an SQLite database ({err})") from err
-            tables = _sqlite_tables(path)
             if not write and "alembic_version" not in tables:  # a reader's first contact would add MLflow's tables
                 raise StoreError(f"{setting}={uri}: {path} is an SQLite database but no MLflow store (it has no "
                                  f"alembic_version table); pass the store train.py wrote (its paths.root/mlflow.db)")

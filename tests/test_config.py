@@ -89,7 +89,8 @@ def test_recommend_names_an_unknown_machine_or_model_with_the_options(tmp_path):
     for override, expected in (("hw=nosuch", r"hw=nosuch is not an option of hw.*expected one of .*titanrtx_4x"),
                                ("model=nosuch", r"model=nosuch is not an option of model.*expected one of .*vgg16"),
                                ("hw=schema", r"hw=schema is the fields every machine description has, not a machine"),
-                               ("data.synthetic_dir=", r"data.synthetic_dir='' is empty")):  # else written at /synthetic
+                               ("data.synthetic_dir=", r"data.synthetic_dir='' is empty"),  # else written at /synthetic
+                               ("data.std=[0,1,1]", r"data.std=\[0.0, 1.0, 1.0\]: every pixel is divided by it")):
         proc, _ = train_py(override, f"paths.root={tmp_path}", script="recommend.py")
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
         assert re.search(rf"ddlx: error: {expected}", proc.stderr), proc.stderr

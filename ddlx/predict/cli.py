@@ -17,7 +17,6 @@ from ..data.folder import complete_data_config
 from ..errors import ConfigError
 from ..job import Batches, Job, cache_outcome
 from ..models import check_request
-from ..preflight import data_problems
 from ..records import left_out
 from ..strategies import BASELINE
 from ..tracking import check_tracking_uri, load_runs, log_result_run, store_exists
@@ -134,9 +133,6 @@ def run(composed: DictConfig, out_dir: Path, hw_dir: Path, job_overrides: list[s
     ``hw`` a :class:`HardwareSpec`). ``job_overrides``: the model/data overrides the job was
     given, repeated in the train.py commands printed for it."""
     cfg: RecommendConfig = typed_recommend_config(composed)
-    problems = data_problems(cfg.data)
-    if problems:
-        raise ConfigError("; ".join(problems))
     if cfg.mode not in MODES:
         raise ConfigError(f"mode={cfg.mode}; expected one of {', '.join(MODES)}")
     if cfg.output not in OUTPUTS:
@@ -149,7 +145,7 @@ def run(composed: DictConfig, out_dir: Path, hw_dir: Path, job_overrides: list[s
     job = job_from_config(cfg) if cfg.mode == "recommend" else None  # bad values named before any timing
     detected_dir = Path(cfg.detected_dir) if cfg.detected_dir else None
     target = hardware(composed.hw, detected_dir, refresh=cfg.mode == "probe")
-    check_recommend_job(composed, False, hw_dir)  # compare= names machines; max_epoch_s is a time
+    check_recommend_job(composed, False, hw_dir)  # folders, data values; compare= names machines; max_epoch_s is a time
     if cfg.mode == "recommend" and cfg.log:  # the answer is recorded there: refused now, not after it
         check_tracking_uri(cfg.logger.tracking_uri, read_only_option="log=false")
     if job is not None:

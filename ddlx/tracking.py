@@ -84,6 +84,10 @@ def check_tracking_uri(uri: str, timeout_s: float = 5.0, setting: str = "logger.
                 f"(mlflow server --host ... --port ...) or log locally with {example}"
             ) from err
     elif (path := sqlite_path(uri)) is not None:
+        if marks := [meaning for mark, meaning in URL_MARKS.items() if mark in str(path)]:
+            raise StoreError(f"{setting}={uri}: in the database URL MLflow opens, {' and '.join(marks)}, so it "
+                             f"would open another file; choose a folder without ? or % (the default store is "
+                             f"paths.root/mlflow.db)")
         folder = path.parent  # Path("mlflow.db").parent is Path(".")
         if not folder.is_dir():
             raise StoreError(f"{setting}={uri}: folder {folder} does not exist; create it or choose another path")
@@ -107,6 +111,10 @@ def check_tracking_uri(uri: str, timeout_s: float = 5.0, setting: str = "logger.
                                  f"not an MLflow store; choose a new file, e.g. {setting}=sqlite:///{path.parent / 'ddlx-mlflow.db'}")
 
 
+# What SQLAlchemy's URL parser makes of these in an SQLite path ('#' it keeps).
+URL_MARKS = {"?": "'?' starts the URL's options", "%": "'%' starts an escape"}
+
+
 def _file_store_refused() -> bool:
     """Whether the installed MLflow refuses a file store (MLflow 3 does, unless told to allow it)."""
     try:
@@ -121,7 +129,7 @@ MLFLOW_FIRST_TABLES = {"alembic_version", "experiments"}
 
 
 def _sqlite_tables(path: Path) -> set[str]:
-    with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
+    with closing(sqlite3.connect(f"file:{urllib.parse.quote(str(path))}?mode=ro", uri=True)) as db:  # a # in it
         return {name for (name,) in db.execute("select name from sqlite_master where type = 'table'")}
 
 

@@ -54,6 +54,23 @@ def test_another_programs_sqlite_database_is_refused_as_a_store_and_an_empty_one
     check_tracking_uri(f"sqlite:///{empty}")  # an empty file: MLflow makes its store in it
 
 
+@pytest.mark.parametrize("folder,mark", [("runs?1", r"'\?' starts the URL's options"), ("runs%41", r"'%' starts an escape")])
+def test_an_sqlite_path_that_the_database_url_would_misread_is_refused(tmp_path, folder, mark):
+    (tmp_path / folder).mkdir()
+    with pytest.raises(ConfigError, match=rf"logger.tracking_uri=sqlite:///\S+/mlflow.db: .*{mark}"):
+        check_tracking_uri(f"sqlite:///{tmp_path / folder / 'mlflow.db'}")
+
+
+def test_an_existing_store_in_a_folder_with_a_hash_is_taken(tmp_path):
+    store = tmp_path / "runs#1" / "mlflow.db"  # '#' would end a file: URI's path: the file read is runs
+    store.parent.mkdir()
+    with closing(sqlite3.connect(store)) as db:
+        db.execute("create table alembic_version (version_num text)")
+        db.commit()
+    check_tracking_uri(f"sqlite:///{store}")
+    check_tracking_uri(f"sqlite:///{store}", write=False)
+
+
 @pytest.mark.parametrize("uri,why", [("", r"logger.tracking_uri is empty"),
                                      ("./mlruns", r"logger.tracking_uri=./mlruns is a folder \(MLflow's file store\)"),
                                      ("file:///tmp/mlruns", r"file:///tmp/mlruns is a folder")])

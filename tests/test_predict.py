@@ -3,6 +3,7 @@ filter, calibration, leave-one-out validation, hardware configs and recommend.py
 from __future__ import annotations
 
 import json
+import math
 import re
 import socket
 import statistics
@@ -774,7 +775,8 @@ def test_recommend_py_answers_as_json_with_no_runs(tmp_path):
         "an estimate says what to run on the target to calibrate it"
     from ddlx.config_check import check_config
 
-    for command in [rec["command"], *answer["calibrate_with"], *(c["command"] for c in answer["close_calls"])]:
+    for command in [rec["command"], *filter(None, [rec["command_with_loading_fix"]]), *answer["calibrate_with"],
+                    *(c["command"] for c in answer["close_calls"])]:
         check_config(compose_config(command.split()[2:]))  # each printed command is one train.py takes
     assert all({"predicted_epoch_s", "speedup", "memory_per_device_gb", "fits", "basis"} <= set(p) for p in answer["predictions"])
     best = answer["recommended"]["predicted_epoch_s"]
@@ -1025,6 +1027,20 @@ def test_gpu_predictions_are_bound_by_the_data_loaders():
     assert workers_to_keep_up(ddp, job, gpu, 0.005, 0.012) is None, "2 cores per process"
     unbound = Predictor(gpu, []).recommend(job, [one])
     assert unbound.predictions[0].epoch_s < by["sequential"].epoch_s / 5, "AlexNet at 64 px is loader-bound here"
+    assert by["ddp_nccl"].loading_fix is None, "no number of workers on its 2 cores would keep up"
+
+    # with the cores for it, the answer gives the workers that keep up, the epoch then, and the command
+    from ddlx.config_check import check_config
+    from ddlx.predict.render import recommendation_dict, recommendation_table
+
+    roomy = Predictor(replace(gpu, cores_per_node=64), [], loading=loading).recommend(job, [one])
+    workers, epoch_s = roomy.predictions[0].loading_fix
+    assert epoch_s == pytest.approx(unbound.predictions[0].epoch_s), "the step's own time, loading hidden"
+    assert workers == math.ceil(32 * 0.005 / (epoch_s / job.steps))
+    assert f"with data.num_workers={workers} it would take" in recommendation_table(roomy, "no runs", 0.0, 0.05, [])
+    command = recommendation_dict(roomy, "no runs", 0.0, 0.05, [])["recommended"]["command_with_loading_fix"]
+    assert f" data.num_workers={workers} " in command and "strategy=sequential trainer=gpu" in command
+    check_config(compose_config(command.split()[2:]))  # a command train.py takes
 
     serial = Predictor(gpu, [], loading=loading).recommend(Job("alexnet", "firesmall", 3, 3, 64, 32, 320), [one])
     assert serial.sequential.load_per_sample_s == 0.005 and "data.num_workers=0" in serial.sequential.basis

@@ -57,6 +57,8 @@ class Prediction:
     calibrated: bool = True
     batch_size: int = 0  # its global batch (per data.batch_per and a batch of its own)
     data_overrides: tuple[str, ...] = ()  # what train.py needs beside the user's data overrides to train that batch
+    # Where its loaders cannot keep up: the data.num_workers that would, and its epoch then (None: none would).
+    loading_fix: tuple[int, float] | None = None
 
     @property
     def basis_kind(self) -> str:
@@ -76,6 +78,8 @@ class Prediction:
             "basis": self.basis,
             "basis_kind": self.basis_kind,
             "global_batch": self.batch_size,
+            "loading_fix": None if self.loading_fix is None else {
+                "num_workers": self.loading_fix[0], "predicted_epoch_s": round(self.loading_fix[1], 4)},
         }
 
 
@@ -270,11 +274,13 @@ class Predictor:
                 batch_s = cost.total_s
                 how = f"; model uncalibrated (no measured {group} run on {self.hw.device_kind} hardware)"
             bound = loader_bound_s(setup, theirs, self.hw, load_core) if load_core is not None else 0.0
+            loading_fix = None
             if bound > batch_s:
                 enough = workers_to_keep_up(setup, theirs, self.hw, load_core, batch_s)
                 fix = (f"data.num_workers={enough} would" if enough is not None else
                        f"not even all of a process's share of the node's {self.hw.cores_per_node} cores would: keep "
                        f"the decoded images in memory (data.cache=auto) or decode fewer pixels")
+                loading_fix = None if enough is None else (enough, batch_s * theirs.steps)
                 batch_s = bound
                 how += (f"; bound by data loading: {job.num_workers} worker(s) per process at {1e3 * load_core:.1f} "
                         f"ms/sample (timed on this machine's core) cannot keep up; {fix}")
@@ -283,7 +289,7 @@ class Predictor:
             stated = batches.stated(setup.strategy)
             predictions.append(Prediction(setup, epoch, baseline * job.steps / epoch, memory_need(setup, theirs, self.hw, profile, their_seq),
                                           f"T_seq {their_seq.basis}{how}", calibrated, theirs.batch_size,
-                                          (f"data.batch_size={stated}",) if stated else ()))
+                                          (f"data.batch_size={stated}",) if stated else (), loading_fix))
         predictions.sort(key=lambda p: (not p.memory.fits, p.epoch_s))
         reference = speedup_reference(predictions)
         if reference is not None and reference.setup.strategy != BASELINE:

@@ -58,8 +58,9 @@ def recommendation_dict(rec: Recommendation, note: str, elapsed: float, close_ca
         return p.as_dict() | {"command": train_command(rec, p, job_overrides)}
 
     recommended = with_command(best) if best else None
-    if recommended is not None and rec.compile_pays:
+    if recommended is not None:
         recommended["command"] = recommended_command(rec, best, job_overrides)
+        recommended["command_with_loading_fix"] = loading_fix_command(rec, best, job_overrides)
 
     def costed(p: Prediction) -> dict:
         choice = Choice(rec, p)
@@ -133,6 +134,11 @@ def recommendation_table(rec: Recommendation, note: str, elapsed: float, close_c
         lines.append(f"recommendation: {best.setup.label}: {figure(best.epoch_s, best.calibrated)} s/epoch predicted, "
                      f"{figure(best.speedup, best.calibrated)}x {over} ({_headline_basis(rec, best)})")
         lines.append(f"  {recommended_command(rec, best, job_overrides)}")
+        if best.loading_fix is not None:
+            workers, epoch_s = best.loading_fix
+            lines.append(f"  its loaders cannot keep up at data.num_workers={rec.job.num_workers}; with data.num_workers="
+                         f"{workers} it would take {figure(epoch_s, best.calibrated)} s/epoch:")
+            lines.append(f"  {loading_fix_command(rec, best, job_overrides)}")
         lines += compile_lines(rec, best, job_overrides)
         if not best.calibrated:
             lines.append("  an estimate until runs on this hardware calibrate it; run these there, then ask again:")
@@ -157,6 +163,13 @@ def recommendation_table(rec: Recommendation, note: str, elapsed: float, close_c
 def recommended_command(rec: Recommendation, best: Prediction, job_overrides: list[str]) -> str:
     """The recommended setup's command, compiled where compiling pays for the run asked about."""
     return train_command(rec, best, job_overrides) + (" compile.enable=true" if rec.compile_pays else "")
+
+
+def loading_fix_command(rec: Recommendation, best: Prediction, job_overrides: list[str]) -> str | None:
+    """The recommended command with the data.num_workers its loaders need to keep up (None: it keeps up)."""
+    if best.loading_fix is None:
+        return None
+    return recommended_command(rec, best, [*job_overrides, f"data.num_workers={best.loading_fix[0]}"])
 
 
 def compile_lines(rec: Recommendation, best: Prediction, job_overrides: list[str]) -> list[str]:

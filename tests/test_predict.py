@@ -1391,6 +1391,17 @@ def test_compiling_is_recommended_only_where_it_pays_for_the_epochs_asked():
     assert not rec.compile_pays and "not faster" in compile_lines(rec, best, [])[0]
     rec.compile_gain = None
     assert "no compiled run of resnet18" in compile_lines(rec, best, [])[0]
+    from ddlx.config_check import check_config
+
+    for epochs in (1, 5):  # the measuring command: a run of 3 epochs where fewer were asked, one value per key
+        rec.epochs = epochs
+        measure = compile_lines(rec, best, [f"trainer.max_epochs={epochs}"])[0].split("compile.enable: ")[1]
+        assert measure.count("trainer.max_epochs=") == 1 and f"trainer.max_epochs={max(epochs, 3)}" in measure
+        assert measure.endswith(" +logger.tags.hw=test"), "tagged as the described machine's, so the answer counts it"
+        check_config(compose_config(measure.split()[2:]))
+    split = replace(best, setup=STRATEGIES["hybrid"].setup(processes=2, local="split"))
+    assert compile_lines(rec, split, [])[0].endswith("hybrid with these knobs cannot take compile.enable"), \
+        "no command train.py would refuse"
 
 
 def test_the_compile_cost_is_what_runs_that_compiled_their_graphs_paid():

@@ -42,9 +42,14 @@ def calibration_commands(rec: Recommendation, prediction: Prediction, job_overri
     """What to run on the target to calibrate an estimate: its one-device baseline and the setup
     itself, tagged with the hardware's name when it is not this machine."""
     baseline = rec.reference or next((p for p in rec.predictions if p.setup.strategy == BASELINE), None)
-    tag = f" +logger.tags.hw={rec.hw.name}" if rec.hw.name != "local" else ""
     chosen = [p for p in (baseline, prediction) if p is not None and p.memory.fits]  # never a run that cannot be made
-    return list(dict.fromkeys(train_command(rec, p, job_overrides) + tag for p in chosen))
+    return list(dict.fromkeys(" ".join([train_command(rec, p, job_overrides), *hw_tag(rec)]) for p in chosen))
+
+
+def hw_tag(rec: Recommendation) -> list[str]:
+    """What tags a run made on a described machine as that machine's (records.on_hardware), so that
+    the next answer about it counts the run; nothing for this machine, whose runs carry its host."""
+    return [f"+logger.tags.hw={rec.hw.name}"] if rec.hw.name != "local" else []
 
 
 MEMORY_BASIS = ("memory/device: counted from the model, not measured: the weights, gradients and optimizer state "
@@ -176,10 +181,14 @@ def compile_lines(rec: Recommendation, best: Prediction, job_overrides: list[str
     """Whether torch.compile pays for the run asked about (trainer.max_epochs), from measured runs."""
     gain = rec.compile_gain
     if gain is None:
-        epochs = "" if rec.epochs is not None and rec.epochs >= 2 else " trainer.max_epochs=3"
-        return [f"torch.compile: no compiled run of {rec.job.model} measured on this hardware, so its gain is not "
-                f"predicted; measure it, and the same without compile.enable: {train_command(rec, best, job_overrides)} "
-                f"compile.enable=true measure.warmup_epochs=1{epochs}"]
+        unmeasured = f"torch.compile: no compiled run of {rec.job.model} measured on this hardware, so its gain is not predicted"
+        if not compilable(best.setup):
+            return [f"{unmeasured}; {best.setup.strategy} with these knobs cannot take compile.enable"]
+        # an epoch to compile in and two to time: the user's own trainer.max_epochs replaced where fewer
+        epochs = [] if rec.epochs is not None and rec.epochs >= 2 else ["trainer.max_epochs=3"]
+        measure = " ".join([train_command(rec, best, [*job_overrides, "compile.enable=true", "measure.warmup_epochs=1",
+                                                     *epochs]), *hw_tag(rec)])
+        return [f"{unmeasured}; measure it, and the same without compile.enable: {measure}"]
     even = gain.break_even_epochs(best.epoch_s)
     line = f"torch.compile: {gain.basis}: "
     if even is None:

@@ -203,7 +203,7 @@ class RecommendTrainerConfig:
     """The job's ``trainer`` values the answer depends on."""
 
     precision: Optional[str] = knob(None, choices=PRECISIONS)  # null: fp32
-    max_epochs: Optional[int] = knob(None, low=-1)  # whether compiling pays for the run
+    max_epochs: Optional[int] = knob(None, low=1)  # the run's epochs: whether compiling pays for it (null: not said)
 
 
 @dataclass

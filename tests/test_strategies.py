@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -464,8 +465,11 @@ def test_an_empty_or_unknown_device_list_is_named_with_a_working_one():
 
 
 def test_pipe_knobs_are_checked():
-    with pytest.raises(ConfigError, match=r"strategy.balance=\[3, 3\] .*summing to alexnet's 22 layers.*strategy.balance=\[10,12\]"):
+    with pytest.raises(ConfigError, match=r"strategy.balance=\[3,3\] .*summing to alexnet's 22 layers.*strategy.balance=\[10,12\]"):
         _plan("strategy=pipe", "strategy.balance=[3,3]")
+    for given in ("5", "abc", "[a,b]", "[true,21]"):  # each named as given, none a traceback
+        with pytest.raises(ConfigError, match=rf"strategy.balance={re.escape(given.replace('true', 'True'))} must give 2 positive"):
+            _plan("strategy=pipe", f"strategy.balance={given}")
     with pytest.raises(ConfigError, match=r"strategy.chunks=64 is larger than the batch of 32"):
         _plan("strategy=pipe", "strategy.chunks=64")
     with pytest.raises(ConfigError, match=r"strategy.schedule=1f1b needs strategy.engine=torch"):
@@ -476,7 +480,7 @@ def test_pipe_knobs_are_checked():
         _plan("strategy=pipe", "strategy.engine=torch", "strategy.schedule=1f1b", "strategy.chunks=1")
     with pytest.raises(ConfigError, match=r"strategy.checkpoint=except_last .*strategy.engine=torch.*always or never"):
         _plan("strategy=pipe", "strategy.engine=torch", "strategy.checkpoint=except_last")
-    with pytest.raises(ConfigError, match=r"strategy.balance=\[10, 12\] must give 4 positive layer counts"):
+    with pytest.raises(ConfigError, match=r"strategy.balance=\[10,12\] must give 4 positive layer counts"):
         _plan("strategy=pipe", "strategy.engine=torch", "strategy.schedule=zero_bubble", "strategy.balance=[10,12]")
     # PyTorch's schedules as the pipelines of a data-parallel job: each pipeline's share is divided.
     with pytest.raises(ConfigError, match=r"strategy.chunks=32 does not divide data.batch_size=32 over 2 pipelines \(16 each\)"):

@@ -9,6 +9,8 @@ import itertools
 import math
 from dataclasses import dataclass
 
+from omegaconf import ListConfig
+
 from ...compiling import EACH_LAYER
 from ...errors import ConfigError
 from ...costmodel.costs import (
@@ -119,14 +121,16 @@ def checked_balance(balance, model, stages: int, per: str) -> list[int] | str:
         return [model.split_index, layers - model.split_index] if stages == 2 else "auto"
     if balance == "auto":
         return balance
-    balance = list(balance)
-    if len(balance) != stages or any(not isinstance(b, int) or b < 1 for b in balance) or sum(balance) != layers:
+    counts = list(balance) if isinstance(balance, (list, tuple, ListConfig)) else None  # a string or number: none
+    if (counts is None or len(counts) != stages
+            or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in counts) or sum(counts) != layers):
         example = f"strategy.balance=[{model.split_index},{layers - model.split_index}], " if stages == 2 else ""
+        shown = balance if counts is None else f"[{','.join(map(str, counts))}]"  # as it was given
         raise ConfigError(
-            f"strategy.balance={balance} must give {stages} positive layer counts ({per}) summing to "
+            f"strategy.balance={shown} must give {stages} positive layer counts ({per}) summing to "
             f"{model.arch}'s {layers} layers, e.g. {example}or strategy.balance=auto to balance by profiled layer time"
         )
-    return balance
+    return counts
 
 
 def default_balance(profile, stages: int, seq=None, micro: int = 1) -> list[int]:

@@ -1299,8 +1299,8 @@ def test_one_question_compares_machines_and_names_the_cheapest_within_the_time(t
     epoch is predicted within max_epoch_s is named with its command."""
     job = ["model=resnet18", "data=firesmall"]
 
-    def answer(*extra):
-        cfg = _compose_recommend("hw=v100_8x", *job, "compare=[a100_sxm4_40gb_8x,h100_1x]", "probe=false", "output=json",
+    def answer(*extra, compare="[a100_sxm4_40gb_8x,h100_1x]"):
+        cfg = _compose_recommend("hw=v100_8x", *job, f"compare={compare}", "probe=false", "output=json",
                                  f"paths.root={tmp_path}", "cpu_allocator=system", *extra)
         capsys.readouterr()
         run_recommend(cfg, tmp_path / "out", CONF_DIR / "hw", job)
@@ -1333,6 +1333,8 @@ def test_one_question_compares_machines_and_names_the_cheapest_within_the_time(t
     assert within["cheapest"]["command"].startswith("python train.py model=resnet18 data=firesmall")
     none = answer("max_epoch_s=0.0001")["comparison"]
     assert none["cheapest"] is None and none["setups_within"] == 0
+    twice = answer(compare="[h100_1x,v100_8x,h100_1x]")
+    assert [m["hw"] for m in [twice, *twice["compared"]]] == ["v100_8x", "h100_1x"], "each machine once, hw= first"
 
 
 @pytest.mark.parametrize("override, key", [

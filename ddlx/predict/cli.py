@@ -173,7 +173,8 @@ def run(composed: DictConfig, out_dir: Path, hw_dir: Path, job_overrides: list[s
         return
     tries, own = check_tries(cfg.candidates)
     batches = Batches(cfg.data.batch_per, tuple(own))
-    others = [hardware(load_hw_file(hw_dir / f"{name}.yaml"), detected_dir) for name in cfg.compare or []]
+    named = dict.fromkeys(name for name in cfg.compare or [] if name != target.name)  # each machine once, hw= first
+    others = [hardware(load_hw_file(hw_dir / f"{name}.yaml"), detected_dir) for name in named]
     recs = []
     for machine in [target, *others]:  # the same question on each machine, the runs and probes of this one shared
         on_it = job if machine is target else dataclasses.replace(job, data_cache=cache_of(job, cfg, machine))

@@ -149,13 +149,14 @@ def test_one_buffer_in_the_models_format(dtype):
 
 
 def _split_net() -> torch.nn.Module:
-    """Output widths that do not divide by 3 ranks: the last rank's block is short."""
+    """Output widths that do not divide by 3 ranks: the last rank's block is short; in-place ReLUs
+    after the split layers, as AlexNet's."""
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.ReLU(), torch.nn.Linear(10, 5), torch.nn.ReLU(),
-                               torch.nn.Linear(5, 3))
+    return torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.ReLU(inplace=True), torch.nn.Linear(10, 5),
+                               torch.nn.ReLU(inplace=True), torch.nn.Linear(5, 3))
 
 
-def _split_rank(rank: int, world: int, port: int, folder: str) -> None:
+def _split_rank(rank: int, world: int, port: int, folder: str, halves: tuple[slice, slice]) -> None:
     import os
 
     import torch.distributed as dist
@@ -175,7 +176,7 @@ def _split_rank(rank: int, world: int, port: int, folder: str) -> None:
         layer.rows = [shared.rows(p) for p in layer.owned_rows()]
     for x, y in _batches(3):
         opt.zero_grad()
-        for half in (slice(0, 6), slice(6, 12)):  # two backward passes, one step: accumulated gradients
+        for half in halves:  # two backward passes, one step: accumulated gradients
             _loss(net, x[half][rank::world], y[half][rank::world]).div(2).backward()
         assert all(p.grad is None for layer in split for p in layer.owned_rows()), "the split rows' leaves take the gradient"
         shared.reduce()
@@ -196,12 +197,12 @@ def _broadcast(name):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("world", [2, 3])
-def test_split_rows_step_as_one_optimizer_on_the_whole_batch(world, tmp_path):
+@pytest.mark.parametrize("world,per_rank", [(2, 3), (3, 2), (2, 1)])
+def test_split_rows_step_as_one_optimizer_on_the_whole_batch(world, per_rank, tmp_path):
     """Each rank computes its block of rows of the split layers for the whole batch and steps
     them, the rest data parallel: the weights and the gathered optimizer state are those of one
     optimizer on the whole batch, with uneven blocks (10 and 5 rows over 3 ranks), two parameter
-    groups and gradients accumulated over two backward passes."""
+    groups, gradients accumulated over two backward passes, and one sample a rank."""
     import socket
 
     import torch.multiprocessing as mp
@@ -209,15 +210,17 @@ def test_split_rows_step_as_one_optimizer_on_the_whole_batch(world, tmp_path):
     reference = _split_net()
     ref_opt = torch.optim.Adam([{"params": list(reference[0].parameters()) + list(reference[4].parameters())},
                                 {"params": list(reference[2].parameters()), "lr": 0.002}], lr=0.01)
+    batch = world * per_rank
+    halves = (slice(0, batch), slice(batch, 2 * batch))
     for x, y in _batches(3):
         ref_opt.zero_grad()
-        for half in (slice(0, 6), slice(6, 12)):
+        for half in halves:
             _loss(reference, x[half], y[half]).div(2).backward()
         ref_opt.step()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_split_rank, args=(world, port, str(tmp_path)), nprocs=world)
+    mp.spawn(_split_rank, args=(world, port, str(tmp_path), halves), nprocs=world)
     saved = torch.load(tmp_path / "rank0.pt", weights_only=False)
     for key, want in reference.state_dict().items():
         torch.testing.assert_close(saved["weights"][key], want, rtol=1e-5, atol=1e-6, msg=key)

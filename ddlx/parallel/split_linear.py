@@ -125,7 +125,11 @@ class _RowsToSamples(torch.autograd.Function):
         out = torch.empty_like(y)
         _all_to_all(out, y, group=group)  # sent chunk j: rank j's samples; received chunk j: rank j's block
         b = y.shape[0] // world
-        return out.reshape(world, b, -1).transpose(0, 1).reshape(b, -1)
+        # a tensor of its own, not a view of ``out``: with one sample a rank the reshape would be
+        # one, and the next layer's in-place ReLU may not modify a view made inside a Function
+        samples = y.new_empty((b, y.numel() // b))
+        samples.view(b, world, -1).copy_(out.view(world, b, -1).transpose(0, 1))
+        return samples
 
     @staticmethod
     def backward(ctx, grad):

@@ -1,6 +1,6 @@
 """Speedup report from the MLflow runs: ``python -m ddlx.report [--sweep-id latest] [...]``.
 
-Prints the table, writes ``speedup.md``, ``speedup.csv`` and ``speedup.png`` under ``--out``
+Prints the table, writes ``speedup.md``, ``speedup.csv`` and ``speedup.png`` (where a row has a speedup) under ``--out``
 and logs them as one run of the MLflow experiment ``reports``; for a sweep, also the link that
 shows its runs side by side in the MLflow UI.
 """
@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     print(report.to_text(built))
     files = report.write(built, out)
     print(f"\nwrote {', '.join(str(f) for f in files)}")
+    if not any(f.suffix == ".png" for f in files):
+        print("no speedup.png: no counted run has a speedup (a setup's speedup needs the one-device run of its "
+              "workload, counted too); the notes above say which runs were left out and why")
     if args.sweep_id is not None:
         compare = compare_page(experiment_ids(args.tracking_uri, experiments), [r.run_id for r in runs])
         print(f"the sweep's {len(runs)} runs side by side: {open_command(args.tracking_uri, compare)}")

@@ -176,6 +176,20 @@ def test_csv_and_plot(store, tmp_path):
     assert png.read_bytes()[:4] == b"\x89PNG" and md.read_text().startswith("| use case |")
 
 
+def test_no_chart_is_drawn_when_no_row_has_a_speedup(store, tmp_path, capsys):
+    """The vgg16 workload has no one-core baseline: its table says so, an empty chart would not."""
+    import warnings
+
+    built = report.build_report([r for r in load_runs(store, ["ddlx"], "multirun/a") if r.workload.model == "vgg16"])
+    assert built.rows and all(r.speedup is None for r in built.rows)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # matplotlib's warning on the empty chart's axis
+        files = report.write(built, tmp_path / "out")
+    assert [f.name for f in files] == ["speedup.md", "speedup.csv"] and not (tmp_path / "out" / "speedup.png").exists()
+    assert cli.main(["--tracking-uri", store, "--out", str(tmp_path / "all"), "--no-log"]) == 0
+    assert "no speedup.png" not in capsys.readouterr().out, "where rows have speedups, the chart is drawn"
+
+
 def test_command_line_prints_writes_and_logs_the_report(store, tmp_path, capsys):
     assert cli.main(["--tracking-uri", store, "--sweep-id", "multirun/a", "--out", str(tmp_path / "rep")]) == 0
     out = capsys.readouterr().out

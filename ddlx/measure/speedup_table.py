@@ -209,9 +209,12 @@ def plot(report: Report, path: Path) -> Path:
 
 
 def write(report: Report, out_dir: Path) -> list[Path]:
+    """The table as Markdown and CSV, and the chart where a row has a speedup to draw (an empty
+    chart says less than the notes do)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    files = [out_dir / "speedup.md", out_dir / "speedup.csv", out_dir / "speedup.png"]
+    files = [out_dir / "speedup.md", out_dir / "speedup.csv"]
     files[0].write_text(to_markdown(report))
     files[1].write_text(to_csv(report))
-    plot(report, files[2])
+    if any(r.speedup is not None for r in report.rows):
+        files.append(plot(report, out_dir / "speedup.png"))
     return files

@@ -1046,6 +1046,12 @@ def test_gpu_predictions_are_bound_by_the_data_loaders():
     serial = Predictor(gpu, [], loading=loading).recommend(Job("alexnet", "firesmall", 3, 3, 64, 32, 320), [one])
     assert serial.sequential.load_per_sample_s == 0.005 and "data.num_workers=0" in serial.sequential.basis
     assert serial.predictions[0].epoch_s == pytest.approx(unbound.predictions[0].epoch_s + 320 * 0.005)
+    assert serial.predictions[0].loading_fix is None, "8 cores cannot load 32 samples in a step's time"
+    serial = Predictor(replace(gpu, cores_per_node=64), [], loading=loading).recommend(
+        Job("alexnet", "firesmall", 3, 3, 64, 32, 320), [one])
+    assert serial.predictions[0].loading_fix == (workers, pytest.approx(epoch_s)), "the same workers hide it"
+    text = recommendation_table(serial, "no runs", 0.0, 0.05, [])
+    assert "(data.num_workers=0); with data.num_workers=" in text and f"data.num_workers={workers} would" in text
 
     cpu_rec = Predictor(_hw(), [], loading=lambda j: pytest.fail("CPU targets time the loading in T_seq")).recommend(job, SETUPS[:1])
     assert "bound by data loading" not in cpu_rec.predictions[0].basis

@@ -264,17 +264,26 @@ class Predictor:
             group = calibration_group(setup)
             theirs = batches.job_of(job, setup.strategy, training_processes(setup))
             their_seq = seq if theirs == job else self._sequential_with_loading(theirs, runs)
-            cost = model_cost(setup, theirs, self.hw, profile, their_seq)
-            if group == BASELINE:
-                batch_s, how = cost.total_s, ""
-            elif group in calibrations:
-                calibration = calibrations[group]
-                batch_s, how = calibration.apply(cost, theirs), "; " + calibration.describe(source, theirs)
-            else:
-                batch_s = cost.total_s
-                how = f"; model uncalibrated (no measured {group} run on {self.hw.device_kind} hardware)"
+
+            def timed(their_seq: SequentialTime) -> tuple[float, str]:
+                cost = model_cost(setup, theirs, self.hw, profile, their_seq)
+                if group == BASELINE:
+                    return cost.total_s, ""
+                if group in calibrations:
+                    calibration = calibrations[group]
+                    return calibration.apply(cost, theirs), "; " + calibration.describe(source, theirs)
+                return cost.total_s, f"; model uncalibrated (no measured {group} run on {self.hw.device_kind} hardware)"
+
+            batch_s, how = timed(their_seq)
             bound = loader_bound_s(setup, theirs, self.hw, load_core) if load_core is not None else 0.0
             loading_fix = None
+            if self.hw.device_kind == "gpu" and theirs.num_workers == 0 and their_seq.load_per_sample_s > 0:
+                # the training process loads its own data between steps: the workers that would hide it
+                hidden_s, _ = timed(replace(their_seq, load_per_sample_s=0.0))
+                enough = workers_to_keep_up(setup, theirs, self.hw, their_seq.load_per_sample_s, hidden_s)
+                if enough is not None:
+                    loading_fix = (enough, hidden_s * theirs.steps)
+                    how += f"; data.num_workers={enough} would load beside the steps"
             if bound > batch_s:
                 enough = workers_to_keep_up(setup, theirs, self.hw, load_core, batch_s)
                 fix = (f"data.num_workers={enough} would" if enough is not None else

@@ -141,8 +141,9 @@ def recommendation_table(rec: Recommendation, note: str, elapsed: float, close_c
         lines.append(f"  {recommended_command(rec, best, job_overrides)}")
         if best.loading_fix is not None:
             workers, epoch_s = best.loading_fix
-            lines.append(f"  its loaders cannot keep up at data.num_workers={rec.job.num_workers}; with data.num_workers="
-                         f"{workers} it would take {figure(epoch_s, best.calibrated)} s/epoch:")
+            why = ("it loads its data in the training process, between steps (data.num_workers=0)" if rec.job.num_workers == 0
+                   else f"its loaders cannot keep up at data.num_workers={rec.job.num_workers}")
+            lines.append(f"  {why}; with data.num_workers={workers} it would take {figure(epoch_s, best.calibrated)} s/epoch:")
             lines.append(f"  {loading_fix_command(rec, best, job_overrides)}")
         lines += compile_lines(rec, best, job_overrides)
         if not best.calibrated:

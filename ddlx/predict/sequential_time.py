@@ -74,8 +74,22 @@ def from_runs(job: Job, hw: HardwareSpec, runs: Sequence[MeasuredRun], profile: 
     per_sample = statistics.median(
         (measured_per_batch_s(r) - weights) / int(r.params["data.batch_size"]) for r in chosen
     ) - load
+    if hw.device_kind == "gpu":
+        # A GPU step's data wait is the host's loading, which the job's own data.num_workers decides:
+        # a wait measured with loaders beside the steps is not the job's loading between steps
+        # (data.num_workers=0), nor the reverse. Each run's step without its wait; the job's
+        # loading only from runs that loaded as it will (else the loading is timed here).
+        per_sample = statistics.median(
+            (measured_per_batch_s(r) - weights) / int(r.params["data.batch_size"]) - _load_per_sample_s(r) for r in chosen)
+        load = statistics.median(_load_per_sample_s(r) if _loads_between_steps(r) == (job.num_workers == 0) else 0.0
+                                 for r in chosen)
     what = "same batch" if same_batch else f"batch {chosen[0].params['data.batch_size']}, scaled per sample"
     return SequentialTime(max(per_sample, 1e-9), weights, f"measured ({len(chosen)} run{'s' * (len(chosen) > 1)}, {what})", load)
+
+
+def _loads_between_steps(run: MeasuredRun) -> bool:
+    """The run loaded its data in the training process (data.num_workers=0)."""
+    return int(run.params.get("data.num_workers") or 0) == 0
 
 
 def _load_per_sample_s(run: MeasuredRun) -> float:

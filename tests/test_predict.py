@@ -763,8 +763,9 @@ def test_recommend_py_answers_as_json_with_no_runs(tmp_path):
     answer = json.loads(proc.stdout)
     rec = answer["recommended"]
     gpus = "" if "trainer=gpu" in rec["overrides"] else "trainer=gpu "
-    assert rec["command"] == f"python train.py model=vgg16 data=firesmall data.image_size=128 {gpus}{rec['overrides']}", \
-        "the command trains the job asked about, at its image size, on the GPUs"
+    assert rec["command"] == (f"python train.py model=vgg16 data=firesmall data.image_size=128 {gpus}{rec['overrides']} "
+                              f"+logger.tags.hw=titanrtx_4x"), \
+        "the command trains the job asked about, at its image size, on the GPUs, tagged as that machine's run"
     assert answer["hw"] == "titanrtx_4x" and answer["runs"].startswith("no MLflow store")
     assert answer["allocator_advice"] is None, "GPUs: CUDA's caching allocator keeps freed blocks"
     setups = {p["strategy"] for p in answer["predictions"]}
@@ -918,7 +919,8 @@ def test_recommend_py_reproduces_the_thesis_out_of_memory_case(tmp_path, capsys)
     assert recomputed["fits"] and recomputed["global_batch"] == 128
     best = answer["recommended"]
     assert best["fits"] and best["predicted_epoch_s"] <= gpipe["predicted_epoch_s"]
-    assert best["command"].endswith("data=highres trainer=gpu " + best["overrides"]), "the thesis job, on the GPUs"
+    assert best["command"].endswith(f"data=highres trainer=gpu {best['overrides']} +logger.tags.hw=titanrtx_4x"), \
+        "the thesis job, on the GPUs, tagged as that machine's run"
     over = answer["speedup_over"]
     assert over != "one device" and by_setup[over]["fits"] and by_setup[over]["speedup"] == 1.0, \
         "one GPU cannot hold it: the speedups are over the fitting setup of the fewest processes"
@@ -1055,6 +1057,28 @@ def test_gpu_predictions_are_bound_by_the_data_loaders():
 
     cpu_rec = Predictor(_hw(), [], loading=lambda j: pytest.fail("CPU targets time the loading in T_seq")).recommend(job, SETUPS[:1])
     assert "bound by data loading" not in cpu_rec.predictions[0].basis
+
+
+def test_a_gpu_runs_data_wait_is_the_jobs_loading_only_where_it_loaded_as_the_job_does():
+    """A GPU baseline run with data.num_workers=0 waited 1.6 of its 2.0 s for data: a job with
+    workers predicts the step without that wait (its own loaders bound it apart), and the answer
+    for workers=0 gives the workers that hide the wait and the epoch that the job with them is
+    predicted to take."""
+    gpu = _hw(device_kind="gpu", devices_per_node=4, cores_per_node=64, peak_tflops=100.0, memory_per_device_gb=24,
+              memory_bandwidth_gb_s=1000.0, intra_node=LinkSpec(10000.0, 1.0))
+    one = STRATEGIES["sequential"].setup(trainer="gpu")
+    run = _run("r1", one, {**_workload_params("alexnet", 64), "data.num_workers": "0"}, 2.0)
+    run.metrics["data_wait_s"] = 1.6
+
+    def predicted(workers: int):
+        job = Job("alexnet", "firesmall", 3, 3, 64, 32, 320, num_workers=workers)
+        return Predictor(gpu, [run], loading=lambda j: lambda: 0.005).recommend(job, [one]).predictions[0]
+
+    serial = predicted(0)
+    assert serial.epoch_s == pytest.approx(2.0), "as measured, loading between steps"
+    workers, epoch_s = serial.loading_fix
+    assert epoch_s == pytest.approx(0.4) and predicted(workers).epoch_s == pytest.approx(epoch_s)
+    assert predicted(workers).loading_fix is None
 
 
 def test_a_held_out_workload_is_probed_with_its_own_runs_data(tiny_config):
@@ -1411,6 +1435,15 @@ def test_compiling_is_recommended_only_where_it_pays_for_the_epochs_asked():
     split = replace(best, setup=STRATEGIES["hybrid"].setup(processes=2, local="split"))
     assert compile_lines(rec, split, [])[0].endswith("hybrid with these knobs cannot take compile.enable"), \
         "no command train.py would refuse"
+
+    # Loader-bound: compiling pays for the starved epoch, not for the one with the loading hidden.
+    rec.compile_gain, rec.epochs = measured_gain(runs, job, hw, best.setup.label), int(even) + 1
+    starved = replace(best, loading_fix=(4, best.epoch_s / 10))
+    rec.predictions = [starved if p is best else p for p in rec.predictions]
+    answer = recommendation_dict(rec, "", 0.0, 0.05, [])["recommended"]
+    assert answer["command"].endswith("compile.enable=true")
+    assert "data.num_workers=4" in answer["command_with_loading_fix"]
+    assert "compile.enable" not in answer["command_with_loading_fix"], "at a tenth of the epoch it would not pay"
 
 
 def test_the_compile_cost_is_what_runs_that_compiled_their_graphs_paid():

@@ -15,7 +15,8 @@ from .setups import overrides
 def train_command(rec: Recommendation, prediction: Prediction, job_overrides: list[str]) -> str:
     """The train.py command that runs ``prediction``'s setup on the job: model and data, the
     user's own model/data overrides (the later of two for one key wins, as in Hydra), the setup,
-    on a GPU machine its GPUs, started by the setup's launcher where one starts its ranks."""
+    on a GPU machine its GPUs, started by the setup's launcher where one starts its ranks; on a
+    described machine tagged as its run, so that the next answer about that machine counts it."""
     parts = {"model": f"model={rec.job.model}", "data": f"data={rec.job.data}"}
     for override in job_overrides:
         parts[override.split("=")[0]] = override
@@ -24,7 +25,8 @@ def train_command(rec: Recommendation, prediction: Prediction, job_overrides: li
     if rec.hw.device_kind != "cpu" and "trainer" not in dict(prediction.setup.knobs):
         parts["trainer"] = "trainer=gpu"  # fsdp, mpi and hybrid would train on the CPU under the default trainer
     launcher = spec_of(prediction.setup.strategy).launcher(prediction.setup, rec.hw)
-    return " ".join([*([launcher] if launcher else []), "python train.py", *parts.values(), overrides(prediction.setup)])
+    return " ".join([*([launcher] if launcher else []), "python train.py", *parts.values(), overrides(prediction.setup),
+                     *hw_tag(rec)])
 
 
 def figure(value: float, calibrated: bool) -> str:
@@ -43,7 +45,7 @@ def calibration_commands(rec: Recommendation, prediction: Prediction, job_overri
     itself, tagged with the hardware's name when it is not this machine."""
     baseline = rec.reference or next((p for p in rec.predictions if p.setup.strategy == BASELINE), None)
     chosen = [p for p in (baseline, prediction) if p is not None and p.memory.fits]  # never a run that cannot be made
-    return list(dict.fromkeys(" ".join([train_command(rec, p, job_overrides), *hw_tag(rec)]) for p in chosen))
+    return list(dict.fromkeys(train_command(rec, p, job_overrides) for p in chosen))
 
 
 def hw_tag(rec: Recommendation) -> list[str]:
@@ -175,7 +177,10 @@ def loading_fix_command(rec: Recommendation, best: Prediction, job_overrides: li
     """The recommended command with the data.num_workers its loaders need to keep up (None: it keeps up)."""
     if best.loading_fix is None:
         return None
-    return recommended_command(rec, best, [*job_overrides, f"data.num_workers={best.loading_fix[0]}"])
+    workers, epoch_s = best.loading_fix
+    gain = rec.compile_gain  # whether compiling pays, for the epoch with the loading hidden
+    pays = gain is not None and gain.pays(epoch_s, rec.epochs) and compilable(best.setup)
+    return train_command(rec, best, [*job_overrides, f"data.num_workers={workers}"]) + (" compile.enable=true" if pays else "")
 
 
 def compile_lines(rec: Recommendation, best: Prediction, job_overrides: list[str]) -> list[str]:
@@ -185,10 +190,12 @@ def compile_lines(rec: Recommendation, best: Prediction, job_overrides: list[str
         unmeasured = f"torch.compile: no compiled run of {rec.job.model} measured on this hardware, so its gain is not predicted"
         if not compilable(best.setup):
             return [f"{unmeasured}; {best.setup.strategy} with these knobs cannot take compile.enable"]
-        # an epoch to compile in and two to time: the user's own trainer.max_epochs replaced where fewer
+        # an epoch to compile in and at least one to time: the user's trainer.max_epochs replaced where fewer
         epochs = [] if rec.epochs is not None and rec.epochs >= 2 else ["trainer.max_epochs=3"]
-        measure = " ".join([train_command(rec, best, [*job_overrides, "compile.enable=true", "measure.warmup_epochs=1",
-                                                     *epochs]), *hw_tag(rec)])
+        # with the loaders that keep up: a pair of loader-bound runs would measure no gain
+        workers = [f"data.num_workers={best.loading_fix[0]}"] if best.loading_fix else []
+        measure = train_command(rec, best, [*job_overrides, *workers, "compile.enable=true", "measure.warmup_epochs=1",
+                                            *epochs])
         return [f"{unmeasured}; measure it, and the same without compile.enable: {measure}"]
     even = gain.break_even_epochs(best.epoch_s)
     line = f"torch.compile: {gain.basis}: "
@@ -248,15 +255,26 @@ def comparison_lines(recs: list[Recommendation], comparison: MachineComparison, 
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
     if comparison.fastest is not None:
         lines.append(f"fastest: {_choice_line(comparison.fastest)}")
-        lines.append(f"  {train_command(comparison.fastest.rec, comparison.fastest.prediction, job_overrides)}")
+        lines += _choice_commands(comparison.fastest, job_overrides)
     limit = f" within max_epoch_s={comparison.max_epoch_s:g}" if comparison.max_epoch_s is not None else ""
     if comparison.cheapest is not None:
         lines.append(f"cheapest{limit}: {_choice_line(comparison.cheapest)}")
-        lines.append(f"  {train_command(comparison.cheapest.rec, comparison.cheapest.prediction, job_overrides)}")
+        lines += _choice_commands(comparison.cheapest, job_overrides)
     elif comparison.within == 0:
         lines.append(f"no setup that fits is predicted{limit}; the fastest is above")
     elif comparison.priced or limit:
         lines.append(f"cheapest{limit}: no machine that meets it gives a price (hw.price_per_device_hour)")
+    return lines
+
+
+def _choice_commands(choice: Choice, job_overrides: list[str]) -> list[str]:
+    """A machine's chosen setup's command, and where its loading bounds it, the one with the workers that would not."""
+    p = choice.prediction
+    lines = [f"  {train_command(choice.rec, p, job_overrides)}"]
+    if p.loading_fix is not None:
+        workers, epoch_s = p.loading_fix
+        lines.append(f"  its loading bounds it; with data.num_workers={workers} it would take {figure(epoch_s, p.calibrated)} s/epoch:")
+        lines.append(f"  {train_command(choice.rec, p, [*job_overrides, f'data.num_workers={workers}'])}")
     return lines
 
 
@@ -267,7 +285,8 @@ def comparison_dict(comparison: MachineComparison, job_overrides: list[str]) -> 
         return {"hw": choice.rec.hw.name, "setup": choice.prediction.setup.label, "devices": choice.devices,
                 "predicted_epoch_s": round(choice.prediction.epoch_s, 4),
                 "epoch_cost": None if choice.epoch_cost is None else float(f"{choice.epoch_cost:.6g}"),
-                "command": train_command(choice.rec, choice.prediction, job_overrides)}
+                "command": train_command(choice.rec, choice.prediction, job_overrides),
+                "loading_fix": choice.prediction.as_dict()["loading_fix"]}
 
     return {"max_epoch_s": comparison.max_epoch_s, "fastest": one(comparison.fastest),
             "cheapest": one(comparison.cheapest), "setups_within": comparison.within}

@@ -186,6 +186,10 @@ def test_no_chart_is_drawn_when_no_row_has_a_speedup(store, tmp_path, capsys):
         warnings.simplefilter("error")  # matplotlib's warning on the empty chart's axis
         files = report.write(built, tmp_path / "out")
     assert [f.name for f in files] == ["speedup.md", "speedup.csv"] and not (tmp_path / "out" / "speedup.png").exists()
+    report.write(report.build_report(load_runs(store, ["ddlx"], "multirun/a")), tmp_path / "again")
+    assert (tmp_path / "again" / "speedup.png").exists()
+    report.write(built, tmp_path / "again")
+    assert not (tmp_path / "again" / "speedup.png").exists(), "an earlier report's chart is not left beside this one's table"
     assert cli.main(["--tracking-uri", store, "--out", str(tmp_path / "all"), "--no-log"]) == 0
     assert "no speedup.png" not in capsys.readouterr().out, "where rows have speedups, the chart is drawn"
 

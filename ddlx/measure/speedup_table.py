@@ -215,6 +215,9 @@ def write(report: Report, out_dir: Path) -> list[Path]:
     files = [out_dir / "speedup.md", out_dir / "speedup.csv"]
     files[0].write_text(to_markdown(report))
     files[1].write_text(to_csv(report))
+    chart = out_dir / "speedup.png"
     if any(r.speedup is not None for r in report.rows):
-        files.append(plot(report, out_dir / "speedup.png"))
+        files.append(plot(report, chart))
+    else:
+        chart.unlink(missing_ok=True)  # an earlier report's chart in the same folder would not be this one's
     return files

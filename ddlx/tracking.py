@@ -36,8 +36,15 @@ def use_case(model: str, data: str) -> str | None:
 
 
 def sqlite_path(tracking_uri: str) -> Path | None:
-    """The database file of an SQLite store (``sqlite:///PATH``), None for other stores."""
-    return Path(tracking_uri[len("sqlite:///"):]) if tracking_uri.startswith("sqlite:///") else None
+    """The database file of an SQLite store (``sqlite:///PATH``, SQLAlchemy's options after it, as in
+    ``?timeout=30``, left out), None for other stores."""
+    if not tracking_uri.startswith("sqlite:///"):
+        return None
+    path, mark, options = tracking_uri[len("sqlite:///"):].partition("?")
+    return Path(path if mark and SQLALCHEMY_OPTIONS.fullmatch(options) else path + mark + options)
+
+
+SQLALCHEMY_OPTIONS = re.compile(r"[\w.]+=[^&/=]*(&[\w.]+=[^&/=]*)*")  # key=value&key=value
 
 
 def store_exists(tracking_uri: str) -> bool:
@@ -86,7 +93,7 @@ def check_tracking_uri(uri: str, timeout_s: float = 5.0, setting: str = "logger.
     elif (path := sqlite_path(uri)) is not None:
         if marks := [meaning for mark, meaning in URL_MARKS.items() if mark in str(path)]:
             raise StoreError(f"{setting}={uri}: in the database URL MLflow opens, {' and '.join(marks)}, so it "
-                             f"would open another file; choose a folder without ? or % (the default store is "
+                             f"would open another file; choose a path without ? or % (the default store is "
                              f"paths.root/mlflow.db)")
         folder = path.parent  # Path("mlflow.db").parent is Path(".")
         if not folder.is_dir():

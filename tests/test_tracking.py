@@ -61,6 +61,15 @@ def test_an_sqlite_path_that_the_database_url_would_misread_is_refused(tmp_path,
         check_tracking_uri(f"sqlite:///{tmp_path / folder / 'mlflow.db'}")
 
 
+def test_sqlalchemy_options_after_an_sqlite_path_are_not_part_of_it(tmp_path):
+    from ddlx.tracking import sqlite_path
+
+    assert sqlite_path(f"sqlite:///{tmp_path}/m.db?timeout=30&uri=true") == tmp_path / "m.db"
+    check_tracking_uri(f"sqlite:///{tmp_path}/m.db?timeout=30")
+    with pytest.raises(ConfigError, match=r"'\?' starts the URL's options"):
+        check_tracking_uri(f"sqlite:///{tmp_path}/m.db?")  # nothing SQLAlchemy would take as options
+
+
 def test_an_existing_store_in_a_folder_with_a_hash_is_taken(tmp_path):
     store = tmp_path / "runs#1" / "mlflow.db"  # '#' would end a file: URI's path: the file read is runs
     store.parent.mkdir()

@@ -34,6 +34,14 @@ class Job:
         return self.train_samples / self.batch_size
 
 
+def split_too_small(train: int, images: int, val_fraction: float, batch_size: int) -> str | None:
+    """Why a training split of ``train`` images cannot give one batch of ``batch_size`` (None: it can)."""
+    if train >= batch_size:
+        return None
+    return (f"the training split has {train} images ({images} images, data.val_fraction={val_fraction}) but "
+            f"data.batch_size={batch_size}: lower data.batch_size or raise data.num_images")
+
+
 BATCH_PER = ("global", "worker")
 # What speedups are over: the sequential strategy, on one core of a CPU (threads=1) or one GPU.
 BASELINE = "sequential"

@@ -16,7 +16,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampl
 
 from ..allocator import release_free_heap
 from ..errors import ConfigError
-from ..job import batch_split_problems
+from ..job import batch_split_problems, split_too_small
 from .folder import scan_imagefolder
 from .synthetic import SyntheticSpec, ensure_synthetic_imagefolder
 from .cache import keep_decoded
@@ -290,12 +290,8 @@ class ImageFolderDataModule(pl.LightningDataModule):
         if self.data.val_fraction > 0:
             n_val = max(1, n_val)
         train, val = chosen[n_val:], chosen[:n_val]
-        if len(train) < self.batch_size:
-            raise ConfigError(
-                f"the training split has {len(train)} images ({len(chosen)} images, data.val_fraction="
-                f"{self.data.val_fraction}) but data.batch_size={self.batch_size}: lower data.batch_size or "
-                f"raise data.num_images"
-            )
+        if problem := split_too_small(len(train), len(chosen), self.data.val_fraction, self.batch_size):
+            raise ConfigError(problem)
         mode = "L" if self.data.channels == 1 else "RGB"
         transform = build_transform(self.data.image_size, self.mean, self.std)
         self.train_set = ImageFileDataset(train, transform, mode, flip_seed=self.data.seed if self.data.random_flip else None)

@@ -15,7 +15,7 @@ from ..config import DataConfig, RecommendConfig
 from ..config_check import check_recommend_job, typed_recommend_config
 from ..data.folder import complete_data_config
 from ..errors import ConfigError
-from ..job import Batches, Job, cache_outcome
+from ..job import Batches, Job, cache_outcome, split_too_small
 from ..models import check_request
 from ..records import left_out
 from ..strategies import BASELINE
@@ -86,6 +86,8 @@ def job_from_config(cfg: RecommendConfig) -> Job:
             raise ConfigError("data.num_images=null needs data.root to count the images; give data.num_images=N")
         count = len(folder.samples)
     train = count - round(count * data.val_fraction)
+    if problem := split_too_small(train, count, data.val_fraction, data.batch_size):  # as train.py would refuse it
+        raise ConfigError(problem)
     check_request(cfg.model.name, data.num_classes, data.channels, data.image_size)
     return Job(cfg.model.name, data.name, data.num_classes, data.channels, data.image_size, data.batch_size, train,
                data.num_workers, cfg.cpu_allocator, numerics_of(cfg.trainer.precision).precision)

@@ -1060,6 +1060,17 @@ def test_gpu_predictions_are_bound_by_the_data_loaders():
     assert "bound by data loading" not in cpu_rec.predictions[0].basis
 
 
+def test_the_one_core_baseline_is_calibrated_even_where_more_threads_are_fastest():
+    """On a CPU, sequential threads=2 is no baseline: the calibrate commands run threads=1 and the
+    recommended setup, and speedups are over one core."""
+    from ddlx.predict.render import calibration_commands, speedup_over
+
+    rec = Predictor(_hw(name="local"), []).recommend(JOB, [STRATEGIES["sequential"].setup(threads=t) for t in (1, 2)])
+    assert rec.best.setup.threads == 2 and rec.reference.setup.threads == 1 and speedup_over(rec) == "one device"
+    commands = calibration_commands(rec, rec.best, [])
+    assert [c.split("strategy=sequential")[1].strip() for c in commands] == ["strategy.threads=1", "strategy.threads=2"]
+
+
 def test_a_gpu_runs_data_wait_is_the_jobs_loading_only_where_it_loaded_as_the_job_does():
     """A GPU baseline run with data.num_workers=0 waited 1.6 of its 2.0 s for data: a job with
     workers predicts the step without that wait (its own loaders bound it apart), and the answer

@@ -301,7 +301,7 @@ class Predictor:
                                           (f"data.batch_size={stated}",) if stated else (), loading_fix))
         predictions.sort(key=lambda p: (not p.memory.fits, p.epoch_s))
         reference = speedup_reference(predictions)
-        if reference is not None and reference.setup.strategy != BASELINE:
+        if reference is not None and not is_baseline(reference.setup):
             for p in predictions:
                 p.speedup = reference.epoch_s / p.epoch_s
         return Recommendation(job, self.hw, seq, predictions, len(runs), batches=batches, reference=reference,
@@ -339,10 +339,15 @@ def compilable(setup: Setup) -> bool:
     return True
 
 
+def is_baseline(setup: Setup) -> bool:
+    """The one-device setup speedups are over: one GPU, or one core (``sequential threads=2`` is not)."""
+    return calibration_group(setup) == BASELINE
+
+
 def speedup_reference(predictions: list[Prediction]) -> Prediction | None:
     """The one-device setup, or when it does not fit, the fitting setup of the fewest training
     processes (the fastest of those); None when nothing fits."""
-    one = next((p for p in predictions if p.setup.strategy == BASELINE), None)
+    one = next((p for p in predictions if is_baseline(p.setup)), None)
     if one is not None and one.memory.fits:
         return one
     fitting = [p for p in predictions if p.memory.fits]

@@ -6,9 +6,9 @@ import math
 from pathlib import Path
 
 from ..allocator import KEEP_FREED
-from ..strategies import BASELINE, spec_of
+from ..strategies import spec_of
 from .machines import Choice, MachineComparison
-from .prediction import Prediction, Recommendation, allocator_advice, compilable
+from .prediction import Prediction, Recommendation, allocator_advice, compilable, is_baseline
 from .setups import overrides
 
 
@@ -43,7 +43,7 @@ def figure(value: float, calibrated: bool) -> str:
 def calibration_commands(rec: Recommendation, prediction: Prediction, job_overrides: list[str]) -> list[str]:
     """What to run on the target to calibrate an estimate: its one-device baseline and the setup
     itself, tagged with the hardware's name when it is not this machine."""
-    baseline = rec.reference or next((p for p in rec.predictions if p.setup.strategy == BASELINE), None)
+    baseline = rec.reference or next((p for p in rec.predictions if is_baseline(p.setup)), None)
     chosen = [p for p in (baseline, prediction) if p is not None and p.memory.fits]  # never a run that cannot be made
     return list(dict.fromkeys(train_command(rec, p, job_overrides) for p in chosen))
 
@@ -295,7 +295,7 @@ def comparison_dict(comparison: MachineComparison, job_overrides: list[str]) -> 
 def speedup_over(rec: Recommendation) -> str:
     """What the speedups are over, in words: one device, or the setup that stands for it."""
     reference = rec.reference
-    return "one device" if reference is None or reference.setup.strategy == BASELINE else reference.setup.label
+    return "one device" if reference is None or is_baseline(reference.setup) else reference.setup.label
 
 
 def _headline_basis(rec: Recommendation, best: Prediction) -> str:

@@ -31,6 +31,7 @@ from .setups import (
     Setup,
     calibration_group,
     candidates,
+    is_baseline,
     loader_bound_s,
     memory_need,
     model_cost,
@@ -78,9 +79,14 @@ class Prediction:
             "basis": self.basis,
             "basis_kind": self.basis_kind,
             "global_batch": self.batch_size,
-            "loading_fix": None if self.loading_fix is None else {
-                "num_workers": self.loading_fix[0], "predicted_epoch_s": round(self.loading_fix[1], 4)},
+            "loading_fix": self.loading_fix_dict,
         }
+
+    @property
+    def loading_fix_dict(self) -> dict | None:
+        if self.loading_fix is None:
+            return None
+        return {"num_workers": self.loading_fix[0], "predicted_epoch_s": round(self.loading_fix[1], 4)}
 
 
 @dataclass
@@ -337,11 +343,6 @@ def compilable(setup: Setup) -> bool:
     except ConfigError:
         return False
     return True
-
-
-def is_baseline(setup: Setup) -> bool:
-    """The one-device setup speedups are over: one GPU, or one core (``sequential threads=2`` is not)."""
-    return calibration_group(setup) == BASELINE
 
 
 def speedup_reference(predictions: list[Prediction]) -> Prediction | None:

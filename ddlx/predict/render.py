@@ -8,8 +8,8 @@ from pathlib import Path
 from ..allocator import KEEP_FREED
 from ..strategies import spec_of
 from .machines import Choice, MachineComparison
-from .prediction import Prediction, Recommendation, allocator_advice, compilable, is_baseline
-from .setups import overrides
+from .prediction import Prediction, Recommendation, allocator_advice, compilable
+from .setups import is_baseline, overrides
 
 
 def train_command(rec: Recommendation, prediction: Prediction, job_overrides: list[str]) -> str:
@@ -142,11 +142,7 @@ def recommendation_table(rec: Recommendation, note: str, elapsed: float, close_c
                      f"{figure(best.speedup, best.calibrated)}x {over} ({_headline_basis(rec, best)})")
         lines.append(f"  {recommended_command(rec, best, job_overrides)}")
         if best.loading_fix is not None:
-            workers, epoch_s = best.loading_fix
-            why = ("it loads its data in the training process, between steps (data.num_workers=0)" if rec.job.num_workers == 0
-                   else f"its loaders cannot keep up at data.num_workers={rec.job.num_workers}")
-            lines.append(f"  {why}; with data.num_workers={workers} it would take {figure(epoch_s, best.calibrated)} s/epoch:")
-            lines.append(f"  {loading_fix_command(rec, best, job_overrides)}")
+            lines += loading_fix_lines(rec, best, loading_fix_command(rec, best, job_overrides))
         lines += compile_lines(rec, best, job_overrides)
         if not best.calibrated:
             lines.append("  an estimate until runs on this hardware calibrate it; run these there, then ask again:")
@@ -173,14 +169,28 @@ def recommended_command(rec: Recommendation, best: Prediction, job_overrides: li
     return train_command(rec, best, job_overrides) + (" compile.enable=true" if rec.compile_pays else "")
 
 
+def with_loading_fix(prediction: Prediction, job_overrides: list[str]) -> list[str]:
+    """``job_overrides`` and the data.num_workers with which ``prediction``'s loaders keep up, if it names one."""
+    fix = prediction.loading_fix
+    return [*job_overrides, f"data.num_workers={fix[0]}"] if fix is not None else job_overrides
+
+
 def loading_fix_command(rec: Recommendation, best: Prediction, job_overrides: list[str]) -> str | None:
     """The recommended command with the data.num_workers its loaders need to keep up (None: it keeps up)."""
     if best.loading_fix is None:
         return None
-    workers, epoch_s = best.loading_fix
     gain = rec.compile_gain  # whether compiling pays, for the epoch with the loading hidden
-    pays = gain is not None and gain.pays(epoch_s, rec.epochs) and compilable(best.setup)
-    return train_command(rec, best, [*job_overrides, f"data.num_workers={workers}"]) + (" compile.enable=true" if pays else "")
+    pays = gain is not None and gain.pays(best.loading_fix[1], rec.epochs) and compilable(best.setup)
+    return train_command(rec, best, with_loading_fix(best, job_overrides)) + (" compile.enable=true" if pays else "")
+
+
+def loading_fix_lines(rec: Recommendation, prediction: Prediction, command: str) -> list[str]:
+    """Why ``prediction``'s loading holds it back, the epoch with enough workers, and ``command``, which has them."""
+    workers, epoch_s = prediction.loading_fix
+    why = ("it loads its data in the training process, between steps (data.num_workers=0)" if rec.job.num_workers == 0
+           else f"its loaders cannot keep up at data.num_workers={rec.job.num_workers}")
+    return [f"  {why}; with data.num_workers={workers} it would take {figure(epoch_s, prediction.calibrated)} s/epoch:",
+            f"  {command}"]
 
 
 def compile_lines(rec: Recommendation, best: Prediction, job_overrides: list[str]) -> list[str]:
@@ -193,9 +203,8 @@ def compile_lines(rec: Recommendation, best: Prediction, job_overrides: list[str
         # an epoch to compile in and at least one to time: the user's trainer.max_epochs replaced where fewer
         epochs = [] if rec.epochs is not None and rec.epochs >= 2 else ["trainer.max_epochs=3"]
         # with the loaders that keep up: a pair of loader-bound runs would measure no gain
-        workers = [f"data.num_workers={best.loading_fix[0]}"] if best.loading_fix else []
-        measure = train_command(rec, best, [*job_overrides, *workers, "compile.enable=true", "measure.warmup_epochs=1",
-                                            *epochs])
+        measure = train_command(rec, best, [*with_loading_fix(best, job_overrides), "compile.enable=true",
+                                            "measure.warmup_epochs=1", *epochs])
         return [f"{unmeasured}; measure it, and the same without compile.enable: {measure}"]
     even = gain.break_even_epochs(best.epoch_s)
     line = f"torch.compile: {gain.basis}: "
@@ -269,12 +278,10 @@ def comparison_lines(recs: list[Recommendation], comparison: MachineComparison, 
 
 def _choice_commands(choice: Choice, job_overrides: list[str]) -> list[str]:
     """A machine's chosen setup's command, and where its loading bounds it, the one with the workers that would not."""
-    p = choice.prediction
-    lines = [f"  {train_command(choice.rec, p, job_overrides)}"]
+    rec, p = choice.rec, choice.prediction
+    lines = [f"  {train_command(rec, p, job_overrides)}"]
     if p.loading_fix is not None:
-        workers, epoch_s = p.loading_fix
-        lines.append(f"  its loading bounds it; with data.num_workers={workers} it would take {figure(epoch_s, p.calibrated)} s/epoch:")
-        lines.append(f"  {train_command(choice.rec, p, [*job_overrides, f'data.num_workers={workers}'])}")
+        lines += loading_fix_lines(rec, p, train_command(rec, p, with_loading_fix(p, job_overrides)))
     return lines
 
 
@@ -286,7 +293,7 @@ def comparison_dict(comparison: MachineComparison, job_overrides: list[str]) -> 
                 "predicted_epoch_s": round(choice.prediction.epoch_s, 4),
                 "epoch_cost": None if choice.epoch_cost is None else float(f"{choice.epoch_cost:.6g}"),
                 "command": train_command(choice.rec, choice.prediction, job_overrides),
-                "loading_fix": choice.prediction.as_dict()["loading_fix"]}
+                "loading_fix": choice.prediction.loading_fix_dict}
 
     return {"max_epoch_s": comparison.max_epoch_s, "fastest": one(comparison.fastest),
             "cheapest": one(comparison.cheapest), "setups_within": comparison.within}

@@ -33,11 +33,10 @@ from ..records import (
     same_network,
     usable,
 )
-from ..strategies import BASELINE
 from ..costmodel.hardware import HardwareSpec, intra_op_threads
 from ..costmodel.numerics import numerics_of
 from ..costmodel.profile import ModelProfile
-from .setups import SequentialTime, calibration_group, weight_seconds
+from .setups import SequentialTime, is_baseline, weight_seconds
 
 # Fraction of the peak a training step reaches when no run calibrates it: GPU convolution nets
 # in fp32 typically reach 30-50%; CPUs near their GEMM rate.
@@ -51,13 +50,9 @@ DEFAULT_EFFICIENCY = {"gpu": 0.35, "cpu": 0.5}
 TENSOR_CORE_SPEEDUP = 2.7
 
 
-def is_one_device_baseline(run: MeasuredRun) -> bool:
-    return calibration_group(run.strategy_setup) == BASELINE
-
-
 def baselines_on(hw: HardwareSpec, runs: Sequence[MeasuredRun]) -> list[MeasuredRun]:
     """The finished one-device (one core, one GPU) runs measured on ``hw``."""
-    return [r for r in runs if usable(r) and on_hardware(r, hw) and is_one_device_baseline(r)]
+    return [r for r in runs if usable(r) and on_hardware(r, hw) and is_baseline(r.strategy_setup)]
 
 
 def from_runs(job: Job, hw: HardwareSpec, runs: Sequence[MeasuredRun], profile: ModelProfile,
@@ -70,19 +65,18 @@ def from_runs(job: Job, hw: HardwareSpec, runs: Sequence[MeasuredRun], profile: 
     if not chosen:
         return None
     weights = weight_seconds(profile, hw)
-    load = statistics.median(_load_per_sample_s(r) for r in chosen)
-    per_sample = statistics.median(
-        (measured_per_batch_s(r) - weights) / int(r.params["data.batch_size"]) for r in chosen
-    ) - load
+    step_per_sample = [(measured_per_batch_s(r) - weights) / int(r.params["data.batch_size"]) for r in chosen]
     if hw.device_kind == "gpu":
         # A GPU step's data wait is the host's loading, which the job's own data.num_workers decides:
         # a wait measured with loaders beside the steps is not the job's loading between steps
         # (data.num_workers=0), nor the reverse. Each run's step without its wait; the job's
         # loading only from runs that loaded as it will (else the loading is timed here).
-        per_sample = statistics.median(
-            (measured_per_batch_s(r) - weights) / int(r.params["data.batch_size"]) - _load_per_sample_s(r) for r in chosen)
+        per_sample = statistics.median(step - _load_per_sample_s(r) for step, r in zip(step_per_sample, chosen))
         load = statistics.median(_load_per_sample_s(r) if _loads_between_steps(r) == (job.num_workers == 0) else 0.0
                                  for r in chosen)
+    else:
+        load = statistics.median(_load_per_sample_s(r) for r in chosen)
+        per_sample = statistics.median(step_per_sample) - load
     what = "same batch" if same_batch else f"batch {chosen[0].params['data.batch_size']}, scaled per sample"
     return SequentialTime(max(per_sample, 1e-9), weights, f"measured ({len(chosen)} run{'s' * (len(chosen) > 1)}, {what})", load)
 
@@ -128,7 +122,7 @@ def efficiency_from_runs(runs: Sequence[MeasuredRun], hw_of_run: Callable[[Measu
     out = []
     for run in runs:
         hw = hw_of_run(run)
-        if hw is None or hw.device_kind != kind or not usable(run) or not is_one_device_baseline(run):
+        if hw is None or hw.device_kind != kind or not usable(run) or not is_baseline(run.strategy_setup):
             continue
         profile = profile_of(run)
         batch = int(run.params["data.batch_size"])

@@ -7,7 +7,7 @@ import math
 
 from ..errors import ConfigError
 from ..job import Batches, Job
-from ..strategies import STRATEGIES, Setup, spec_of
+from ..strategies import BASELINE, STRATEGIES, Setup, spec_of
 from ..costmodel.costs import Cost, MemoryNeed, SequentialTime, weight_seconds
 from ..costmodel.hardware import HardwareSpec
 from ..costmodel.profile import ModelProfile
@@ -87,6 +87,12 @@ def calibration_group(setup: Setup) -> str:
     """Setups whose measured/model ratios are pooled for calibration."""
     spec = STRATEGIES.get(setup.strategy)
     return spec.calibration_group(setup) if spec is not None else setup.strategy
+
+
+def is_baseline(setup: Setup) -> bool:
+    """The one-device setup speedups are over and T_seq is measured by: one GPU, or one core
+    (``sequential threads=2`` is not)."""
+    return calibration_group(setup) == BASELINE
 
 
 def overrides(setup: Setup) -> str:

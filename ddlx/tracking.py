@@ -6,6 +6,7 @@ import fcntl
 import logging
 import os
 import re
+import shlex
 import socket
 import sqlite3
 import threading
@@ -136,7 +137,10 @@ MLFLOW_FIRST_TABLES = {"alembic_version", "experiments"}
 
 
 def _sqlite_tables(path: Path) -> set[str]:
-    with closing(sqlite3.connect(f"file:{urllib.parse.quote(str(path))}?mode=ro", uri=True)) as db:  # a # in it
+    # A URI to open it read-only: quoted for a '#' in it; an absolute path after an empty authority
+    # ("file://"), so that one starting '//' (sqlite://///tmp/x.db) is not read as a host.
+    authority = "//" if path.is_absolute() else ""
+    with closing(sqlite3.connect(f"file:{authority}{urllib.parse.quote(str(path))}?mode=ro", uri=True)) as db:
         return {name for (name,) in db.execute("select name from sqlite_master where type = 'table'")}
 
 
@@ -229,8 +233,8 @@ def _refuse_deleted(exp, tracking_uri: str, setting: str | None) -> None:
         rename = f", or choose another {setting}" if setting else ""
         raise StoreError(
             f"MLflow experiment {exp.name!r} was deleted from {tracking_uri}, and a deleted experiment keeps its "
-            f"name; restore it (MLFLOW_TRACKING_URI={tracking_uri} mlflow experiments restore --experiment-id "
-            f"{exp.experiment_id}) or purge it for good (mlflow gc --backend-store-uri {tracking_uri} --experiment-ids "
+            f"name; restore it (MLFLOW_TRACKING_URI={shlex.quote(tracking_uri)} mlflow experiments restore --experiment-id "
+            f"{exp.experiment_id}) or purge it for good (mlflow gc --backend-store-uri {shlex.quote(tracking_uri)} --experiment-ids "
             f"{exp.experiment_id}){rename}"
         )
 

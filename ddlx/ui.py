@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -63,7 +64,8 @@ def open_command(tracking_uri: str, link: str) -> str:
     serves a local store and the page there."""
     if is_server(tracking_uri):
         return f"{tracking_uri.rstrip('/')}/{link}"
-    return f"mlflow ui --backend-store-uri {tracking_uri}, then {LOCAL_UI}/{link}"
+    # Quoted: SQLAlchemy's options (``?timeout=30``) or a space would be read by the shell.
+    return f"mlflow ui --backend-store-uri {shlex.quote(tracking_uri)}, then {LOCAL_UI}/{link}"
 
 
 # ---- serving a store ----------------------------------------------------------------------

@@ -80,6 +80,15 @@ def test_an_existing_store_in_a_folder_with_a_hash_is_taken(tmp_path):
     check_tracking_uri(f"sqlite:///{store}", write=False)
 
 
+def test_an_existing_store_named_with_extra_slashes_is_taken(tmp_path):
+    store = tmp_path / "mlflow.db"  # sqlite://///tmp/... : SQLAlchemy opens //tmp/..., the same file on POSIX
+    with closing(sqlite3.connect(store)) as db:
+        db.execute("create table alembic_version (version_num text)")
+        db.commit()
+    check_tracking_uri(f"sqlite:////{store}")
+    check_tracking_uri(f"sqlite:////{store}", write=False)
+
+
 @pytest.mark.parametrize("uri,why", [("", r"logger.tracking_uri is empty"),
                                      ("./mlruns", r"logger.tracking_uri=./mlruns is a folder \(MLflow's file store\)"),
                                      ("file:///tmp/mlruns", r"file:///tmp/mlruns is a folder")])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -47,6 +48,9 @@ def test_open_command_names_the_server_page_or_the_command_that_serves_a_local_s
     assert ui.open_command("http://tracking:5000/", page) == f"http://tracking:5000/{page}"
     local = ui.open_command("sqlite:///mlflow.db", page)
     assert local.startswith("mlflow ui --backend-store-uri sqlite:///mlflow.db") and local.endswith(f"{ui.LOCAL_UI}/{page}")
+    # SQLAlchemy's options after the path would be a glob and a word break to the shell.
+    options = ui.open_command("sqlite:///my runs/mlflow.db?timeout=30", page)
+    assert shlex.split(options.split(",")[0])[-1] == "sqlite:///my runs/mlflow.db?timeout=30"
 
 
 def run_ui(*args: str) -> subprocess.CompletedProcess:

@@ -55,6 +55,7 @@ from .costmodel.memory import GIB, estimate_training_memory
 from .costmodel.numerics import CPU_FP16
 from .preflight import check_before_torch
 from .records import run_name
+from .single_sample import check_single_sample_batches
 from .slurm import run_tags as slurm_run_tags
 from .stopping import StopAtSignal, StopSignals, disable_lightning_signal_handlers
 from .strategies import STRATEGIES, build_strategy
@@ -353,6 +354,7 @@ def prepare_job(cfg: TrainConfig, tags: dict, rank0: bool):
         check_memory(cfg, plan.data_parallel, plan.replicas_per_machine, plan.recompute)
     datamodule.prepare_data()
     datamodule.build_sets()  # its errors now; the images are kept in memory (data.cache) once the ranks run
+    check_single_sample_batches(cfg, meta, plan.data_parallel, len(datamodule.train_set))
     if rank0 and on_cpu:
         note_busy_cores(tags)
     if rank0:

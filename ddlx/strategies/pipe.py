@@ -15,8 +15,8 @@ from ..costmodel.costs import (FORWARD_SHARE, RECOMPUTE, REPLICA_SHARE, cost, gp
 from ..parallel.schedules import SCHEDULES
 from ..costmodel.perf_models import Link, gpipe_comm_s, gpipe_compute_s, pipeline_schedule_s
 from .parts.pipelines import (ENGINES, PIPE_CHECKPOINT, chunk_counts, compile_by_layers_or_refuse, default_balance, engine_group,
-                        TorchPipeline, engine_refused_precisions, pipe_knobs, torch_batch_s, torch_pipeline,
-                        torch_rank_bytes)
+                        TorchPipeline, engine_refused_precisions, pipe_knobs, smallest_micro_batch, torch_batch_s,
+                        torch_pipeline, torch_rank_bytes)
 from .spec import TIMEOUT_S, Setup, StrategyPlan, StrategySpec, accelerator_of
 
 
@@ -63,6 +63,9 @@ class Pipe(StrategySpec):
             trainer_kwargs={"strategy": strategy, "devices": 1, "accelerator": accelerator_of(devices[0])},
             tags={"devices": ",".join(map(str, devices)), "chunks": str(chunks), "balance": str(balance), "checkpoint": checkpoint},
         )
+
+    def smallest_piece(self, cfg, batch: int) -> int:
+        return smallest_micro_batch(cfg, batch)
 
     def _plan_torch(self, cfg, devices, model, data) -> StrategyPlan:
         """One process per device, each running its stages under PyTorch's ``cfg.schedule``."""

@@ -273,6 +273,11 @@ class StrategySpec:
         listed = getattr(setup, "devices", None)
         return len(listed) if isinstance(listed, tuple) else self.processes(setup)
 
+    def smallest_piece(self, cfg, batch: int) -> int:
+        """The fewest samples a layer trains on at once where a process of a run of its config
+        ``cfg`` trains a batch of ``batch`` (a micro-batch, a thread's share)."""
+        return batch
+
     def worker_batch(self, setup: Setup, job: Job) -> int:
         """Samples one worker allocates activations for in a step."""
         return job.batch_size // self.processes(setup)

@@ -29,6 +29,9 @@ class Threads(StrategySpec):
     name, config, order = "threads", ThreadsConfig, 1
     splits_batch = True
 
+    def smallest_piece(self, cfg, batch: int) -> int:
+        return batch // min(cfg.threads, batch)  # Tensor.tensor_split: the first shares one larger
+
     def plan(self, cfg, accelerator, model, data) -> StrategyPlan:
         import torch
 

@@ -55,6 +55,16 @@ def pipe_knobs(cfg, model, data, per_process_batch: int, stages: int):
     return chunks, balance, cfg.checkpoint, sample
 
 
+def smallest_micro_batch(cfg, batch: int) -> int:
+    """The smallest of the micro-batches ``batch`` is cut into by ``cfg.chunks``: equal ones in
+    PyTorch's schedules (:func:`micro_batches`), ``Tensor.chunk``'s in fairscale's Pipe (the last
+    one smaller)."""
+    if cfg.engine == "torch":
+        return batch // micro_batches(batch, cfg.chunks)
+    size = -(-batch // min(cfg.chunks, batch))
+    return batch - size * (-(-batch // size) - 1)
+
+
 def torch_pipeline(cfg, devices, model, data, name: str, replicas: int = 1, width: int | None = None, **strategy_kwargs):
     """The checked :class:`TorchPipelineStrategy` (and its tags) of ``replicas`` pipelines, each
     over ``width`` processes (default: ``len(devices) // replicas``; one per device of ``devices``, this node's)."""

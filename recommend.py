@@ -30,8 +30,11 @@ def main(cfg: DictConfig) -> None:
 
     hydra_cfg = HydraConfig.get()
     # The user's model/data/allocator/precision overrides, so the train.py command it prints trains the same job.
-    job_overrides = [o for o in hydra_cfg.overrides.task if o.lstrip("+~").split("=")[0].split(".")[0] in ("model", "data", "cpu_allocator", "trainer")]
-    report_config_errors(lambda: run(cfg, Path(hydra_cfg.runtime.output_dir), ROOT / "conf" / "hw", job_overrides))
+    keys = {o: o.lstrip("+~").split("=")[0] for o in hydra_cfg.overrides.task}
+    job_overrides = [o for o, key in keys.items() if key.split(".")[0] in ("model", "data", "cpu_allocator", "trainer")]
+    hw_overrides = [o for o, key in keys.items() if key.startswith("hw.")]  # hw=X's fields changed: another machine
+    report_config_errors(lambda: run(cfg, Path(hydra_cfg.runtime.output_dir), ROOT / "conf" / "hw", job_overrides,
+                                     hw_overrides))
 
 
 if __name__ == "__main__":

@@ -801,6 +801,12 @@ def test_recommend_py_answers_as_json_with_no_runs(tmp_path):
     second = json.loads(again.stdout)
     assert (second["predictions"], second["recommended"]) == (answer["predictions"], answer["recommended"]), \
         "the same question asked twice: the same answer (the loading probe is kept, not timed again)"
+    nodes = subprocess.run(cmd[:-1] + ["hw.nodes=2", "compare=[titanrtx_4x]", "log=false", f"hydra.run.dir={tmp_path}/out3"],
+                           capture_output=True, text=True, timeout=300, env=subprocess_env(), cwd=elsewhere)
+    assert nodes.returncode == 0, nodes.stderr[-3000:]
+    both = json.loads(nodes.stdout)
+    assert [(m["hw"], m["hw_overrides"]) for m in [both, *both["compared"]]] == \
+        [("titanrtx_4x", ["hw.nodes=2"]), ("titanrtx_4x", [])], "hw=X changed and X as its file: two machines"
 
 
 @pytest.mark.integration
@@ -1377,6 +1383,16 @@ def test_one_question_compares_machines_and_names_the_cheapest_within_the_time(t
     assert none["cheapest"] is None and none["setups_within"] == 0
     twice = answer(compare="[h100_1x,v100_8x,h100_1x]")
     assert [m["hw"] for m in [twice, *twice["compared"]]] == ["v100_8x", "h100_1x"], "each machine once, hw= first"
+
+    # hw=X changed by an override against X as its file: two machines, told apart by the override.
+    cfg = _compose_recommend("hw=v100_8x", "hw.nodes=2", *job, "compare=[v100_8x]", "probe=false", "output=json",
+                             f"paths.root={tmp_path}", "cpu_allocator=system")
+    capsys.readouterr()
+    run_recommend(cfg, tmp_path / "out", CONF_DIR / "hw", job, ["hw.nodes=2"])
+    changed = json.loads(capsys.readouterr().out)
+    both = [changed, *changed["compared"]]
+    assert [(m["hw"], m["hw_overrides"]) for m in both] == [("v100_8x", ["hw.nodes=2"]), ("v100_8x", [])]
+    assert max(p["devices"] for p in both[0]["predictions"]) == 16 and max(p["devices"] for p in both[1]["predictions"]) == 8
 
 
 @pytest.mark.parametrize("override, key", [

@@ -130,10 +130,12 @@ def _ids(runs, shown: int = 6) -> str:
     return ", ".join(ids[:shown]) + (f" and {len(ids) - shown} more" if len(ids) > shown else "")
 
 
-def run(composed: DictConfig, out_dir: Path, hw_dir: Path, job_overrides: list[str] | None = None) -> None:
+def run(composed: DictConfig, out_dir: Path, hw_dir: Path, job_overrides: list[str] | None = None,
+        hw_overrides: list[str] | None = None) -> None:
     """recommend.py's job from its ``composed`` config, typed here once (:class:`RecommendConfig`,
     ``hw`` a :class:`HardwareSpec`). ``job_overrides``: the model/data overrides the job was
-    given, repeated in the train.py commands printed for it."""
+    given, repeated in the train.py commands printed for it; ``hw_overrides``: the fields of
+    ``hw=`` it changed (``hw.nodes=2``), which make it another machine than its file in ``compare=``."""
     cfg: RecommendConfig = typed_recommend_config(composed)
     if cfg.mode not in MODES:
         raise ConfigError(f"mode={cfg.mode}; expected one of {', '.join(MODES)}")
@@ -175,7 +177,9 @@ def run(composed: DictConfig, out_dir: Path, hw_dir: Path, job_overrides: list[s
         return
     tries, own = check_tries(cfg.candidates)
     batches = Batches(cfg.data.batch_per, tuple(own))
-    named = dict.fromkeys(name for name in cfg.compare or [] if name != target.name)  # each machine once, hw= first
+    hw_overrides = tuple(hw_overrides or ())
+    # Each machine once, hw= first; hw=X changed by overrides and compare=[X]: the two of them.
+    named = dict.fromkeys(name for name in cfg.compare or [] if name != target.name or hw_overrides)
     others = [hardware(load_hw_file(hw_dir / f"{name}.yaml"), detected_dir) for name in named]
     recs = []
     for machine in [target, *others]:  # the same question on each machine, the runs and probes of this one shared
@@ -183,6 +187,7 @@ def run(composed: DictConfig, out_dir: Path, hw_dir: Path, job_overrides: list[s
         rec = Predictor(machine, runs, local, probe, loading).recommend(on_it, batches=batches, tries=tries)
         rec.errors = close_call_errors(Predictor(machine, runs, local), cfg.cpu_allocator, rec)
         rec.epochs = cfg.trainer.max_epochs
+        rec.hw_overrides = hw_overrides if machine is target else ()
         recs.append(rec)
     rec = recs[0]
     comparison = compare(recs, cfg.max_epoch_s) if others or cfg.max_epoch_s is not None else None

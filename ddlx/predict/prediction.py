@@ -107,6 +107,14 @@ class Recommendation:
     # compiled run says), and the epochs of the run asked about (trainer.max_epochs; None: not said).
     compile_gain: CompileGain | None = None
     epochs: int | None = None
+    # The hw field overrides the question gave this machine (hw.nodes=2): beside its name where
+    # machines are compared, so a file and the same file changed are told apart.
+    hw_overrides: tuple[str, ...] = ()
+
+    @property
+    def machine(self) -> str:
+        """The machine as the question named it: its hw file, and the overrides it was given."""
+        return " ".join([self.hw.name, *self.hw_overrides])
 
     @property
     def compile_pays(self) -> bool:

@@ -76,6 +76,7 @@ def recommendation_dict(rec: Recommendation, note: str, elapsed: float, close_ca
 
     return {
         "hw": rec.hw.name,
+        "hw_overrides": list(rec.hw_overrides),
         "job": vars(rec.job) | {"steps_per_epoch": rec.job.steps},
         "runs": note,
         "sequential_basis": rec.sequential.basis,
@@ -243,7 +244,7 @@ def money(choice: Choice) -> str:
 
 def _choice_line(choice: Choice) -> str:
     p, cost = choice.prediction, money(choice)
-    return (f"{p.setup.label} on hw={choice.rec.hw.name}: {figure(p.epoch_s, p.calibrated)} s/epoch"
+    return (f"{p.setup.label} on hw={choice.rec.machine}: {figure(p.epoch_s, p.calibrated)} s/epoch"
             + (f", {cost} an epoch on {choice.devices} device(s)" if cost else ""))
 
 
@@ -257,7 +258,7 @@ def comparison_lines(recs: list[Recommendation], comparison: MachineComparison, 
     for rec in recs:
         best = rec.best
         choice = Choice(rec, best) if best else None
-        rows.append([rec.hw.name, f"{rec.hw.total_devices} x {rec.hw.device_name or rec.hw.device_kind}",
+        rows.append([rec.machine, f"{rec.hw.total_devices} x {rec.hw.device_name or rec.hw.device_kind}",
                      best.setup.label if best else "none fits", figure(best.epoch_s, best.calibrated) if best else "-",
                      (money(choice) if choice else "") or "-", rec.hw.price_basis or "no price given"])
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
@@ -289,7 +290,8 @@ def comparison_dict(comparison: MachineComparison, job_overrides: list[str]) -> 
     def one(choice: Choice | None) -> dict | None:
         if choice is None:
             return None
-        return {"hw": choice.rec.hw.name, "setup": choice.prediction.setup.label, "devices": choice.devices,
+        return {"hw": choice.rec.hw.name, "hw_overrides": list(choice.rec.hw_overrides),
+                "setup": choice.prediction.setup.label, "devices": choice.devices,
                 "predicted_epoch_s": round(choice.prediction.epoch_s, 4),
                 "epoch_cost": None if choice.epoch_cost is None else float(f"{choice.epoch_cost:.6g}"),
                 "command": train_command(choice.rec, choice.prediction, job_overrides),

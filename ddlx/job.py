@@ -34,6 +34,12 @@ class Job:
         return self.train_samples / self.batch_size
 
 
+def validation_images(images: int, val_fraction: float) -> int:
+    """The images of ``images`` held out to validate on: at least one where ``val_fraction`` > 0."""
+    held_out = round(images * val_fraction)
+    return max(1, held_out) if val_fraction > 0 else held_out
+
+
 def split_too_small(train: int, images: int, val_fraction: float, batch_size: int) -> str | None:
     """Why a training split of ``train`` images cannot give one batch of ``batch_size`` (None: it can)."""
     if train >= batch_size:

@@ -4,6 +4,7 @@ as RGB, RGBA, palette and CMYK files beside the grayscale ones."""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -109,3 +110,26 @@ def test_train_on_the_folder_records_its_name_and_counts(digits_dir, tiny_config
     assert run.info.status == "FINISHED"
     assert run.data.tags["data"] == "digits"
     assert run.data.params["data.num_classes"] == "10" and run.data.params["data.channels"] == "1"
+
+
+@pytest.mark.parametrize("num_images", ["null", "500"])
+def test_recommend_counts_the_training_images_train_py_would(tmp_path, tiny_config, num_images):
+    """The recommender's epoch is train.py's: as many images as the folder holds where fewer than
+    data.num_images, and at least one held out where data.val_fraction > 0 rounds to none."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.config_store import ConfigStore
+
+    from ddlx.costmodel.hardware import HardwareSpec
+    from ddlx.predict.cli import job_from_config
+
+    root = write_digits(tmp_path / "few", per_class=2)  # 20 images: 2% of them rounds to 0
+    data = ["data=imagefolder", f"data.root={root}", f"data.num_images={num_images}", "data.val_fraction=0.02",
+            "data.batch_size=4"]
+    cfg = typed_config(tiny_config(*data))
+    complete_data_config(cfg.data)
+    module = build_datamodule(cfg.data)
+    module.setup()
+    ConfigStore.instance().store(group="hw", name="schema", node=HardwareSpec)  # as recommend.py registers it
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+        asked = compose(config_name="recommend", overrides=data)
+    assert job_from_config(asked).train_samples == len(module.train_set) == 19

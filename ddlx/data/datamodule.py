@@ -16,7 +16,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampl
 
 from ..allocator import release_free_heap
 from ..errors import ConfigError
-from ..job import batch_split_problems, split_too_small
+from ..job import batch_split_problems, split_too_small, validation_images
 from .folder import scan_imagefolder
 from .synthetic import SyntheticSpec, ensure_synthetic_imagefolder
 from .cache import keep_decoded
@@ -286,9 +286,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
         chosen = [samples[i] for i in order]
         if not self.is_synthetic:
             check_readable(chosen)
-        n_val = round(len(chosen) * self.data.val_fraction)
-        if self.data.val_fraction > 0:
-            n_val = max(1, n_val)
+        n_val = validation_images(len(chosen), self.data.val_fraction)
         train, val = chosen[n_val:], chosen[:n_val]
         if problem := split_too_small(len(train), len(chosen), self.data.val_fraction, self.batch_size):
             raise ConfigError(problem)

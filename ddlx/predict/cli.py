@@ -15,7 +15,7 @@ from ..config import DataConfig, RecommendConfig
 from ..config_check import check_recommend_job, typed_recommend_config
 from ..data.folder import complete_data_config
 from ..errors import ConfigError
-from ..job import Batches, Job, cache_outcome, split_too_small
+from ..job import Batches, Job, cache_outcome, split_too_small, validation_images
 from ..models import check_request
 from ..records import left_out
 from ..strategies import BASELINE
@@ -85,7 +85,9 @@ def job_from_config(cfg: RecommendConfig) -> Job:
         if folder is None:
             raise ConfigError("data.num_images=null needs data.root to count the images; give data.num_images=N")
         count = len(folder.samples)
-    train = count - round(count * data.val_fraction)
+    elif folder is not None:
+        count = min(count, len(folder.samples))  # train.py trains on all of them where fewer are there
+    train = count - validation_images(count, data.val_fraction)  # as train.py splits them
     if problem := split_too_small(train, count, data.val_fraction, data.batch_size):  # as train.py would refuse it
         raise ConfigError(problem)
     check_request(cfg.model.name, data.num_classes, data.channels, data.image_size)

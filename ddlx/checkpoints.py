@@ -97,8 +97,11 @@ def checkpoint_callbacks(save: str, keep_best: bool, folder: Path, every_minutes
     # save_last=True writes last.ckpt only when a top-k checkpoint is saved at the same step: with
     # save_top_k=0, never before training ends.) No version counter: a stop's checkpoint
     # (stopping.StopAtSignal) replaces last.ckpt too, and a resumed run goes on replacing it.
+    # At the training epoch's end (its validation, where it has one, is over by then): Lightning
+    # would save at validation's end instead, so with trainer.check_val_every_n_epoch > 1 or a
+    # val_check_interval within the epoch, last.ckpt missed the epochs without validation.
     last = {"dirpath": folder, "filename": Path(LAST).stem, "monitor": None, "save_top_k": 1,
-            "save_weights_only": weights_only, "enable_version_counter": False}
+            "save_weights_only": weights_only, "enable_version_counter": False, "save_on_train_epoch_end": True}
     callbacks = [ModelCheckpoint(**last)]
     if every_minutes is not None:  # Lightning takes one trigger per callback: the time's is a second one
         callbacks.append(ModelCheckpoint(**last, train_time_interval=timedelta(minutes=every_minutes)))

@@ -380,9 +380,14 @@ def test_a_slurm_job_stopped_with_a_checkpoint_is_resumed_only_once_slurm_requeu
 
 
 @pytest.mark.integration
-def test_last_ckpt_is_rewritten_at_every_epoch_end_and_every_n_minutes_within_one(tiny_config, tmp_path, monkeypatch):
+@pytest.mark.parametrize("validation,steps", [([], 2), (["trainer.check_val_every_n_epoch=2"], 2),
+                                              (["trainer.limit_train_batches=3", "trainer.val_check_interval=2"], 3)],
+                         ids=["every_epoch", "every_2nd_epoch", "within_the_epoch"])
+def test_last_ckpt_is_rewritten_at_every_epoch_end_and_every_n_minutes_within_one(tiny_config, tmp_path, monkeypatch,
+                                                                                  validation, steps):
     """What a kill -9 can lose: at most the work since the last epoch's end, or since the last
-    checkpoint.every_minutes within an epoch (a run started before one is killed resumes from it)."""
+    checkpoint.every_minutes within an epoch (a run started before one is killed resumes from it),
+    however often it validates."""
     seen: list[tuple[str, int, int]] = []
 
     class Look(pl.Callback):
@@ -399,8 +404,11 @@ def test_last_ckpt_is_rewritten_at_every_epoch_end_and_every_n_minutes_within_on
 
     measured = run_module.measurement_callbacks
     monkeypatch.setattr(run_module, "measurement_callbacks", lambda cfg: [*measured(cfg), Look()])
-    train(tiny_config(*FULL, "checkpoint.background=false", "trainer.max_epochs=3"), tmp_path / "run")
-    assert [(g, s) for when, g, s in seen if when == "epoch start"] == [(0, None), (2, 2), (4, 4)], seen
+    train(tiny_config(*FULL, "checkpoint.background=false", "trainer.max_epochs=3", *validation), tmp_path / "run")
+    starts = [(0, None), (steps, steps), (2 * steps, 2 * steps)]
+    assert [(g, s) for when, g, s in seen if when == "epoch start"] == starts, seen
+    assert torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 3 * steps, \
+        "the run's end in last.ckpt"
     seen.clear()
     train(tiny_config(*FULL, "checkpoint.background=false", "checkpoint.every_minutes=1e-9"), tmp_path / "minutes")
     assert [(g, s) for when, g, s in seen if when == "step"] == [(0, None), (1, 1)], "saved within the epoch"

@@ -5,6 +5,7 @@ misspelled key). Hydra's and OmegaConf's own errors are translated the same way.
 from __future__ import annotations
 
 import difflib
+import math
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import fields, is_dataclass
@@ -126,6 +127,8 @@ def _bound_problems(node: DictConfig, values: dict, prefix: str) -> Iterator[str
         child = node._get_node(key)
         if isinstance(child, DictConfig) and isinstance(value, dict):
             yield from _bound_problems(child, value, f"{prefix}{key}.")
+        elif isinstance(value, float) and not math.isfinite(value):  # passes every range: NaN compares False
+            yield f"{prefix}{key}={_show(value)}: expected a finite number{_example(bounds[key][0], prefix) if key in bounds else ''}"
         elif key in bounds and not bounds[key][1].accepts(value):
             yield f"{prefix}{key}={_show(value)}: expected {bounds[key][1].expected()}{_example(bounds[key][0], prefix)}"
 

@@ -119,6 +119,15 @@ def test_the_schema_types_and_bounds_every_strategys_knobs():
         check_config(compose_config([f"strategy={name}"]))  # every default is within its bounds
 
 
+@pytest.mark.parametrize("override", ["optim.lr=nan", "optim.lr=inf", "data.val_fraction=nan",
+                                      "measure.monitor_interval_s=-inf", "strategy=hybrid strategy.timeout_s=inf"])
+def test_a_number_that_is_not_finite_is_refused_by_its_key(override):
+    """NaN passes every range (each comparison with it is false): an lr of nan trained a FINISHED run of nan losses."""
+    key, value = override.split()[-1].split("=")
+    with pytest.raises(ConfigError, match=rf"{re.escape(key)}={value}: expected a finite number"):
+        check_config(compose_config(override.split()))
+
+
 def test_a_config_edited_after_composing_is_checked_again():
     """train() checks what it is given (a rank's config file, an API caller's edits)."""
     from omegaconf import OmegaConf

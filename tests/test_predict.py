@@ -743,6 +743,9 @@ def test_bad_hw_configs_are_clear_errors():
         hardware(_compose_hw("hw=titanrtx_4x", "hw.memory_bandwidth_gb_s=-1"))
     with pytest.raises(ConfigError, match=r"hw.allreduce_fixed_us=-5.0 for hw=titanrtx_4x; must be >= 0"):
         hardware(_compose_hw("hw=titanrtx_4x", "hw.allreduce_fixed_us=-5"))
+    for key in ("peak_tflops", "intra_node.bandwidth_gb_s", "peak_tflops_by_type.fp16"):  # NaN passes every range
+        with pytest.raises(ConfigError, match=rf"hw.{re.escape(key)}=nan for hw=titanrtx_4x; expected a finite number"):
+            hardware(_compose_hw("hw=titanrtx_4x", f"hw.{key}=nan"))
     with pytest.raises(ConfigError, match="no inter_node link"):
         hardware(_compose_hw("hw=h100_1x", "hw.nodes=2"))
     with pytest.raises(ConfigError, match=r"intra_node_pairs\[0\].devices=\[0, 7\]"):

@@ -8,7 +8,9 @@ strategies place processes and threads on cores.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import socket
 import time
@@ -97,10 +99,28 @@ class HardwareSpec:
         return [self.link(devices[i], devices[(i + 1) % len(devices)]) for i in range(len(devices))]
 
 
+def _numbers(value, key: str):
+    """(key, number) of every float in a hw description (its links, lists and peaks by type)."""
+    if isinstance(value, float):
+        yield key, value
+    elif dataclasses.is_dataclass(value):
+        for f in dataclasses.fields(value):
+            yield from _numbers(getattr(value, f.name), f"{key}.{f.name}")
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from _numbers(item, f"{key}[{i}]")
+    elif isinstance(value, dict):
+        for name, item in value.items():
+            yield from _numbers(item, f"{key}.{name}")
+
+
 def validate(spec: HardwareSpec) -> HardwareSpec:
     """Values the types cannot check; every message names the key and the fix."""
     if spec.device_kind not in ("cpu", "gpu"):
         raise ConfigError(f"hw.device_kind={spec.device_kind!r} for hw={spec.name}; expected cpu or gpu")
+    for key, value in _numbers(spec, "hw"):  # NaN passes every comparison below
+        if not math.isfinite(value):
+            raise ConfigError(f"{key}={value} for hw={spec.name}; expected a finite number")
     for key in ("nodes", "devices_per_node", "cores_per_node"):
         if getattr(spec, key) < 1:
             raise ConfigError(f"hw.{key}={getattr(spec, key)} for hw={spec.name}; must be 1 or more")

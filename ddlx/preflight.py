@@ -50,6 +50,10 @@ def consistency_problems(cfg: TrainConfig) -> list[str]:
     for key, value in (("trainer.max_steps", cfg.trainer.max_steps), ("trainer.limit_train_batches", cfg.trainer.limit_train_batches)):
         if value == 0:  # Lightning skips training: the run would end FINISHED with no epoch measured
             problems.append(f"{key}={value} trains no batch, so there is nothing to measure; leave {key} out for every batch")
+    max_time = cfg.trainer.max_time
+    if max_time is not None and not isinstance(max_time, (str, dict)):  # Lightning's forms; a number has no unit
+        problems.append(f"trainer.max_time={max_time}: expected days:hours:minutes:seconds, e.g. "
+                        f"trainer.max_time=00:00:10:00 for ten minutes, or trainer.max_time={{minutes:10}}")
     if cfg.checkpoint.keep_best and cfg.data.val_fraction == 0:
         problems.append("checkpoint.keep_best=true keeps the checkpoint with the best val_acc, but data.val_fraction=0 "
                         "holds no images out to validate on; set data.val_fraction=0.2 (or keep_best=false)")

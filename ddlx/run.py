@@ -34,6 +34,7 @@ from .config_check import typed_config
 from .console import EpochLines, RunSummary, is_terminal, silence_known_noise
 from .data.datamodule import build_datamodule
 from .data.folder import complete_data_config
+from .epoch_batches import process_batches, trainer_batch_problems
 from .errors import ConfigError, Stopped
 from .job import precision_of
 from .machine import busy_cores, machine_tags
@@ -355,6 +356,10 @@ def prepare_job(cfg: TrainConfig, tags: dict, rank0: bool):
     datamodule.prepare_data()
     datamodule.build_sets()  # its errors now; the images are kept in memory (data.cache) once the ranks run
     check_single_sample_batches(cfg, meta, plan.data_parallel, len(datamodule.train_set))
+    batches = [process_batches(len(images), plan.data_parallel, datamodule.batch_size)
+               for images in (datamodule.train_set, datamodule.val_set)]
+    if problems := trainer_batch_problems(cfg.trainer, *batches):  # Lightning's, at the first step
+        raise ConfigError("; ".join(problems))
     if rank0 and on_cpu:
         note_busy_cores(tags)
     if rank0:

@@ -9,6 +9,7 @@ import math
 import torch
 from torch import nn
 
+from .epoch_batches import process_batches, trained_batches
 from .errors import ConfigError
 from .models import build_model
 from .strategies import STRATEGIES
@@ -38,8 +39,8 @@ def one_sample_pieces(cfg, global_batch: int, data_parallel: int, train_images: 
     trains a layer on one image, each as a phrase; [] where it never does."""
     spec, batch = STRATEGIES[cfg.strategy.name], global_batch // data_parallel
     # Every process takes ceil(images / processes) samples an epoch (DistributedSampler pads).
-    per_process = math.ceil(train_images / data_parallel)
-    last = per_process % batch if reaches_last_batch(cfg.trainer, math.ceil(per_process / batch)) else 0
+    per_process, batches = math.ceil(train_images / data_parallel), process_batches(train_images, data_parallel, batch)
+    last = per_process % batch if trained_batches(cfg.trainer, batches) == batches else 0
     over = f" over {data_parallel} processes" if data_parallel > 1 else ""
     epoch = f"{train_images} training images{over} in batches of {batch}"
     found = []
@@ -53,17 +54,6 @@ def one_sample_pieces(cfg, global_batch: int, data_parallel: int, train_images: 
         found.append(f"strategy={cfg.strategy.name} cuts the epoch's last batch of {last} ({epoch}) into pieces as "
                      f"small as 1")
     return found
-
-
-def reaches_last_batch(trainer, batches: int) -> bool:
-    """Whether an epoch of ``batches`` trains its last (Lightning's limit_train_batches and
-    overfit_batches: a count, or a share of the batches)."""
-    for limit in (trainer.limit_train_batches, trainer.overfit_batches or None):
-        if limit is None:
-            continue
-        if (isinstance(limit, float) and limit * batches < batches) or (isinstance(limit, int) and limit < batches):
-            return False
-    return True
 
 
 def check_single_sample_batches(cfg, model: nn.Module, data_parallel: int, train_images: int) -> None:

@@ -128,6 +128,19 @@ def test_a_number_that_is_not_finite_is_refused_by_its_key(override):
         check_config(compose_config(override.split()))
 
 
+@pytest.mark.parametrize("value,refused", [("10", True), ("1.5", True), ("00:00:10:00", False), ("{minutes:10}", False)])
+def test_max_time_is_taken_in_lightnings_forms_and_a_bare_number_refused(value, refused):
+    """A bare number has no unit (Lightning failed on it with an AttributeError once the run had opened)."""
+    from ddlx.preflight import check_before_torch
+
+    cfg = typed_config(compose_config([f"trainer.max_time={value}"]))
+    if refused:
+        with pytest.raises(ConfigError, match=rf"trainer.max_time={value}: expected days:hours:minutes:seconds"):
+            check_before_torch(cfg)
+    else:
+        check_before_torch(cfg)
+
+
 def test_a_config_edited_after_composing_is_checked_again():
     """train() checks what it is given (a rank's config file, an API caller's edits)."""
     from omegaconf import OmegaConf

@@ -84,7 +84,8 @@ def test_a_job_whose_every_piece_has_two_images_or_a_model_that_trains_on_one_is
 def test_train_refuses_it_before_a_run_is_opened(tiny_config, tracking_uri, tmp_path):
     from ddlx.run import train
 
-    cfg = tiny_config("model=vgg11", "data.image_size=16", "data.num_images=11", "data.batch_size=4")  # 9 = 4 + 4 + 1
+    cfg = tiny_config("model=vgg11", "data.image_size=16", "data.num_images=11", "data.batch_size=4",  # 9 = 4 + 4 + 1
+                      "trainer.limit_train_batches=null")
     with pytest.raises(ConfigError, match=r"the epoch ends in a batch of 1.*data.image_size=17 or data.batch_size="):
         train(cfg, output_dir=tmp_path / "run")
     assert runs(tracking_uri) == [], "refused before a run was opened"

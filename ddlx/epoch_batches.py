@@ -1,0 +1,50 @@
+"""The batches an epoch has in each process, and the ``trainer.*`` values Lightning refuses for
+them only once the run has opened (a FAILED run and a traceback): refused before it instead."""
+from __future__ import annotations
+
+import math
+
+
+def process_batches(images: int, data_parallel: int, batch: int) -> int:
+    """Batches of ``batch`` in each of ``data_parallel`` processes sharing ``images`` (every one
+    takes ceil(images / processes): DistributedSampler pads)."""
+    return math.ceil(math.ceil(images / data_parallel) / batch)
+
+
+def _limited(batches: int, limit) -> int:
+    """Lightning's count of ``batches`` under a ``limit_*_batches`` (a count, or a share)."""
+    if limit is None:
+        return batches
+    return min(batches, limit) if isinstance(limit, int) else int(batches * limit)
+
+
+def trained_batches(trainer, batches: int) -> int:
+    """The batches of an epoch of ``batches`` Lightning trains under the typed ``trainer`` config."""
+    if trainer.fast_dev_run:
+        return min(batches, int(trainer.fast_dev_run))
+    return _limited(batches, trainer.overfit_batches or trainer.limit_train_batches)
+
+
+def trainer_batch_problems(trainer, train_batches: int, val_batches: int) -> list[str]:
+    """What Lightning would refuse in the typed ``trainer`` config for epochs of ``train_batches``
+    and ``val_batches`` a process, each with the fix."""
+    if trainer.fast_dev_run:  # Lightning's own count of batches, every limit and interval aside
+        return []
+    overfit = trainer.overfit_batches or None  # Lightning takes it as both limits
+    limits = {"train": trainer.limit_train_batches if overfit is None else overfit,
+              "val": trainer.limit_val_batches if overfit is None else overfit}
+    problems = []
+    for stage, batches in (("train", train_batches), ("val", val_batches)):
+        limit = limits[stage]
+        key = f"trainer.limit_{stage}_batches" if overfit is None else "trainer.overfit_batches"
+        if isinstance(limit, float) and limit > 0 and batches and int(batches * limit) == 0:
+            problems.append(f"{key}={limit} of the {batches} {stage} batch(es) an epoch has in each process is less "
+                            f"than one; use at least {key}={math.ceil(1e4 / batches) / 1e4:g}, or a count (e.g. {key}=1)")
+    trained, interval = trained_batches(trainer, train_batches), trainer.val_check_interval
+    validates = limits["val"] is None or limits["val"] > 0
+    if isinstance(interval, int) and not isinstance(interval, bool) and interval > trained and validates \
+            and trainer.check_val_every_n_epoch is not None:
+        problems.append(f"trainer.val_check_interval={interval} batches, but an epoch trains {trained} in each process; "
+                        f"use at most {trained}, a share of the epoch (e.g. trainer.val_check_interval=0.5), or "
+                        f"trainer.check_val_every_n_epoch=null to count batches across epochs")
+    return problems

@@ -64,6 +64,9 @@ def store_writable(tracking_uri: str) -> bool:
     return os.access(path.parent, os.W_OK) and (not path.exists() or os.access(path, os.W_OK))
 
 
+SQLITE_SUFFIXES = (".db", ".sqlite", ".sqlite3")
+
+
 def check_tracking_uri(uri: str, timeout_s: float = 5.0, setting: str = "logger.tracking_uri", *,
                        write: bool = True, read_only_option: str | None = None) -> None:
     """Fail at start, not after training, when runs could not be recorded; ``setting``: the option
@@ -75,8 +78,14 @@ def check_tracking_uri(uri: str, timeout_s: float = 5.0, setting: str = "logger.
         raise StoreError(f"{setting} is empty; give an MLflow store, e.g. {example} (a file) or http://HOST:5000 (a server)")
     if re.fullmatch(r"[\w.-]+:\d+", uri):  # localhost:5000: a server without its scheme
         raise StoreError(f"{setting}={uri} names no scheme; for a tracking server give {setting}=http://{uri}")
-    if urllib.parse.urlparse(uri).scheme in ("", "file") and not uri.startswith("databricks") and _file_store_refused():
-        shown = f"e.g. {setting}=sqlite:///{uri}" if uri.endswith(".db") else f"e.g. {example}"
+    parsed = urllib.parse.urlparse(uri)
+    if parsed.scheme in ("", "file") and not uri.startswith("databricks"):
+        path = Path(parsed.path if parsed.scheme == "file" else uri).expanduser()
+        if path.is_file() or (not path.exists() and path.suffix in SQLITE_SUFFIXES):  # MLflow takes a path for a folder
+            raise StoreError(f"{setting}={uri} names a database file without its scheme, which MLflow would take for a "
+                             f"folder of runs; give it as {setting}=sqlite:///{path}")
+    if parsed.scheme in ("", "file") and not uri.startswith("databricks") and _file_store_refused():
+        shown = f"e.g. {example}"
         raise StoreError(f"{setting}={uri} is a folder (MLflow's file store), which this MLflow refuses as in maintenance; "
                          f"use an SQLite store, {shown} (mlflow migrate-filestore moves a file store's runs into one), "
                          f"or set MLFLOW_ALLOW_FILE_STORE=true to keep the file store")

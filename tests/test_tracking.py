@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import sqlite3
@@ -99,6 +100,19 @@ def test_an_empty_uri_or_a_file_store_is_refused_with_an_sqlite_store_to_use(uri
     if uri:  # MLflow's own opt-out keeps a file store
         monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
         check_tracking_uri(uri)
+
+
+@pytest.mark.parametrize("allow_file_store", ["false", "true"])
+def test_a_database_file_without_its_scheme_is_named_with_it(tmp_path, monkeypatch, allow_file_store):
+    """MLflow takes a bare path for a file store's folder: an existing SQLite file was called a
+    folder, and with file stores allowed, training failed in MLflow on 'mlflow.db/.trash'."""
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", allow_file_store)
+    store = tmp_path / "mlflow.db"
+    check_tracking_uri(f"sqlite:///{store}")  # made
+    for given in (str(store), f"file://{store}", str(tmp_path / "new.sqlite")):
+        with pytest.raises(ConfigError, match=rf"logger.tracking_uri={re.escape(given)} names a database file without "
+                                              rf"its scheme.*logger.tracking_uri=sqlite:///{re.escape(str(tmp_path))}/"):
+            check_tracking_uri(given)
 
 
 def test_a_server_without_its_scheme_is_named_with_it():

@@ -38,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
         check_tracking_uri(args.tracking_uri, setting="--tracking-uri", write=not args.no_log, read_only_option="--no-log")
         check_out(out)
         runs = load_runs(args.tracking_uri, experiments, args.sweep_id)
+        if not runs:  # a table of no rows, logged as a report, would say nothing
+            raise ValueError(f"experiment(s) {', '.join(map(repr, experiments))} at {args.tracking_uri} hold no runs: "
+                             f"train first (python train.py ...), or pass the --experiment that holds them")
     except ValueError as err:  # StoreError (a ConfigError) among them: no store, a damaged one
         print(f"ddlx.report: error: {err}", file=sys.stderr)
         return 2

@@ -217,6 +217,13 @@ def test_command_line_errors_name_the_problem(tmp_path, capsys):
     assert cli.main(["--tracking-uri", f"sqlite:///{damaged}"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--tracking-uri=" in err and "is not an SQLite database" in err, err
+    empty = f"sqlite:///{tmp_path / 'empty.db'}"  # a store whose experiment holds no runs yet
+    MlflowClient(empty).create_experiment("ddlx")
+    assert cli.main(["--tracking-uri", empty, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "experiment(s) 'ddlx' at" in err and "hold no runs" in err, err
+    assert not (tmp_path / "out").exists() and MlflowClient(empty).get_experiment_by_name("reports") is None, \
+        "no empty report written or logged"
 
 
 def overlapping_labels(fig, texts) -> list[tuple[str, str]]:

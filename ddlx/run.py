@@ -73,7 +73,9 @@ from .tracking import (
     record_unmeasured,
     recorded,
     reopen_run,
+    run_not_held,
     start_run,
+    store_exists,
     tag_run,
     use_case,
 )
@@ -363,6 +365,8 @@ def prepare_job(cfg: TrainConfig, tags: dict, rank0: bool):
     if rank0 and on_cpu:
         note_busy_cores(tags)
     if rank0:
+        if saved is not None and saved.run_id and not store_exists(cfg.logger.tracking_uri):  # not made to refuse
+            raise run_not_held(saved.run_id, cfg.logger.tracking_uri, saved.tracking_uri)
         client = prepare_store(cfg.logger.tracking_uri, cfg.logger.experiment_name, cfg.logger.artifact_location)
         close_vanished_runs(client, [client.get_experiment_by_name(cfg.logger.experiment_name).experiment_id])
         if saved is not None and saved.run_id:

@@ -224,10 +224,14 @@ def check_experiment(tracking_uri: str, name: str) -> None:
     taken, and Lightning's logger would try to create it again after the checks, failing with an
     IntegrityError from deep inside the store."""
     from mlflow.tracking import MlflowClient
+    from mlflow.utils.validation import MAX_EXPERIMENT_NAME_LENGTH
 
     if not name.strip():
         raise StoreError(f"logger.experiment_name={name!r} is empty; name the experiment the run goes in, e.g. "
                          f"logger.experiment_name=ddlx")
+    if len(name) > MAX_EXPERIMENT_NAME_LENGTH:  # MLflow refuses it only when the run is opened
+        raise StoreError(f"logger.experiment_name={name[:20]}... has {len(name)} characters; MLflow takes at most "
+                         f"{MAX_EXPERIMENT_NAME_LENGTH}: give a shorter name")
     if not store_exists(tracking_uri):
         return  # a new store has no experiments; opening it here would create it
 
@@ -320,6 +324,14 @@ def start_run(logger: MLFlowLogger, params: Mapping[str, str], config_file: Path
     return run_id
 
 
+def run_not_held(run_id: str, tracking_uri: str, saved_uri: str | None) -> ConfigError:
+    """The refusal of a checkpoint of MLflow run ``run_id`` where ``tracking_uri`` does not hold it
+    (``saved_uri``: the store it was recorded at, as the checkpoint says)."""
+    elsewhere = f" (it was recorded at {saved_uri}: resume with logger.tracking_uri={saved_uri})" \
+        if saved_uri and saved_uri != tracking_uri else ""
+    return ConfigError(f"the checkpoint belongs to MLflow run {run_id}, which {tracking_uri} does not hold{elsewhere}")
+
+
 def check_resumable_run(client, run_id: str, tracking_uri: str, experiment_name: str, saved_uri: str | None) -> None:
     """Refuse to resume a run this store does not hold, a deleted one, or one still running."""
     from mlflow.exceptions import MlflowException
@@ -327,10 +339,7 @@ def check_resumable_run(client, run_id: str, tracking_uri: str, experiment_name:
     try:
         run = client.get_run(run_id)
     except MlflowException:
-        elsewhere = f" (it was recorded at {saved_uri}: resume with logger.tracking_uri={saved_uri})" \
-            if saved_uri and saved_uri != tracking_uri else ""
-        raise ConfigError(f"the checkpoint belongs to MLflow run {run_id}, which {tracking_uri} does not hold"
-                          f"{elsewhere}") from None
+        raise run_not_held(run_id, tracking_uri, saved_uri) from None
     if run.info.lifecycle_stage == "deleted":
         raise ConfigError(f"the checkpoint's MLflow run {run_id} was deleted; restore it "
                           f"(MLFLOW_TRACKING_URI={tracking_uri} mlflow runs restore --run-id {run_id}) to resume into it")

@@ -132,6 +132,10 @@ def test_a_checkpoint_resumes_only_the_run_it_belongs_to(tiny_config, tracking_u
     MlflowClient(tracking_uri).update_run(running.info.run_id, status="RUNNING")  # as if this process still ran it
     with pytest.raises(ConfigError, match=rf"MLflow run {running.info.run_id} is still running \(pid {os.getpid()}"):
         train(tiny_config(*job, f"ckpt_path={checkpoint}"), tmp_path / "d")
+    other = tmp_path / "other.db"
+    with pytest.raises(ConfigError, match=rf"which sqlite:///{other} does not hold.*logger.tracking_uri={tracking_uri}"):
+        train(tiny_config(*job, f"ckpt_path={checkpoint}", f"logger.tracking_uri=sqlite:///{other}"), tmp_path / "e")
+    assert not other.exists(), "refused without making the store it names"
 
 
 @pytest.mark.integration

@@ -120,9 +120,11 @@ def test_a_server_without_its_scheme_is_named_with_it():
         check_tracking_uri("localhost:5000")
 
 
-def test_an_empty_experiment_name_is_refused(tmp_path):
+def test_an_empty_or_too_long_experiment_name_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"logger.experiment_name='' is empty.*logger.experiment_name=ddlx"):
         check_experiment(f"sqlite:///{tmp_path}/mlflow.db", "")
+    with pytest.raises(ConfigError, match=r"logger.experiment_name=e{20}\.\.\. has 600 characters; MLflow takes at most 500"):
+        check_experiment(f"sqlite:///{tmp_path}/mlflow.db", "e" * 600)  # MLflow refused it as the run opened
 
 
 def test_unreachable_server():

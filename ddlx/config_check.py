@@ -7,6 +7,7 @@ from __future__ import annotations
 import difflib
 import math
 import sys
+import typing
 from collections.abc import Iterator, Sequence
 from dataclasses import fields, is_dataclass
 from pathlib import Path
@@ -229,7 +230,8 @@ def _offending_value(err: ValidationError) -> str | None:
     text = str(err)
     if text.startswith("Value '"):
         return text[len("Value '"):].split("'", 1)[0]
-    return None
+    value = getattr(err, "value", None)  # a dict's entry (logger.tags.x=[1,2]): the value itself
+    return None if value is None else _show(value).replace(" ", "")
 
 
 def _expected_type(err: ValidationError) -> tuple[str, str]:
@@ -240,6 +242,9 @@ def _expected_type(err: ValidationError) -> tuple[str, str]:
         for f in fields(object_type):
             if f.name == leaf:
                 return _type_words(f.type), _example(f, f"{prefix}." if prefix else "")
+    entries = typing.get_args(getattr(err, "ref_type", None))  # Dict[str, str]: an entry of a typed dict
+    if len(entries) == 2:
+        return _type_words(entries[1].__name__ if isinstance(entries[1], type) else entries[1]), ""
     return _first_line(err), ""
 
 

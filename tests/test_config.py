@@ -42,6 +42,7 @@ def train_py(*overrides: str, multirun: bool = False, script: str = "train.py") 
     ("strategy.processes=2", r"strategy.processes is not a knob of strategy=sequential", r"knob of strategy=cpu_mp"),
     ("model=vgg17", r"model=vgg17 is not an option of model", r"did you mean model=vgg16\?"),
     ("logger.tags.hw=x", r"logger.tags.hw is not in logger.tags yet", r"add it with \+logger.tags.hw=VALUE"),
+    ("+logger.tags.x=[1,2]", r"logger.tags.x=\[1,2\]", r"expected a string$"),
     ("trainer.accelerator=tpu", r"trainer.accelerator=tpu", r"expected one of auto, cpu, gpu, cuda"),
     ("trainer.val_check_interval=0", r"trainer.val_check_interval=0", r"> 0"),
     ("trainer.max_steps=0", r"trainer.max_steps=0 trains no batch", r"leave trainer.max_steps out"),

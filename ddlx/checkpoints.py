@@ -187,6 +187,18 @@ class SavedRun:
     config: dict[str, Any]
     epoch: int
     global_step: int
+    epochs_done: int = 0  # whole epochs trained (the epoch in progress at a stop within one not among them)
+
+    def nothing_left(self, trainer) -> str | None:
+        """None, or how the typed ``trainer`` config leaves nothing to train after this checkpoint, with the fix."""
+        max_epochs = trainer.max_epochs if trainer.max_epochs is not None or trainer.max_steps != -1 else 1000  # Lightning's
+        if max_epochs not in (None, -1) and self.epochs_done >= max_epochs:
+            return (f"trainer.max_epochs={max_epochs} leaves nothing to train after its {self.epochs_done} epoch(s); "
+                    f"raise it to train on (e.g. trainer.max_epochs={self.epochs_done + 1})")
+        if trainer.max_steps > 0 and self.global_step >= trainer.max_steps:
+            return (f"trainer.max_steps={trainer.max_steps} leaves nothing to train after its {self.global_step} "
+                    f"step(s); raise it to train on")
+        return None
 
 
 def read_saved_run(path: str | os.PathLike) -> SavedRun:
@@ -207,8 +219,16 @@ def read_saved_run(path: str | os.PathLike) -> SavedRun:
                           f"optimizer and loop state a run resumes from; resume from a checkpoint written with "
                           f"checkpoint.save=full")
     meta = checkpoint.get("ddlx") or {}
+    epoch = int(checkpoint.get("epoch", 0))
+    progress = checkpoint["loops"].get("fit_loop", {}).get("epoch_progress", {}).get("current", {})
     return SavedRun(path, meta.get("mlflow_run_id"), meta.get("tracking_uri"), meta.get("experiment"),
-                    dict(meta.get("config") or {}), int(checkpoint.get("epoch", 0)), int(checkpoint.get("global_step", 0)))
+                    dict(meta.get("config") or {}), epoch, int(checkpoint.get("global_step", 0)),
+                    int(progress.get("processed", epoch)))
+
+
+def _as_override(text: str | None) -> str:
+    """A flattened config value (``str()`` of it) as a Hydra override writes it."""
+    return {"None": "null", "True": "true", "False": "false"}.get(str(text), str(text).replace(" ", ""))
 
 
 def check_resumable(saved: SavedRun, flat_now: Mapping[str, str], flatten) -> dict[str, str]:
@@ -220,9 +240,15 @@ def check_resumable(saved: SavedRun, flat_now: Mapping[str, str], flatten) -> di
     changed = {k: v for k, v in flat_now.items() if k in flat_then and flat_then[k] != v}
     changed.update({k: "(unset)" for k in flat_then if k not in flat_now})
     refused = {k: v for k, v in changed.items() if not k.startswith(MAY_CHANGE_ON_RESUME)}
+    synthetic_then, synthetic_now = (flat.get("data.root", "None") == "None" for flat in (flat_then, flat_now))
+    if synthetic_then != synthetic_now:  # a moved folder may change; the images trained on may not
+        then = "synthetic images" if synthetic_then else f"the images of data.root={flat_then['data.root']}"
+        now = "synthetic images" if synthetic_now else f"the images of data.root={flat_now['data.root']}"
+        raise ConfigError(f"ckpt_path={saved.path} was written by a run on {then}, and this one would train on {now}: "
+                          f"one run of two datasets; resume on the same data, or start a new run without ckpt_path")
     if refused:
         was = ", ".join(f"{k}={flat_then.get(k)} (now {v})" for k, v in sorted(refused.items()))
-        fix = " ".join(f"{k}={flat_then.get(k)}" for k in sorted(refused))
+        fix = " ".join(f"{k}={_as_override(flat_then.get(k))}" for k in sorted(refused))
         raise ConfigError(f"ckpt_path={saved.path} was written by a run with {was}: a resumed run keeps its "
                           f"settings; resume with {fix}, or start a new run without ckpt_path")
     return {k: v for k, v in changed.items() if k != "ckpt_path"}

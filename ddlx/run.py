@@ -371,7 +371,7 @@ def prepare_job(cfg: TrainConfig, tags: dict, rank0: bool):
         close_vanished_runs(client, [client.get_experiment_by_name(cfg.logger.experiment_name).experiment_id])
         if saved is not None and saved.run_id:
             check_resumable_run(client, saved.run_id, cfg.logger.tracking_uri, cfg.logger.experiment_name,
-                                saved.tracking_uri)
+                                saved.tracking_uri, saved.nothing_left(cfg.trainer))
     return saved, plan, datamodule
 
 

@@ -332,8 +332,12 @@ def run_not_held(run_id: str, tracking_uri: str, saved_uri: str | None) -> Confi
     return ConfigError(f"the checkpoint belongs to MLflow run {run_id}, which {tracking_uri} does not hold{elsewhere}")
 
 
-def check_resumable_run(client, run_id: str, tracking_uri: str, experiment_name: str, saved_uri: str | None) -> None:
-    """Refuse to resume a run this store does not hold, a deleted one, or one still running."""
+def check_resumable_run(client, run_id: str, tracking_uri: str, experiment_name: str, saved_uri: str | None,
+                        nothing_left: str | None = None) -> None:
+    """Refuse to resume a run this store does not hold, a deleted one, one still running, or one
+    that FINISHED where ``nothing_left`` (how the settings leave nothing to train after the
+    checkpoint, with the fix) says the resume would train nothing. (A run stopped at its end,
+    KILLED, is closed FINISHED by such a resume: a SLURM requeue does it.)"""
     from mlflow.exceptions import MlflowException
 
     try:
@@ -347,6 +351,8 @@ def check_resumable_run(client, run_id: str, tracking_uri: str, experiment_name:
     if experiment != experiment_name:
         raise ConfigError(f"the checkpoint's MLflow run {run_id} is in experiment {experiment!r}; resume with "
                           f"logger.experiment_name={experiment}")
+    if run.info.status == "FINISHED" and nothing_left is not None:
+        raise ConfigError(f"the checkpoint's MLflow run {run_id} FINISHED, and {nothing_left}")
     if run.info.status == "RUNNING" and vanished_reason(run) is None:
         tags = run.data.tags
         raise ConfigError(f"MLflow run {run_id} is still running (pid {tags.get('pid', '?')} on "

@@ -117,7 +117,7 @@ def test_sigusr1_slurms_preemption_warning_checkpoints_and_stops(tiny_config, tr
 
 
 @pytest.mark.integration
-def test_a_checkpoint_resumes_only_the_run_it_belongs_to(tiny_config, tracking_uri, tmp_path):
+def test_a_checkpoint_resumes_only_the_run_it_belongs_to(tiny_config, tracking_uri, tmp_path, data_dir):
     job = ["model=resnet18", *FULL]
     train(tiny_config(*job), tmp_path / "a")
     checkpoint = tmp_path / "a" / "checkpoints" / "last.ckpt"
@@ -126,6 +126,15 @@ def test_a_checkpoint_resumes_only_the_run_it_belongs_to(tiny_config, tracking_u
         train(tiny_config(*job, "optim.lr=0.05", f"ckpt_path={checkpoint}"), tmp_path / "b")
     with pytest.raises(ConfigError, match=r"ckpt_path=.*nope.ckpt does not exist"):
         train(tiny_config(*job, f"ckpt_path={tmp_path}/nope.ckpt"), tmp_path / "c")
+    with pytest.raises(ConfigError, match=r"resume with trainer.gradient_clip_val=null,"):  # as Hydra takes it
+        train(tiny_config(*job, "trainer.gradient_clip_val=0.5", f"ckpt_path={checkpoint}"), tmp_path / "b")
+    with pytest.raises(ConfigError, match=r"FINISHED, and trainer.max_epochs=1 leaves nothing to train after its 1 "
+                                          r"epoch\(s\); raise it to train on \(e.g. trainer.max_epochs=2\)"):
+        train(tiny_config(*job, f"ckpt_path={checkpoint}"), tmp_path / "b")
+    folder = next((data_dir / "synthetic").glob("firesmall-n48-*"))  # the same images, as a folder of real ones
+    with pytest.raises(ConfigError, match=r"written by a run on synthetic images, and this one would train on the images "
+                                          r"of data.root=\S+: one run of two datasets"):
+        train(tiny_config(*job, f"data.root={folder}", "trainer.max_epochs=2", f"ckpt_path={checkpoint}"), tmp_path / "b")
     running = next(iter(runs(tracking_uri)))
     from mlflow.tracking import MlflowClient
 

@@ -133,3 +133,20 @@ def test_recommend_counts_the_training_images_train_py_would(tmp_path, tiny_conf
     with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
         asked = compose(config_name="recommend", overrides=data)
     assert job_from_config(asked).train_samples == len(module.train_set) == 19
+
+
+def test_images_in_a_class_folders_sub_folders_are_its_own_as_torchvision_finds_them(tmp_path):
+    """torchvision's ImageFolder walks each class folder: a nested image was left out without a word."""
+    from torchvision.datasets import ImageFolder
+
+    from ddlx.data.folder import scan_imagefolder
+
+    root = write_digits(tmp_path / "digits", per_class=3)
+    nested = root / "0" / "scans" / "late"
+    nested.mkdir(parents=True)
+    Image.new("L", (8, 8)).save(nested / "extra.png")
+    (root / "1" / "notes.txt").write_text("not an image")
+    classes, samples = scan_imagefolder(root)
+    theirs = ImageFolder(str(root))
+    assert classes == theirs.classes and samples == [(str(Path(p)), i) for p, i in theirs.samples]
+    assert (str(nested / "extra.png"), 0) in samples

@@ -4,6 +4,7 @@ their count, the number of images, the channels and its name from the folder; a 
 from __future__ import annotations
 
 import logging
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +46,9 @@ def scan_imagefolder(root: Path) -> tuple[list[str], list[tuple[str, int]]]:
     from torchvision.datasets.folder import IMG_EXTENSIONS  # here: torchvision takes seconds to import
 
     for index, name in enumerate(classes):
-        files = sorted(str(p) for p in (root / name).iterdir() if p.is_file() and p.suffix.lower() in IMG_EXTENSIONS)
+        # Sub-folders too, in torchvision ImageFolder's order (folders walked sorted, files sorted in each).
+        files = [os.path.join(folder, file) for folder, _, names in sorted(os.walk(root / name, followlinks=True))
+                 for file in sorted(names) if os.path.splitext(file)[1].lower() in IMG_EXTENSIONS]
         if not files:
             raise ConfigError(
                 f"class folder {root / name} has no images (expected files ending in "

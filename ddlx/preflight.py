@@ -50,6 +50,11 @@ def consistency_problems(cfg: TrainConfig) -> list[str]:
     for key, value in (("trainer.max_steps", cfg.trainer.max_steps), ("trainer.limit_train_batches", cfg.trainer.limit_train_batches)):
         if value == 0:  # Lightning skips training: the run would end FINISHED with no epoch measured
             problems.append(f"{key}={value} trains no batch, so there is nothing to measure; leave {key} out for every batch")
+    for unit in ("epochs", "steps"):  # Lightning stops at the max without a word
+        least, most = getattr(cfg.trainer, f"min_{unit}"), getattr(cfg.trainer, f"max_{unit}")
+        if least is not None and most not in (None, -1) and least > most:
+            problems.append(f"trainer.min_{unit}={least} with trainer.max_{unit}={most}: training stops at the max; "
+                            f"use min_{unit} <= max_{unit} (e.g. trainer.max_{unit}={least})")
     max_time = cfg.trainer.max_time
     if max_time is not None and not isinstance(max_time, (str, dict)):  # Lightning's forms; a number has no unit
         problems.append(f"trainer.max_time={max_time}: expected days:hours:minutes:seconds, e.g. "

@@ -269,7 +269,7 @@ def train(cfg, output_dir: str | os.PathLike, extra_tags: Mapping[str, str] | No
 
     # 2. Train: from the run's opening, every way out ends it (FINISHED, FAILED, KILLED).
     with signals:
-        open_run = (lambda: reopen_run(logger, tags)) if resume_run else \
+        open_run = (lambda: reopen_run(logger, tags, cfg.logger.run_name)) if resume_run else \
             (lambda: start_run(logger, params, config_file, tags))
         status, run_id = "FAILED", None
         try:

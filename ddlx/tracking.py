@@ -359,14 +359,15 @@ def check_resumable_run(client, run_id: str, tracking_uri: str, experiment_name:
                           f"{tags.get('host', '?')}); stop it first, or wait for it to end")
 
 
-def reopen_run(logger: MLFlowLogger, tags: Mapping[str, str]) -> str:
+def reopen_run(logger: MLFlowLogger, tags: Mapping[str, str], name: str | None = None) -> str:
     """Continue the run ``logger`` was made for (its ``run_id``): RUNNING again, with this
-    process's tags; the error of the attempt that stopped it is kept as ``previous_error``."""
+    process's tags, renamed ``name`` where the resume names it (logger.run_name); the error of
+    the attempt that stopped it is kept as ``previous_error``."""
     client, run_id = logger.experiment, logger.run_id
     run = client.get_run(run_id)
     previous = run.data.tags.get("error")
     resumes = int(run.data.tags.get("resumes", "0")) + 1
-    client.update_run(run_id, status="RUNNING")
+    client.update_run(run_id, status="RUNNING", name=name or None)
     extra = {"previous_error": previous} if previous else {}
     _set_tags(client, run_id, {**tags, **process_tags(), "resumes": str(resumes), **extra})
     if previous:

@@ -72,10 +72,11 @@ def test_a_run_stopped_mid_epoch_resumes_into_the_same_run_as_if_never_stopped(t
     assert stopped.info.status == "KILLED" and "stopped by SIGINT after step 7" in stopped.data.tags["error"]
 
     monkeypatch.undo()
-    train(tiny_config(*job, f"ckpt_path={checkpoint}"), tmp_path / "resumed")
+    train(tiny_config(*job, f"ckpt_path={checkpoint}", "logger.run_name=renamed"), tmp_path / "resumed")
     assert len(runs(tracking_uri)) == 2, "the resumed run is the stopped one, not a third"
     resumed = next(r for r in runs(tracking_uri) if r.info.run_id == stopped.info.run_id)
     assert resumed.info.status == "FINISHED" and resumed.data.tags["resumes"] == "1"
+    assert resumed.info.run_name == "renamed", "a name given on resume is the run's (logger.* may change)"
     assert "error" not in resumed.data.tags and "SIGINT" in resumed.data.tags["previous_error"]
     assert [s for s, _ in _history(tracking_uri, stopped.info.run_id, "epoch_time_s")] == [3, 6, 9], "each epoch once"
     assert resumed.data.metrics["measured_epochs"] == 3

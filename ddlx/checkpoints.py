@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -191,14 +192,20 @@ class SavedRun:
 
     def nothing_left(self, trainer) -> str | None:
         """None, or how the typed ``trainer`` config leaves nothing to train after this checkpoint, with the fix."""
-        max_epochs = trainer.max_epochs if trainer.max_epochs is not None or trainer.max_steps != -1 else 1000  # Lightning's
+        max_epochs = trainer.max_epochs
+        if max_epochs is None and trainer.max_steps == -1 and trainer.max_time is None:
+            max_epochs = 1000  # Lightning's default then (with max_time set: no limit of epochs)
+        spent = []
         if max_epochs not in (None, -1) and self.epochs_done >= max_epochs:
-            return (f"trainer.max_epochs={max_epochs} leaves nothing to train after its {self.epochs_done} epoch(s); "
-                    f"raise it to train on (e.g. trainer.max_epochs={self.epochs_done + 1})")
+            spent.append((f"trainer.max_epochs={max_epochs}", f"its {self.epochs_done} epoch(s)",
+                          f"trainer.max_epochs={self.epochs_done + 1}"))
         if trainer.max_steps > 0 and self.global_step >= trainer.max_steps:
-            return (f"trainer.max_steps={trainer.max_steps} leaves nothing to train after its {self.global_step} "
-                    f"step(s); raise it to train on")
-        return None
+            spent.append((f"trainer.max_steps={trainer.max_steps}", f"its {self.global_step} step(s)",
+                          f"trainer.max_steps={self.global_step + 1}"))
+        if not spent:
+            return None
+        return (f"{' and '.join(s for s, _, _ in spent)} leave(s) nothing to train after {' and '.join(d for _, d, _ in spent)}; "
+                f"raise {'them' if len(spent) > 1 else 'it'} to train on (e.g. {' '.join(f for _, _, f in spent)})")
 
 
 def read_saved_run(path: str | os.PathLike) -> SavedRun:
@@ -227,8 +234,13 @@ def read_saved_run(path: str | os.PathLike) -> SavedRun:
 
 
 def _as_override(text: str | None) -> str:
-    """A flattened config value (``str()`` of it) as a Hydra override writes it."""
-    return {"None": "null", "True": "true", "False": "false"}.get(str(text), str(text).replace(" ", ""))
+    """A flattened config value (``str()`` of it) as a Hydra override on a shell's command line writes it."""
+    text = str(text)
+    if text in ("None", "True", "False"):
+        return {"None": "null", "True": "true", "False": "false"}[text]
+    if text.startswith("[") and text.endswith("]"):  # a list: Hydra's own form, without spaces
+        return text.replace(" ", "").replace("'", "")
+    return shlex.quote(text)
 
 
 def check_resumable(saved: SavedRun, flat_now: Mapping[str, str], flatten) -> dict[str, str]:

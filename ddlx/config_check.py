@@ -242,9 +242,12 @@ def _expected_type(err: ValidationError) -> tuple[str, str]:
         for f in fields(object_type):
             if f.name == leaf:
                 return _type_words(f.type), _example(f, f"{prefix}." if prefix else "")
-    entries = typing.get_args(getattr(err, "ref_type", None))  # Dict[str, str]: an entry of a typed dict
-    if len(entries) == 2:
-        return _type_words(entries[1].__name__ if isinstance(entries[1], type) else entries[1]), ""
+    ref_type = getattr(err, "ref_type", None)
+    if typing.get_origin(ref_type) is typing.Union:  # Optional[List[float]]: the list's
+        ref_type = next((t for t in typing.get_args(ref_type) if t is not type(None)), None)
+    if typing.get_origin(ref_type) in (dict, list):  # an entry of a typed dict (logger.tags.x) or list (data.std[0])
+        entry = typing.get_args(ref_type)[-1]
+        return _type_words(entry.__name__ if isinstance(entry, type) else entry), ""
     return _first_line(err), ""
 
 

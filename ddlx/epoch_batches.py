@@ -5,10 +5,15 @@ from __future__ import annotations
 import math
 
 
+def process_images(images: int, data_parallel: int) -> int:
+    """The images of an epoch each of ``data_parallel`` processes sharing ``images`` takes
+    (DistributedSampler pads every one to the same count)."""
+    return math.ceil(images / data_parallel)
+
+
 def process_batches(images: int, data_parallel: int, batch: int) -> int:
-    """Batches of ``batch`` in each of ``data_parallel`` processes sharing ``images`` (every one
-    takes ceil(images / processes): DistributedSampler pads)."""
-    return math.ceil(math.ceil(images / data_parallel) / batch)
+    """Batches of ``batch`` in each of ``data_parallel`` processes sharing ``images``."""
+    return math.ceil(process_images(images, data_parallel) / batch)
 
 
 def _limited(batches: int, limit) -> int:

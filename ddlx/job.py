@@ -1,6 +1,7 @@
 """The training job a prediction is for."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from .allocator import SYSTEM
@@ -38,6 +39,14 @@ def validation_images(images: int, val_fraction: float) -> int:
     """The images of ``images`` held out to validate on: at least one where ``val_fraction`` > 0."""
     held_out = round(images * val_fraction)
     return max(1, held_out) if val_fraction > 0 else held_out
+
+
+def images_of_training_split(train: int, val_fraction: float) -> int:
+    """The fewest images whose training split (after :func:`validation_images`) is ``train``."""
+    images = max(train, math.floor((train - 0.5) / (1 - val_fraction)) - 1)  # rounding holds out no fewer below it
+    while images - validation_images(images, val_fraction) < train:
+        images += 1
+    return images
 
 
 def split_too_small(train: int, images: int, val_fraction: float, batch_size: int) -> str | None:

@@ -345,7 +345,8 @@ def prepare_job(cfg: TrainConfig, tags: dict, rank0: bool):
     if cfg.trainer.sync_batchnorm and on_cpu:  # torch's SyncBatchNorm would fail at the first step
         raise ConfigError("trainer.sync_batchnorm=true: torch's SyncBatchNorm runs only on CUDA devices; "
                           "train on GPUs (trainer=gpu) or set trainer.sync_batchnorm=false")
-    if cfg.data.batch_per == "worker":
+    per_worker = cfg.data.batch_per == "worker"
+    if per_worker:
         plan = batch_of_workers(cfg, plan, meta, rank0)
     if cfg.ckpt_path:
         saved = read_saved_run(cfg.ckpt_path)
@@ -357,7 +358,7 @@ def prepare_job(cfg: TrainConfig, tags: dict, rank0: bool):
         check_memory(cfg, plan.data_parallel, plan.replicas_per_machine, plan.recompute)
     datamodule.prepare_data()
     datamodule.build_sets()  # its errors now; the images are kept in memory (data.cache) once the ranks run
-    check_single_sample_batches(cfg, meta, plan.data_parallel, len(datamodule.train_set))
+    check_single_sample_batches(cfg, meta, plan.data_parallel, len(datamodule.train_set), per_worker)
     batches = [process_batches(len(images), plan.data_parallel, datamodule.batch_size)
                for images in (datamodule.train_set, datamodule.val_set)]
     if problems := trainer_batch_problems(cfg.trainer, *batches):  # Lightning's, at the first step

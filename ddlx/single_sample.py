@@ -9,7 +9,7 @@ import math
 import torch
 from torch import nn
 
-from .epoch_batches import process_batches, trained_batches
+from .epoch_batches import process_batches, process_images, trained_batches
 from .errors import ConfigError
 from .models import build_model
 from .strategies import STRATEGIES
@@ -38,9 +38,12 @@ def one_sample_pieces(cfg, global_batch: int, data_parallel: int, train_images: 
     """Where a run of ``cfg`` (the typed train config) with a global batch of ``global_batch``
     trains a layer on one image, each as a phrase; [] where it never does."""
     spec, batch = STRATEGIES[cfg.strategy.name], global_batch // data_parallel
-    # Every process takes ceil(images / processes) samples an epoch (DistributedSampler pads).
-    per_process, batches = math.ceil(train_images / data_parallel), process_batches(train_images, data_parallel, batch)
-    last = per_process % batch if trained_batches(cfg.trainer, batches) == batches else 0
+    if cfg.trainer.sync_batchnorm and data_parallel > 1:  # SyncBatchNorm counts every rank's values
+        return []
+    batches = process_batches(train_images, data_parallel, batch)
+    steps = cfg.trainer.max_steps if cfg.trainer.max_steps > 0 else batches  # a run ending within its first epoch
+    last = process_images(train_images, data_parallel) % batch \
+        if min(trained_batches(cfg.trainer, batches), steps) == batches else 0
     over = f" over {data_parallel} processes" if data_parallel > 1 else ""
     epoch = f"{train_images} training images{over} in batches of {batch}"
     found = []
@@ -56,9 +59,11 @@ def one_sample_pieces(cfg, global_batch: int, data_parallel: int, train_images: 
     return found
 
 
-def check_single_sample_batches(cfg, model: nn.Module, data_parallel: int, train_images: int) -> None:
+def check_single_sample_batches(cfg, model: nn.Module, data_parallel: int, train_images: int,
+                                per_worker: bool = False) -> None:
     """Refuse, naming the fix, a job that would give a layer of ``model`` (meta) a single image
-    where one image cannot train (:func:`trains_on_one_sample`)."""
+    where one image cannot train (:func:`trains_on_one_sample`); ``per_worker``: the user stated
+    data.batch_size per process (data.batch_per=worker), as the fix then gives it."""
     pieces = one_sample_pieces(cfg, cfg.data.batch_size, data_parallel, train_images)
     data = cfg.data
     if not pieces or trains_on_one_sample(model, data.channels, data.image_size):
@@ -70,10 +75,12 @@ def check_single_sample_batches(cfg, model: nn.Module, data_parallel: int, train
         if trains_on_one_sample(larger, data.channels, size):
             fixes.append(f"data.image_size={size}")
             break
+    spec = STRATEGIES[cfg.strategy.name]
     larger_batches = range(data.batch_size + data_parallel, train_images + 1, data_parallel)
-    batch = next((b for b in larger_batches if not one_sample_pieces(cfg, b, data_parallel, train_images)), None)
+    batch = next((b for b in larger_batches if spec.takes_batch(cfg.strategy, b // data_parallel)
+                  and not one_sample_pieces(cfg, b, data_parallel, train_images)), None)
     if batch is not None:
-        fixes.append(f"data.batch_size={batch}")
+        fixes.append(f"data.batch_size={batch // data_parallel if per_worker else batch}")
     raise ConfigError(
         f"model={cfg.model.name} at data.image_size={data.image_size} has a batch norm over a 1x1 feature map, "
         f"which cannot train on a single image, and {'; '.join(pieces)}: use {' or '.join(fixes) or 'a larger batch'}")

@@ -346,7 +346,8 @@ def check_resumable_run(client, run_id: str, tracking_uri: str, experiment_name:
         raise run_not_held(run_id, tracking_uri, saved_uri) from None
     if run.info.lifecycle_stage == "deleted":
         raise ConfigError(f"the checkpoint's MLflow run {run_id} was deleted; restore it "
-                          f"(MLFLOW_TRACKING_URI={tracking_uri} mlflow runs restore --run-id {run_id}) to resume into it")
+                          f"(MLFLOW_TRACKING_URI={shlex.quote(tracking_uri)} mlflow runs restore --run-id {run_id}) to "
+                          f"resume into it")
     experiment = client.get_experiment(run.info.experiment_id).name
     if experiment != experiment_name:
         raise ConfigError(f"the checkpoint's MLflow run {run_id} is in experiment {experiment!r}; resume with "

@@ -43,6 +43,7 @@ def train_py(*overrides: str, multirun: bool = False, script: str = "train.py") 
     ("model=vgg17", r"model=vgg17 is not an option of model", r"did you mean model=vgg16\?"),
     ("logger.tags.hw=x", r"logger.tags.hw is not in logger.tags yet", r"add it with \+logger.tags.hw=VALUE"),
     ("+logger.tags.x=[1,2]", r"logger.tags.x=\[1,2\]", r"expected a string$"),
+    ("data.std=[a,b,c]", r"data.std\[0\]=a", r"expected a number$"),
     ("trainer.accelerator=tpu", r"trainer.accelerator=tpu", r"expected one of auto, cpu, gpu, cuda"),
     ("trainer.val_check_interval=0", r"trainer.val_check_interval=0", r"> 0"),
     ("trainer.max_steps=0", r"trainer.max_steps=0 trains no batch", r"leave trainer.max_steps out"),

@@ -1530,3 +1530,18 @@ def test_a_gpu_pipeline_of_more_than_two_stages_is_predicted_on_the_cut_balance_
     assert slowest(cut) < slowest(profile.even_balance(4))
     assert default_balance(profile, 4, SequentialTime(0.01, 0.001, "cpu"), 32) == profile.even_balance(4)
     assert default_balance(profile, 2, seq, 32) == [profile.split_index, len(profile.layers) - profile.split_index]
+
+
+def test_the_images_behind_a_training_split_are_found_as_train_py_splits_them():
+    """recommend.py sizes the decoded-image cache by the whole set: the fewest images whose
+    training split (at least one held out where data.val_fraction > 0) is the job's."""
+    from ddlx.job import images_of_training_split, validation_images
+
+    for images in range(1, 400):
+        for fraction in (0.0, 0.05, 0.2, 0.5, 0.9):
+            train = images - validation_images(images, fraction)
+            if train < 1:
+                continue
+            found = images_of_training_split(train, fraction)
+            assert found <= images and found - validation_images(found, fraction) == train, (images, fraction)
+    assert images_of_training_split(8, 0.05) == 9, "8 / 0.95 rounds to 8, which holds one out and trains 7"

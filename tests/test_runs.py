@@ -129,7 +129,7 @@ def test_a_checkpoint_resumes_only_the_run_it_belongs_to(tiny_config, tracking_u
         train(tiny_config(*job, f"ckpt_path={tmp_path}/nope.ckpt"), tmp_path / "c")
     with pytest.raises(ConfigError, match=r"resume with trainer.gradient_clip_val=null,"):  # as Hydra takes it
         train(tiny_config(*job, "trainer.gradient_clip_val=0.5", f"ckpt_path={checkpoint}"), tmp_path / "b")
-    with pytest.raises(ConfigError, match=r"FINISHED, and trainer.max_epochs=1 leaves nothing to train after its 1 "
+    with pytest.raises(ConfigError, match=r"FINISHED, and trainer.max_epochs=1 leave\(s\) nothing to train after its 1 "
                                           r"epoch\(s\); raise it to train on \(e.g. trainer.max_epochs=2\)"):
         train(tiny_config(*job, f"ckpt_path={checkpoint}"), tmp_path / "b")
     folder = next((data_dir / "synthetic").glob("firesmall-n48-*"))  # the same images, as a folder of real ones

@@ -59,6 +59,10 @@ def config(*overrides: str):
     (["data.batch_size=4", "strategy=threads", "strategy.threads=3"], 1, 8, r"strategy=threads cuts a batch of 4"),
     (["data.batch_size=4", "strategy=ddp_gloo", "strategy.processes=2"], 2, 10,
      r"the epoch ends in a batch of 1 \(10 training images over 2 processes in batches of 2\)"),
+    (["data.batch_size=4", "strategy=pipe", "strategy.engine=torch", "strategy.chunks=4"], 1, 18,
+     r"strategy=pipe cuts the epoch's last batch of 2"),  # the fix a batch PyTorch's schedules take
+    (["data.batch_size=8", "strategy=mpi", "strategy.local=threads", "strategy.threads=4"], 2, 16,
+     r"strategy=mpi cuts a batch of 4 into pieces as small as 1"),
 ])
 def test_a_job_giving_a_layer_one_image_is_refused_with_fixes_that_train(overrides, processes, images, why):
     cfg = config(*overrides)
@@ -68,9 +72,19 @@ def test_a_job_giving_a_layer_one_image_is_refused_with_fixes_that_train(overrid
     assert fixes[0] == "data.image_size=17" and fixes[1].startswith("data.batch_size=")
     batch = int(fixes[1].split("=")[1])
     assert batch % processes == 0 and not one_sample_pieces(cfg, batch, processes, images), "the fix leaves no single image"
+    assert STRATEGIES[cfg.strategy.name].takes_batch(cfg.strategy, batch // processes), "and the strategy takes it"
+
+
+def test_a_batch_stated_per_worker_is_fixed_per_worker():
+    cfg = config("data.batch_size=4", "strategy=ddp_gloo", "strategy.processes=2")  # 2 a worker, as batch_per=worker made it
+    with pytest.raises(ConfigError, match=r"data.batch_size=3$"):  # 6 global: 5 images a process end in a batch of 2
+        check_single_sample_batches(cfg, meta_model("vgg11", 16), 2, 10, per_worker=True)
 
 
 def test_a_job_whose_every_piece_has_two_images_or_a_model_that_trains_on_one_is_taken():
+    synced = config("data.batch_size=2", "strategy=ddp_gloo", "strategy.processes=2", "trainer.sync_batchnorm=true")
+    check_single_sample_batches(synced, meta_model("vgg11", 16), 2, 10)  # SyncBatchNorm counts both ranks' values
+    check_single_sample_batches(config("data.batch_size=4", "trainer.max_steps=2"), meta_model("vgg11", 16), 1, 9)
     check_single_sample_batches(config("data.batch_size=3"), meta_model("vgg11", 16), 1, 9)  # 3 batches of 3
     for limit in ("trainer.limit_train_batches=2", "trainer.limit_train_batches=0.5", "trainer.overfit_batches=1"):
         check_single_sample_batches(config("data.batch_size=4", limit), meta_model("vgg11", 16), 1, 9)  # never at the 1

@@ -15,7 +15,7 @@ from ..config import DataConfig, RecommendConfig
 from ..config_check import check_recommend_job, typed_recommend_config
 from ..data.folder import complete_data_config
 from ..errors import ConfigError
-from ..job import Batches, Job, cache_outcome, split_too_small, validation_images
+from ..job import Batches, Job, cache_outcome, images_of_training_split, split_too_small, validation_images
 from ..models import check_request
 from ..records import left_out
 from ..strategies import BASELINE
@@ -105,7 +105,7 @@ def with_data_cache(job: Job, cfg: RecommendConfig, target) -> Job:
 
 def cache_of(job: Job, cfg: RecommendConfig, target) -> str:
     """Where train.py would keep ``job``'s decoded images on ``target``: in memory or not."""
-    images = round(job.train_samples / (1 - cfg.data.val_fraction)) if cfg.data.val_fraction < 1 else job.train_samples
+    images = images_of_training_split(job.train_samples, cfg.data.val_fraction)
     return cache_outcome(cfg.data.cache, images, job.channels, job.image_size, target.ram_per_node_gb * GB)
 
 

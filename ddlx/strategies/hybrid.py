@@ -13,8 +13,8 @@ from ..parallel.schedules import SCHEDULES
 from .parts.halves import halves_bytes
 from .parts.pipelines import (ENGINES, PIPE_CHECKPOINT, PIPELINE_KNOB, PIPELINE_KNOB_UNLESS_DEFAULT, compile_by_layers_or_refuse,
                               engine_group, engine_refused_precisions, local_torch_pipeline, pipelines_candidates, pipelines_cost,
-                              pipelines_memory, smallest_micro_batch, torch_pipeline)
-from .parts.replicas import ParallelDims, device_pairs, local_parallelizer
+                              pipelines_memory, torch_pipeline)
+from .parts.replicas import ParallelDims, device_pairs, local_parallelizer, local_smallest_piece, local_takes_batch
 from .spec import TIMEOUT_S, Setup, StrategyPlan, StrategySpec, accelerator_of, refuse_compile, warn_oversubscription
 
 
@@ -66,7 +66,10 @@ class Hybrid(StrategySpec):
         )
 
     def smallest_piece(self, cfg, batch: int) -> int:
-        return smallest_micro_batch(cfg, batch) if cfg.local == "pipe" else batch  # split: layers apart, not samples
+        return local_smallest_piece(cfg, batch)
+
+    def takes_batch(self, cfg, batch: int) -> bool:
+        return local_takes_batch(cfg, batch)
 
     def _plan_torch(self, cfg, pairs, model, data, dims: ParallelDims) -> StrategyPlan:
         """``processes`` pipelines of PyTorch's schedule, one process per device of each pair."""

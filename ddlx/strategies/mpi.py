@@ -12,7 +12,8 @@ from ..parallel.schedules import SCHEDULES
 from .parts.pipelines import (ENGINES, PIPE_CHECKPOINT, PIPELINE_KNOB, PIPELINE_KNOB_UNLESS_DEFAULT, compile_by_layers_or_refuse,
                               engine_group, engine_refused_precisions, local_torch_pipeline, pipelines_candidates, pipelines_cost,
                               pipelines_memory, torch_pipeline)
-from .parts.replicas import ParallelDims, data_parallel_cost, data_parallel_memory, device_pairs, local_parallelizer
+from .parts.replicas import (ParallelDims, data_parallel_cost, data_parallel_memory, device_pairs, local_parallelizer,
+                             local_smallest_piece, local_takes_batch)
 from .spec import TIMEOUT_S, Setup, StrategyPlan, StrategySpec, refuse_compile
 
 
@@ -46,6 +47,12 @@ class Mpi(StrategySpec):
 
     def data_parallel(self, cfg) -> int | None:
         return None  # the ranks mpirun or srun starts
+
+    def smallest_piece(self, cfg, batch: int) -> int:
+        return local_smallest_piece(cfg, batch)
+
+    def takes_batch(self, cfg, batch: int) -> bool:
+        return local_takes_batch(cfg, batch)
 
     def plan(self, cfg, accelerator, model, data) -> StrategyPlan:
         import torch

@@ -278,6 +278,11 @@ class StrategySpec:
         ``cfg`` trains a batch of ``batch`` (a micro-batch, a thread's share)."""
         return batch
 
+    def takes_batch(self, cfg, batch: int) -> bool:
+        """Whether a process of a run of its config ``cfg`` can train a batch of ``batch`` (a
+        pipeline's micro-batches need a sample each, PyTorch's equal ones)."""
+        return True
+
     def worker_batch(self, setup: Setup, job: Job) -> int:
         """Samples one worker allocates activations for in a step."""
         return job.batch_size // self.processes(setup)

@@ -13,6 +13,7 @@ from ..costmodel.costs import (
     weight_traffic_s,
 )
 from ..costmodel.perf_models import threads_s
+from .parts.replicas import thread_share
 from .spec import Setup, StrategyPlan, StrategySpec, require_cpu, warn_oversubscription
 
 
@@ -30,7 +31,7 @@ class Threads(StrategySpec):
     splits_batch = True
 
     def smallest_piece(self, cfg, batch: int) -> int:
-        return batch // min(cfg.threads, batch)  # Tensor.tensor_split: the first shares one larger
+        return thread_share(cfg.threads, batch)
 
     def plan(self, cfg, accelerator, model, data) -> StrategyPlan:
         import torch

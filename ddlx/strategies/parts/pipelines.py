@@ -65,6 +65,12 @@ def smallest_micro_batch(cfg, batch: int) -> int:
     return batch - size * (-(-batch // size) - 1)
 
 
+def pipeline_takes(cfg, batch: int) -> bool:
+    """Whether a pipeline of ``cfg`` takes a batch of ``batch`` (each pipeline's): a sample for every
+    micro-batch (:func:`pipe_knobs`), and equal micro-batches under PyTorch's schedules (:func:`torch_pipeline`)."""
+    return cfg.chunks <= batch and (cfg.engine != "torch" or batch % cfg.chunks == 0)
+
+
 def torch_pipeline(cfg, devices, model, data, name: str, replicas: int = 1, width: int | None = None, **strategy_kwargs):
     """The checked :class:`TorchPipelineStrategy` (and its tags) of ``replicas`` pipelines, each
     over ``width`` processes (default: ``len(devices) // replicas``; one per device of ``devices``, this node's)."""

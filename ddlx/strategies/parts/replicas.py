@@ -11,8 +11,26 @@ from ...costmodel.costs import (DEFAULT_BUCKET_MB, computing_at_once, cost, memo
                                replica_bytes, ring, weight_traffic_s)
 from ...costmodel.perf_models import data_parallel_s, exposed_allreduce_s
 from .halves import cut_point
-from .pipelines import pipe_knobs
+from .pipelines import pipe_knobs, pipeline_takes, smallest_micro_batch
 from ..spec import Setup
+
+
+def thread_share(threads: int, batch: int) -> int:
+    """The smallest share of ``batch`` among ``threads`` threads (``Tensor.tensor_split``: the first ones larger)."""
+    return batch // min(threads, batch)
+
+
+def local_smallest_piece(cfg, batch: int) -> int:
+    """The fewest samples a layer of a replica's ``cfg.local`` strategy trains at once of its ``batch``."""
+    if cfg.local == "pipe":
+        return smallest_micro_batch(cfg, batch)
+    if cfg.local == "threads":
+        return thread_share(cfg.threads, batch)
+    return batch  # sequential, split: the layers apart, not the samples
+
+
+def local_takes_batch(cfg, batch: int) -> bool:
+    return pipeline_takes(cfg, batch) if cfg.local == "pipe" else True
 
 
 @dataclass(frozen=True)

@@ -1545,3 +1545,13 @@ def test_the_images_behind_a_training_split_are_found_as_train_py_splits_them():
             found = images_of_training_split(train, fraction)
             assert found <= images and found - validation_images(found, fraction) == train, (images, fraction)
     assert images_of_training_split(8, 0.05) == 9, "8 / 0.95 rounds to 8, which holds one out and trains 7"
+
+
+def test_processes_past_a_machines_devices_share_its_nodes_links():
+    """A CPU job of more processes than cores (hybrid processes=2 on 2 cores: 4 'devices') was
+    priced as spanning a second node, and one such run in the store stopped every answer on
+    hw=local ('has 1 nodes but no inter_node link')."""
+    one_node = hardware(_compose_hw("hw=cpu_2core_cluster", "hw.nodes=1", "hw.inter_node=null"))
+    assert one_node.link(2, 3) == one_node.intra_node and one_node.link(0, 3) == one_node.intra_node
+    two_nodes = hardware(_compose_hw("hw=cpu_2core_cluster", "hw.nodes=2"))
+    assert two_nodes.link(1, 2) == two_nodes.inter_node and two_nodes.link(0, 4) == two_nodes.intra_node

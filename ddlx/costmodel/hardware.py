@@ -84,8 +84,9 @@ class HardwareSpec:
         return self.nodes * self.devices_per_node
 
     def link(self, a: int, b: int) -> LinkSpec:
-        """The link between global devices ``a`` and ``b`` (node-major numbering)."""
-        if a // self.devices_per_node != b // self.devices_per_node:
+        """The link between global devices ``a`` and ``b`` (node-major numbering; past the last
+        device, the numbering starts again at the first node's: CPU processes sharing cores)."""
+        if (a // self.devices_per_node) % self.nodes != (b // self.devices_per_node) % self.nodes:
             if self.inter_node is None:
                 raise ConfigError(f"hw={self.name} has {self.nodes} nodes but no inter_node link; describe it")
             return self.inter_node

@@ -202,3 +202,14 @@ def test_each_setup_knob_can_be_tried_on_every_described_machine(name):
         for setup in candidates(hw_file(hw_name, DEFAULT_HW_DIR), JOB, tries={name: {k: [v] for k, v in tried.items()}}):
             if setup.strategy == name and getattr(setup, "trainer", None) is None:
                 assert all(getattr(setup, k) == v for k, v in tried.items()), (hw_name, setup.label)
+
+
+def test_a_knob_left_unset_is_left_out_of_the_command_and_shown_as_null():
+    """recommend.py printed strategy.shard_size=None for a tried fsdp sharding=hybrid, which train.py refuses."""
+    spec = STRATEGIES["fsdp"]
+    setup = spec.setup(processes=2, sharding="hybrid", shard_size=None)
+    assert spec.overrides(setup) == "strategy=fsdp strategy.processes=2 strategy.sharding=hybrid"
+    assert "shard_size=null" in setup.label
+    from ddlx.config_check import check_config
+
+    check_config(composed(spec.overrides(setup).split()))  # a command train.py takes

@@ -87,7 +87,11 @@ def _setup_of(strategy: str, values: dict[str, object]) -> Setup:
 
 
 def _render(value) -> str:
-    return f"[{','.join(map(str, value))}]" if isinstance(value, (list, tuple)) else str(value)
+    """A knob's value as train.py's command line takes it (null, true, [cpu,cpu])."""
+    if isinstance(value, (list, tuple)):
+        return f"[{','.join(map(str, value))}]"
+    return {None: "null", True: "true", False: "false"}.get(value, str(value)) if isinstance(value, (bool, type(None))) \
+        else str(value)
 
 
 class StrategySpec:
@@ -224,7 +228,7 @@ class StrategySpec:
         """The train.py overrides that run ``setup`` (what its launcher sets is not one of them)."""
         parts = [f"strategy={self.name}"]
         for key, value in setup.knobs:
-            if key in self.launcher_knobs:
+            if key in self.launcher_knobs or value is None:  # unset: the knob's default resolves it
                 continue
             parts.append(f"trainer={value}" if key == "trainer" else f"strategy.{key}={_render(value)}")
         return " ".join(parts)

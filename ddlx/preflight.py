@@ -65,6 +65,9 @@ def consistency_problems(cfg: TrainConfig) -> list[str]:
     parallel = STRATEGIES[cfg.strategy.name].data_parallel(cfg.strategy)
     if cfg.data.batch_per == "global" and parallel:
         problems += batch_split_problems(cfg.data.batch_size, parallel)
+    if cfg.model.memory_format == "channels_last" and \
+            (why := STRATEGIES[cfg.strategy.name].channels_last_problem(cfg.strategy)):
+        problems.append(f"model.memory_format=channels_last with strategy={cfg.strategy.name}: {why}")
     if cfg.compile.enable:
         try:
             STRATEGIES[cfg.strategy.name].compile_unit(cfg.strategy)

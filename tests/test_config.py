@@ -53,6 +53,10 @@ def train_py(*overrides: str, multirun: bool = False, script: str = "train.py") 
     ("data.std=[0,0,0]", r"data.std=\[0.0, 0.0, 0.0\]", r"values > 0"),
     # Known before torch loads: across keys, the paths named, the machine.
     ("trainer.max_epochs=0", r"measure.warmup_epochs=0 with trainer.max_epochs=0", r"use 0 <= warmup_epochs < max_epochs"),
+    ("model.memory_format=channels_last strategy=fsdp", r"model.memory_format=channels_last with strategy=fsdp",
+     r"model.memory_format=contiguous"),
+    ("model.memory_format=channels_last strategy=pipe strategy.engine=torch",
+     r"model.memory_format=channels_last with strategy=pipe", r"strategy.engine=fairscale"),
     ("trainer.min_epochs=4 trainer.max_epochs=2", r"trainer.min_epochs=4 with trainer.max_epochs=2", r"trainer.max_epochs=4"),
     ("trainer=gpu", r"trainer.accelerator=gpu, but this machine has no GPU", r"trainer=default"),
     ("strategy=ddp_nccl", r"strategy=ddp_nccl needs CUDA GPUs", r"strategy=ddp_gloo"),

@@ -52,6 +52,10 @@ class Fsdp(RanksOverNodes, StrategySpec):
     name, config, order = "fsdp", FsdpConfig, 5
     splits_batch = True
 
+    def channels_last_problem(self, cfg) -> str | None:
+        return ("FSDP2 shards contiguous parameters only (torch: 'FSDP does not support non-contiguous parameters'); "
+                "use model.memory_format=contiguous, or strategy=ddp_gloo/ddp_nccl, which takes channels_last")
+
     def plan(self, cfg, accelerator, model, data) -> StrategyPlan:
         import torch
 

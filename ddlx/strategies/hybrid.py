@@ -11,7 +11,7 @@ from ..costmodel.costs import DEFAULT_BUCKET_MB, cost, cut_mb, link, memory_need
 from ..costmodel.perf_models import hybrid_s, split_s
 from ..parallel.schedules import SCHEDULES
 from .parts.halves import halves_bytes
-from .parts.pipelines import (ENGINES, PIPE_CHECKPOINT, PIPELINE_KNOB, PIPELINE_KNOB_UNLESS_DEFAULT, compile_by_layers_or_refuse,
+from .parts.pipelines import (TORCH_PIPELINE_CHANNELS_LAST, ENGINES, PIPE_CHECKPOINT, PIPELINE_KNOB, PIPELINE_KNOB_UNLESS_DEFAULT, compile_by_layers_or_refuse,
                               engine_group, engine_refused_precisions, local_torch_pipeline, pipelines_candidates, pipelines_cost,
                               pipelines_memory, torch_pipeline)
 from .parts.replicas import ParallelDims, device_pairs, local_parallelizer, local_smallest_piece, local_takes_batch
@@ -70,6 +70,9 @@ class Hybrid(StrategySpec):
 
     def takes_batch(self, cfg, batch: int) -> bool:
         return local_takes_batch(cfg, batch)
+
+    def channels_last_problem(self, cfg) -> str | None:
+        return TORCH_PIPELINE_CHANNELS_LAST if cfg.local == "pipe" and cfg.engine == "torch" else None
 
     def _plan_torch(self, cfg, pairs, model, data, dims: ParallelDims) -> StrategyPlan:
         """``processes`` pipelines of PyTorch's schedule, one process per device of each pair."""

@@ -9,7 +9,7 @@ from typing import Any, Optional
 from ..compiling import WHOLE_MODEL
 from ..knobs import ALWAYS, knob
 from ..parallel.schedules import SCHEDULES
-from .parts.pipelines import (ENGINES, PIPE_CHECKPOINT, PIPELINE_KNOB, PIPELINE_KNOB_UNLESS_DEFAULT, compile_by_layers_or_refuse,
+from .parts.pipelines import (TORCH_PIPELINE_CHANNELS_LAST, ENGINES, PIPE_CHECKPOINT, PIPELINE_KNOB, PIPELINE_KNOB_UNLESS_DEFAULT, compile_by_layers_or_refuse,
                               engine_group, engine_refused_precisions, local_torch_pipeline, pipelines_candidates, pipelines_cost,
                               pipelines_memory, torch_pipeline)
 from .parts.replicas import (ParallelDims, data_parallel_cost, data_parallel_memory, device_pairs, local_parallelizer,
@@ -53,6 +53,9 @@ class Mpi(StrategySpec):
 
     def takes_batch(self, cfg, batch: int) -> bool:
         return local_takes_batch(cfg, batch)
+
+    def channels_last_problem(self, cfg) -> str | None:
+        return TORCH_PIPELINE_CHANNELS_LAST if cfg.local == "pipe" and cfg.engine == "torch" else None
 
     def plan(self, cfg, accelerator, model, data) -> StrategyPlan:
         import torch

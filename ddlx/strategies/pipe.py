@@ -15,7 +15,7 @@ from ..costmodel.costs import (FORWARD_SHARE, RECOMPUTE, REPLICA_SHARE, cost, gp
 from ..parallel.schedules import SCHEDULES
 from ..costmodel.perf_models import Link, gpipe_comm_s, gpipe_compute_s, pipeline_schedule_s
 from .parts.pipelines import (ENGINES, PIPE_CHECKPOINT, chunk_counts, compile_by_layers_or_refuse, default_balance, engine_group,
-                        TorchPipeline, engine_refused_precisions, pipe_knobs, pipeline_takes, smallest_micro_batch, torch_batch_s,
+                        TORCH_PIPELINE_CHANNELS_LAST, TorchPipeline, engine_refused_precisions, pipe_knobs, pipeline_takes, smallest_micro_batch, torch_batch_s,
                         torch_pipeline, torch_rank_bytes)
 from .spec import TIMEOUT_S, Setup, StrategyPlan, StrategySpec, accelerator_of
 
@@ -69,6 +69,9 @@ class Pipe(StrategySpec):
 
     def takes_batch(self, cfg, batch: int) -> bool:
         return pipeline_takes(cfg, batch)
+
+    def channels_last_problem(self, cfg) -> str | None:
+        return TORCH_PIPELINE_CHANNELS_LAST if cfg.engine == "torch" else None
 
     def _plan_torch(self, cfg, devices, model, data) -> StrategyPlan:
         """One process per device, each running its stages under PyTorch's ``cfg.schedule``."""

@@ -282,6 +282,11 @@ class StrategySpec:
         ``cfg`` trains a batch of ``batch`` (a micro-batch, a thread's share)."""
         return batch
 
+    def channels_last_problem(self, cfg) -> str | None:
+        """Why a run of its config ``cfg`` cannot keep its weights in channels_last
+        (model.memory_format), with what to use instead; None where it can."""
+        return None
+
     def takes_batch(self, cfg, batch: int) -> bool:
         """Whether a process of a run of its config ``cfg`` can train a batch of ``batch`` (a
         pipeline's micro-batches need a sample each, PyTorch's equal ones)."""

@@ -65,6 +65,11 @@ def smallest_micro_batch(cfg, batch: int) -> int:
     return batch - size * (-(-batch // size) - 1)
 
 
+TORCH_PIPELINE_CHANNELS_LAST = ("PyTorch's pipeline schedules fail to pass channels_last tensors between stages "
+                                "(torch.distributed: 'input tensor has to be contiguous', at the first step); use "
+                                "model.memory_format=contiguous, or strategy.engine=fairscale")
+
+
 def pipeline_takes(cfg, batch: int) -> bool:
     """Whether a pipeline of ``cfg`` takes a batch of ``batch`` (each pipeline's): a sample for every
     micro-batch (:func:`pipe_knobs`), and equal micro-batches under PyTorch's schedules (:func:`torch_pipeline`)."""

@@ -33,8 +33,12 @@ def main(cfg: DictConfig) -> None:
     keys = {o: o.lstrip("+~").split("=")[0] for o in hydra_cfg.overrides.task}
     job_overrides = [o for o, key in keys.items() if key.split(".")[0] in ("model", "data", "cpu_allocator", "trainer")]
     hw_overrides = [o for o, key in keys.items() if key.startswith("hw.")]  # hw=X's fields changed: another machine
+    # Where the runs it reads are: the printed commands record theirs there, so the next answer counts them.
+    store_overrides = [o for o, key in keys.items() if key.startswith("paths.") or key == "logger.tracking_uri"]
+    if any(key == "experiments" for key in keys.values()) and len(cfg.experiments) == 1:
+        store_overrides.append(f"logger.experiment_name={cfg.experiments[0]}")
     report_config_errors(lambda: run(cfg, Path(hydra_cfg.runtime.output_dir), ROOT / "conf" / "hw", job_overrides,
-                                     hw_overrides))
+                                     hw_overrides, store_overrides))
 
 
 if __name__ == "__main__":

@@ -1555,3 +1555,18 @@ def test_processes_past_a_machines_devices_share_its_nodes_links():
     assert one_node.link(2, 3) == one_node.intra_node and one_node.link(0, 3) == one_node.intra_node
     two_nodes = hardware(_compose_hw("hw=cpu_2core_cluster", "hw.nodes=2"))
     assert two_nodes.link(1, 2) == two_nodes.inter_node and two_nodes.link(0, 4) == two_nodes.intra_node
+
+
+def test_printed_commands_record_into_the_store_the_answer_reads_where_they_run_beside_it():
+    """recommend.py paths.root=X read X's runs but printed commands that recorded into the
+    project's store, so 'run these, then ask again' never counted them."""
+    from dataclasses import replace as changed
+
+    from ddlx.predict.cli import store_overrides_for
+
+    given = ["paths.root=/tmp/mine", "logger.tracking_uri=http://tracking:5000", "logger.experiment_name=study"]
+    here = changed(hardware(_compose_hw("hw=h100_1x")), detect=True)
+    assert store_overrides_for(here, "http://tracking:5000", given) == given
+    elsewhere = hardware(_compose_hw("hw=h100_1x"))
+    assert store_overrides_for(elsewhere, "http://tracking:5000", given) == given[1:], "a server is reached from anywhere"
+    assert store_overrides_for(elsewhere, "sqlite:////tmp/mine/mlflow.db", given[:1]) == [], "a path here names nothing there"

@@ -20,6 +20,7 @@ from ..models import check_request
 from ..records import left_out
 from ..strategies import BASELINE
 from ..tracking import check_tracking_uri, load_runs, log_result_run, store_exists
+from ..ui import is_server
 from ..costmodel.hardware import GB, HardwareSpec, detect_local, machine_identity, validate
 from .count_ahead import count_ahead, wait_for
 from .kept_probes import forget, kept
@@ -127,17 +128,28 @@ def measured_runs(cfg: RecommendConfig) -> tuple[list, str]:
     return runs, note
 
 
+def store_overrides_for(target, tracking_uri: str, store_overrides: list[str]) -> list[str]:
+    """The store overrides a printed command for ``target`` carries: all of them on this machine
+    (hw=local), where the runs are made beside the store; elsewhere, only a tracking server's
+    address (a path on this machine names nothing there)."""
+    if target.detect:
+        return store_overrides
+    return [o for o in store_overrides if o.startswith("logger.") and is_server(tracking_uri)]
+
+
 def _ids(runs, shown: int = 6) -> str:
     ids = [r.run_id[:8] for r in runs]
     return ", ".join(ids[:shown]) + (f" and {len(ids) - shown} more" if len(ids) > shown else "")
 
 
 def run(composed: DictConfig, out_dir: Path, hw_dir: Path, job_overrides: list[str] | None = None,
-        hw_overrides: list[str] | None = None) -> None:
+        hw_overrides: list[str] | None = None, store_overrides: list[str] | None = None) -> None:
     """recommend.py's job from its ``composed`` config, typed here once (:class:`RecommendConfig`,
     ``hw`` a :class:`HardwareSpec`). ``job_overrides``: the model/data overrides the job was
     given, repeated in the train.py commands printed for it; ``hw_overrides``: the fields of
-    ``hw=`` it changed (``hw.nodes=2``), which make it another machine than its file in ``compare=``."""
+    ``hw=`` it changed (``hw.nodes=2``), which make it another machine than its file in ``compare=``;
+    ``store_overrides``: where the runs it reads are (``paths.*``, ``logger.tracking_uri``, a single
+    experiment), repeated in the commands for this machine, or for any with a tracking server."""
     cfg: RecommendConfig = typed_recommend_config(composed)
     if cfg.mode not in MODES:
         raise ConfigError(f"mode={cfg.mode}; expected one of {', '.join(MODES)}")
@@ -194,7 +206,7 @@ def run(composed: DictConfig, out_dir: Path, hw_dir: Path, job_overrides: list[s
     rec = recs[0]
     comparison = compare(recs, cfg.max_epoch_s) if others or cfg.max_epoch_s is not None else None
     elapsed = time.perf_counter() - started
-    overrides = job_overrides or []
+    overrides = [*(job_overrides or []), *store_overrides_for(target, cfg.logger.tracking_uri, store_overrides or [])]
     answer = recommendation_dict(rec, note, elapsed, cfg.close_call, overrides)
     if comparison is not None:
         answer["compared"] = [recommendation_dict(r, note, 0.0, cfg.close_call, overrides) for r in recs[1:]]

@@ -62,6 +62,7 @@ def consistency_problems(cfg: TrainConfig) -> list[str]:
     if cfg.checkpoint.keep_best and cfg.data.val_fraction == 0:
         problems.append("checkpoint.keep_best=true keeps the checkpoint with the best val_acc, but data.val_fraction=0 "
                         "holds no images out to validate on; set data.val_fraction=0.2 (or keep_best=false)")
+    problems += STRATEGIES[cfg.strategy.name].knob_problems(cfg.strategy)
     parallel = STRATEGIES[cfg.strategy.name].data_parallel(cfg.strategy)
     if cfg.data.batch_per == "global" and parallel:
         problems += batch_split_problems(cfg.data.batch_size, parallel)

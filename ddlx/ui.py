@@ -78,7 +78,8 @@ def _port(text: str) -> int:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m ddlx.ui", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m ddlx.ui", description="Serve an MLflow store with mlflow ui, "
+                                     "opened at its model-training view, and print each experiment's runs; Ctrl-C ends it.")
     parser.add_argument("--tracking-uri", default="sqlite:///mlflow.db",
                         help="the MLflow store (default: sqlite:///mlflow.db, train.py's store when run from the project folder)")
     parser.add_argument("--host", default="127.0.0.1",

@@ -14,7 +14,8 @@ from .parts.halves import halves_bytes
 from .parts.pipelines import (TORCH_PIPELINE_CHANNELS_LAST, ENGINES, PIPE_CHECKPOINT, PIPELINE_KNOB, PIPELINE_KNOB_UNLESS_DEFAULT, compile_by_layers_or_refuse,
                               engine_group, engine_refused_precisions, local_torch_pipeline, pipelines_candidates, pipelines_cost,
                               pipelines_memory, torch_pipeline)
-from .parts.replicas import ParallelDims, device_pairs, local_parallelizer, local_smallest_piece, local_takes_batch
+from .parts.replicas import (ParallelDims, device_pairs, local_parallelizer, local_smallest_piece, local_takes_batch,
+                             unused_local_knobs)
 from .spec import TIMEOUT_S, Setup, StrategyPlan, StrategySpec, accelerator_of, refuse_compile, warn_oversubscription
 
 
@@ -70,6 +71,9 @@ class Hybrid(StrategySpec):
 
     def takes_batch(self, cfg, batch: int) -> bool:
         return local_takes_batch(cfg, batch)
+
+    def knob_problems(self, cfg) -> list[str]:
+        return unused_local_knobs(cfg, self.name)
 
     def channels_last_problem(self, cfg) -> str | None:
         return TORCH_PIPELINE_CHANNELS_LAST if cfg.local == "pipe" and cfg.engine == "torch" else None

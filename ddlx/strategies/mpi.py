@@ -13,7 +13,7 @@ from .parts.pipelines import (TORCH_PIPELINE_CHANNELS_LAST, ENGINES, PIPE_CHECKP
                               engine_group, engine_refused_precisions, local_torch_pipeline, pipelines_candidates, pipelines_cost,
                               pipelines_memory, torch_pipeline)
 from .parts.replicas import (ParallelDims, data_parallel_cost, data_parallel_memory, device_pairs, local_parallelizer,
-                             local_smallest_piece, local_takes_batch)
+                             local_smallest_piece, local_takes_batch, unused_local_knobs)
 from .spec import TIMEOUT_S, Setup, StrategyPlan, StrategySpec, refuse_compile
 
 
@@ -53,6 +53,9 @@ class Mpi(StrategySpec):
 
     def takes_batch(self, cfg, batch: int) -> bool:
         return local_takes_batch(cfg, batch)
+
+    def knob_problems(self, cfg) -> list[str]:
+        return unused_local_knobs(cfg, self.name)
 
     def channels_last_problem(self, cfg) -> str | None:
         return TORCH_PIPELINE_CHANNELS_LAST if cfg.local == "pipe" and cfg.engine == "torch" else None

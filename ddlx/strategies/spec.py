@@ -282,6 +282,11 @@ class StrategySpec:
         ``cfg`` trains a batch of ``batch`` (a micro-batch, a thread's share)."""
         return batch
 
+    def knob_problems(self, cfg) -> list[str]:
+        """Knobs of its config ``cfg`` set where they do nothing (a composite's knob of another
+        ``local``), each with the fix; read before torch loads."""
+        return []
+
     def channels_last_problem(self, cfg) -> str | None:
         """Why a run of its config ``cfg`` cannot keep its weights in channels_last
         (model.memory_format), with what to use instead; None where it can."""

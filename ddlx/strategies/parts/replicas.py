@@ -4,7 +4,7 @@ strategy=mpi average gradients over replicas of the whole model; strategy=mpi an
 compose a replica from the local strategy's parts (:mod:`.halves`, :mod:`.pipelines`)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 
 from ...errors import ConfigError
 from ...costmodel.costs import (DEFAULT_BUCKET_MB, computing_at_once, cost, memory_need, recompute_factor, recomputes,
@@ -27,6 +27,22 @@ def local_smallest_piece(cfg, batch: int) -> int:
     if cfg.local == "threads":
         return thread_share(cfg.threads, batch)
     return batch  # sequential, split: the layers apart, not the samples
+
+
+# The knobs of a composite's config (hybrid, mpi) that each ``local`` strategy reads.
+LOCAL_KNOBS = {"sequential": (), "threads": ("threads",), "split": ("devices", "cut_point"),
+               "pipe": ("devices", "chunks", "balance", "checkpoint", "engine", "schedule", "pin_cores")}
+
+
+def unused_local_knobs(cfg, name: str) -> list[str]:
+    """The knobs of ``cfg`` (a composite's config) set away from their default that its ``local``
+    strategy does not read: a run would be labelled with a setting it never used."""
+    others = {k for knobs in LOCAL_KNOBS.values() for k in knobs} - set(LOCAL_KNOBS[cfg.local])
+    defaults = {f.name: f.default for f in fields(cfg) if f.default is not MISSING}
+    users = {k: [local for local, knobs in LOCAL_KNOBS.items() if k in knobs] for k in others}
+    return [f"strategy.{k}={getattr(cfg, k)} is a knob of strategy.local={'|'.join(users[k])}, which strategy={name} "
+            f"with local={cfg.local} does not use; leave it out, or use strategy.local={users[k][0]}"
+            for k in sorted(others) if hasattr(cfg, k) and k in defaults and getattr(cfg, k) != defaults[k]]
 
 
 def local_takes_batch(cfg, batch: int) -> bool:

@@ -480,8 +480,11 @@ def test_pipe_knobs_are_checked():
         _plan("strategy=pipe", "strategy.engine=torch", "strategy.schedule=1f1b", "strategy.chunks=1")
     with pytest.raises(ConfigError, match=r"strategy.checkpoint=except_last .*strategy.engine=torch.*always or never"):
         _plan("strategy=pipe", "strategy.engine=torch", "strategy.checkpoint=except_last")
-    with pytest.raises(ConfigError, match=r"strategy.balance=\[10,12\] must give 4 positive layer counts"):
+    with pytest.raises(ConfigError, match=r"strategy.balance=\[10,12\] must give 4 positive layer counts.*"
+                                          r"e.g. strategy.balance=\[(\d+),(\d+),(\d+),(\d+)\], or") as refused:
         _plan("strategy=pipe", "strategy.engine=torch", "strategy.schedule=zero_bubble", "strategy.balance=[10,12]")
+    example = [int(n) for n in re.search(r"e.g. strategy.balance=\[([\d,]+)\]", str(refused.value)).group(1).split(",")]
+    assert len(example) == 4 and sum(example) == 22 and min(example) >= 1, "the example itself is taken (alexnet: 22 layers)"
     # PyTorch's schedules as the pipelines of a data-parallel job: each pipeline's share is divided.
     with pytest.raises(ConfigError, match=r"strategy.chunks=32 does not divide data.batch_size=32 over 2 pipelines \(16 each\)"):
         _plan("strategy=hybrid", "strategy.local=pipe", "strategy.engine=torch", "strategy.chunks=32")

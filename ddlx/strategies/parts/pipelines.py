@@ -145,11 +145,13 @@ def checked_balance(balance, model, stages: int, per: str) -> list[int] | str:
     counts = list(balance) if isinstance(balance, (list, tuple, ListConfig)) else None  # a string or number: none
     if (counts is None or len(counts) != stages
             or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in counts) or sum(counts) != layers):
-        example = f"strategy.balance=[{model.split_index},{layers - model.split_index}], " if stages == 2 else ""
+        even = [layers // stages + (i < layers % stages) for i in range(stages)]  # as even as the layers allow
+        example = f"[{model.split_index},{layers - model.split_index}]" if stages == 2 else f"[{','.join(map(str, even))}]"
         shown = balance if counts is None else f"[{','.join(map(str, counts))}]"  # as it was given
         raise ConfigError(
             f"strategy.balance={shown} must give {stages} positive layer counts ({per}) summing to "
-            f"{model.arch}'s {layers} layers, e.g. {example}or strategy.balance=auto to balance by profiled layer time"
+            f"{model.arch}'s {layers} layers, e.g. strategy.balance={example}, or strategy.balance=auto to balance by "
+            f"profiled layer time"
         )
     return counts
 

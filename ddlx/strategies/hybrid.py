@@ -11,11 +11,10 @@ from ..costmodel.costs import DEFAULT_BUCKET_MB, cost, cut_mb, link, memory_need
 from ..costmodel.perf_models import hybrid_s, split_s
 from ..parallel.schedules import SCHEDULES
 from .parts.halves import halves_bytes
-from .parts.pipelines import (TORCH_PIPELINE_CHANNELS_LAST, ENGINES, PIPE_CHECKPOINT, PIPELINE_KNOB, PIPELINE_KNOB_UNLESS_DEFAULT, compile_by_layers_or_refuse,
+from .parts.pipelines import (ENGINES, PIPE_CHECKPOINT, PIPELINE_KNOB, PIPELINE_KNOB_UNLESS_DEFAULT, compile_by_layers_or_refuse,
                               engine_group, engine_refused_precisions, local_torch_pipeline, pipelines_candidates, pipelines_cost,
                               pipelines_memory, torch_pipeline)
-from .parts.replicas import (ParallelDims, device_pairs, local_parallelizer, local_smallest_piece, local_takes_batch,
-                             unused_local_knobs)
+from .parts.replicas import ParallelDims, ReplicasOfALocalStrategy, device_pairs, local_parallelizer
 from .spec import TIMEOUT_S, Setup, StrategyPlan, StrategySpec, accelerator_of, refuse_compile, warn_oversubscription
 
 
@@ -39,7 +38,7 @@ class HybridConfig:
     timeout_s: float = knob(TIMEOUT_S, low=0, low_open=True)
 
 
-class Hybrid(StrategySpec):
+class Hybrid(ReplicasOfALocalStrategy, StrategySpec):
     name, config, order = "hybrid", HybridConfig, 7
 
     def plan(self, cfg, accelerator, model, data) -> StrategyPlan:
@@ -65,18 +64,6 @@ class Hybrid(StrategySpec):
             data_parallel=dims.replicas,
             replicas_per_machine=dims.replicas_per_node,
         )
-
-    def smallest_piece(self, cfg, batch: int) -> int:
-        return local_smallest_piece(cfg, batch)
-
-    def takes_batch(self, cfg, batch: int) -> bool:
-        return local_takes_batch(cfg, batch)
-
-    def knob_problems(self, cfg) -> list[str]:
-        return unused_local_knobs(cfg, self.name)
-
-    def channels_last_problem(self, cfg) -> str | None:
-        return TORCH_PIPELINE_CHANNELS_LAST if cfg.local == "pipe" and cfg.engine == "torch" else None
 
     def _plan_torch(self, cfg, pairs, model, data, dims: ParallelDims) -> StrategyPlan:
         """``processes`` pipelines of PyTorch's schedule, one process per device of each pair."""

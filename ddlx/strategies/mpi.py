@@ -9,11 +9,11 @@ from typing import Any, Optional
 from ..compiling import WHOLE_MODEL
 from ..knobs import ALWAYS, knob
 from ..parallel.schedules import SCHEDULES
-from .parts.pipelines import (TORCH_PIPELINE_CHANNELS_LAST, ENGINES, PIPE_CHECKPOINT, PIPELINE_KNOB, PIPELINE_KNOB_UNLESS_DEFAULT, compile_by_layers_or_refuse,
+from .parts.pipelines import (ENGINES, PIPE_CHECKPOINT, PIPELINE_KNOB, PIPELINE_KNOB_UNLESS_DEFAULT, compile_by_layers_or_refuse,
                               engine_group, engine_refused_precisions, local_torch_pipeline, pipelines_candidates, pipelines_cost,
                               pipelines_memory, torch_pipeline)
-from .parts.replicas import (ParallelDims, data_parallel_cost, data_parallel_memory, device_pairs, local_parallelizer,
-                             local_smallest_piece, local_takes_batch, unused_local_knobs)
+from .parts.replicas import (ParallelDims, ReplicasOfALocalStrategy, data_parallel_cost, data_parallel_memory, device_pairs,
+                             local_parallelizer)
 from .spec import TIMEOUT_S, Setup, StrategyPlan, StrategySpec, refuse_compile
 
 
@@ -39,7 +39,7 @@ class MpiConfig:
     timeout_s: float = knob(TIMEOUT_S, low=0, low_open=True)
 
 
-class Mpi(StrategySpec):
+class Mpi(ReplicasOfALocalStrategy, StrategySpec):
     name, config, order = "mpi", MpiConfig, 8
     resolved_tags = ("ranks", "nodes")
     splits_batch = True
@@ -47,18 +47,6 @@ class Mpi(StrategySpec):
 
     def data_parallel(self, cfg) -> int | None:
         return None  # the ranks mpirun or srun starts
-
-    def smallest_piece(self, cfg, batch: int) -> int:
-        return local_smallest_piece(cfg, batch)
-
-    def takes_batch(self, cfg, batch: int) -> bool:
-        return local_takes_batch(cfg, batch)
-
-    def knob_problems(self, cfg) -> list[str]:
-        return unused_local_knobs(cfg, self.name)
-
-    def channels_last_problem(self, cfg) -> str | None:
-        return TORCH_PIPELINE_CHANNELS_LAST if cfg.local == "pipe" and cfg.engine == "torch" else None
 
     def plan(self, cfg, accelerator, model, data) -> StrategyPlan:
         import torch

@@ -11,7 +11,7 @@ from ...costmodel.costs import (DEFAULT_BUCKET_MB, computing_at_once, cost, memo
                                replica_bytes, ring, weight_traffic_s)
 from ...costmodel.perf_models import data_parallel_s, exposed_allreduce_s
 from .halves import cut_point
-from .pipelines import pipe_knobs, pipeline_takes, smallest_micro_batch
+from .pipelines import TORCH_PIPELINE_CHANNELS_LAST, pipe_knobs, pipeline_takes, smallest_micro_batch
 from ..spec import Setup
 
 
@@ -20,33 +20,9 @@ def thread_share(threads: int, batch: int) -> int:
     return batch // min(threads, batch)
 
 
-def local_smallest_piece(cfg, batch: int) -> int:
-    """The fewest samples a layer of a replica's ``cfg.local`` strategy trains at once of its ``batch``."""
-    if cfg.local == "pipe":
-        return smallest_micro_batch(cfg, batch)
-    if cfg.local == "threads":
-        return thread_share(cfg.threads, batch)
-    return batch  # sequential, split: the layers apart, not the samples
-
-
 # The knobs of a composite's config (hybrid, mpi) that each ``local`` strategy reads.
 LOCAL_KNOBS = {"sequential": (), "threads": ("threads",), "split": ("devices", "cut_point"),
                "pipe": ("devices", "chunks", "balance", "checkpoint", "engine", "schedule", "pin_cores")}
-
-
-def unused_local_knobs(cfg, name: str) -> list[str]:
-    """The knobs of ``cfg`` (a composite's config) set away from their default that its ``local``
-    strategy does not read: a run would be labelled with a setting it never used."""
-    others = {k for knobs in LOCAL_KNOBS.values() for k in knobs} - set(LOCAL_KNOBS[cfg.local])
-    defaults = {f.name: f.default for f in fields(cfg) if f.default is not MISSING}
-    users = {k: [local for local, knobs in LOCAL_KNOBS.items() if k in knobs] for k in others}
-    return [f"strategy.{k}={getattr(cfg, k)} is a knob of strategy.local={'|'.join(users[k])}, which strategy={name} "
-            f"with local={cfg.local} does not use; leave it out, or use strategy.local={users[k][0]}"
-            for k in sorted(others) if hasattr(cfg, k) and k in defaults and getattr(cfg, k) != defaults[k]]
-
-
-def local_takes_batch(cfg, batch: int) -> bool:
-    return pipeline_takes(cfg, batch) if cfg.local == "pipe" else True
 
 
 @dataclass(frozen=True)
@@ -87,6 +63,36 @@ def ranks_on_a_node(processes: int, hw) -> int:
     than cores share them)."""
     n = hw.devices_per_node
     return n if processes > n and hw.nodes > 1 else processes
+
+
+class ReplicasOfALocalStrategy:
+    """A spec whose replicas each run a ``local`` strategy's parts (hybrid, mpi): what a replica
+    cuts a batch into, the batches it takes, the knobs it reads, the memory formats it keeps."""
+
+    name: str
+
+    def smallest_piece(self, cfg, batch: int) -> int:
+        if cfg.local == "pipe":
+            return smallest_micro_batch(cfg, batch)
+        if cfg.local == "threads":
+            return thread_share(cfg.threads, batch)
+        return batch  # sequential, split: the layers apart, not the samples
+
+    def takes_batch(self, cfg, batch: int) -> bool:
+        return pipeline_takes(cfg, batch) if cfg.local == "pipe" else True
+
+    def knob_problems(self, cfg) -> list[str]:
+        """The knobs of ``cfg`` set away from their default that its ``local`` strategy does not
+        read: a run would be labelled with a setting it never used."""
+        others = {k for knobs in LOCAL_KNOBS.values() for k in knobs} - set(LOCAL_KNOBS[cfg.local])
+        defaults = {f.name: f.default for f in fields(cfg) if f.default is not MISSING}
+        users = {k: [local for local, knobs in LOCAL_KNOBS.items() if k in knobs] for k in others}
+        return [f"strategy.{k}={getattr(cfg, k)} is a knob of strategy.local={'|'.join(users[k])}, which strategy="
+                f"{self.name} with local={cfg.local} does not use; leave it out, or use strategy.local={users[k][0]}"
+                for k in sorted(others) if hasattr(cfg, k) and k in defaults and getattr(cfg, k) != defaults[k]]
+
+    def channels_last_problem(self, cfg) -> str | None:
+        return TORCH_PIPELINE_CHANNELS_LAST if cfg.local == "pipe" and cfg.engine == "torch" else None
 
 
 class RanksOverNodes:

@@ -23,11 +23,20 @@ def _limited(batches: int, limit) -> int:
     return min(batches, limit) if isinstance(limit, int) else int(batches * limit)
 
 
+def _limits(trainer) -> dict[str, tuple[str, object]]:
+    """Each stage's limit of batches, with the key that set it: Lightning takes overfit_batches
+    as both limits when it is set."""
+    if trainer.overfit_batches:
+        return {stage: ("trainer.overfit_batches", trainer.overfit_batches) for stage in ("train", "val")}
+    return {"train": ("trainer.limit_train_batches", trainer.limit_train_batches),
+            "val": ("trainer.limit_val_batches", trainer.limit_val_batches)}
+
+
 def trained_batches(trainer, batches: int) -> int:
     """The batches of an epoch of ``batches`` Lightning trains under the typed ``trainer`` config."""
     if trainer.fast_dev_run:
         return min(batches, int(trainer.fast_dev_run))
-    return _limited(batches, trainer.overfit_batches or trainer.limit_train_batches)
+    return _limited(batches, _limits(trainer)["train"][1])
 
 
 def trainer_batch_problems(trainer, train_batches: int, val_batches: int) -> list[str]:
@@ -35,18 +44,15 @@ def trainer_batch_problems(trainer, train_batches: int, val_batches: int) -> lis
     and ``val_batches`` a process, each with the fix."""
     if trainer.fast_dev_run:  # Lightning's own count of batches, every limit and interval aside
         return []
-    overfit = trainer.overfit_batches or None  # Lightning takes it as both limits
-    limits = {"train": trainer.limit_train_batches if overfit is None else overfit,
-              "val": trainer.limit_val_batches if overfit is None else overfit}
+    limits = _limits(trainer)
     problems = []
     for stage, batches in (("train", train_batches), ("val", val_batches)):
-        limit = limits[stage]
-        key = f"trainer.limit_{stage}_batches" if overfit is None else "trainer.overfit_batches"
+        key, limit = limits[stage]
         if isinstance(limit, float) and limit > 0 and batches and int(batches * limit) == 0:
             problems.append(f"{key}={limit} of the {batches} {stage} batch(es) an epoch has in each process is less "
                             f"than one; use at least {key}={math.ceil(1e4 / batches) / 1e4:g}, or a count (e.g. {key}=1)")
     trained, interval = trained_batches(trainer, train_batches), trainer.val_check_interval
-    validates = limits["val"] is None or limits["val"] > 0
+    validates = limits["val"][1] is None or limits["val"][1] > 0
     if isinstance(interval, int) and not isinstance(interval, bool) and interval > trained and validates \
             and trainer.check_val_every_n_epoch is not None:
         problems.append(f"trainer.val_check_interval={interval} batches, but an epoch trains {trained} in each process; "

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from ddlx.config import TrainerConfig
 from ddlx.epoch_batches import process_batches, trainer_batch_problems
 from ddlx.errors import ConfigError
-from tests.conftest import runs
+from conftest import runs
 
 TRAIN, VAL = 4, 1  # batches an epoch
 

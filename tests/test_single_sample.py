@@ -14,7 +14,7 @@ from ddlx.models import build_model
 from ddlx.single_sample import check_single_sample_batches, one_sample_pieces, trains_on_one_sample
 from ddlx.strategies import STRATEGIES
 from ddlx.strategies.parts.pipelines import smallest_micro_batch
-from tests.conftest import compose_config, runs
+from conftest import compose_config, runs
 
 
 def meta_model(arch: str, image_size: int):

@@ -11,6 +11,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from .command_line import shell_words
 from .errors import CheckpointNotWritten, ConfigError, RanksDisagree, Stopped, StoreError
 
 
@@ -120,7 +121,7 @@ def run_training_job(fn: Callable[[], Any], in_sweep: bool, overrides: list[str]
         print(f"ddlx: {stop}", file=sys.stderr)
         if stop.resumable:
             kept = [o for o in overrides if not o.lstrip("+").startswith("ckpt_path=")]
-            print(f"ddlx: resume with: python train.py {' '.join([*kept, f'ckpt_path={stop.checkpoint}'])}", file=sys.stderr)
+            print(f"ddlx: resume with: python train.py {shell_words(*kept, f'ckpt_path={stop.checkpoint}')}", file=sys.stderr)
         if requeue is not None and stop.after_training:
             if launch_rank() == 0:
                 requeue.forget()

@@ -10,6 +10,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING
 
 from .allocator import SYSTEM
+from .command_line import shell_words
 from .job import BASELINE, CPU_BASELINE_SETUP, FP32, Job, precision_of
 
 if TYPE_CHECKING:  # a type only: the record layer does not import the predictor's
@@ -60,7 +61,7 @@ class Workload:
             over.append(f"trainer.precision={self.precision}")
         over.append("data.cache=auto" if self.data_cache == "memory" else "data.cache=none")
         over += ["strategy=sequential", "strategy.threads=1"] if device == "cpu" else ["strategy=sequential", "trainer=gpu"]
-        return "python train.py " + " ".join(over)
+        return "python train.py " + shell_words(*over)
 
 
 @dataclass

@@ -116,3 +116,14 @@ def rank_workers(pid: int) -> list:
                 if c.name().startswith("ddlx-rank") or "ddlx.rank_worker" in " ".join(c.cmdline())]
     except psutil.Error:
         return []
+
+
+def as_a_shell_reads(command: str, cwd: Path | None = None) -> list[str]:
+    """The words a pasted ``command`` gives the program, as bash reads them with failglob, which
+    (like zsh's default) refuses a glob that matches nothing instead of passing it on."""
+    import subprocess
+
+    proc = subprocess.run(["bash", "-O", "failglob", "-c", f'printf "%s\\0" {command}'], capture_output=True, text=True,
+                          cwd=cwd, timeout=30)
+    assert proc.returncode == 0, f"a shell refuses {command!r}: {proc.stderr}"
+    return proc.stdout.split("\0")[:-1]

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import pytest
 import torchvision
-from conftest import CONF_DIR, PROJECT_DIR, compose_config, subprocess_env
+from conftest import CONF_DIR, PROJECT_DIR, as_a_shell_reads, compose_config, subprocess_env
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
@@ -586,6 +586,24 @@ def test_every_machine_with_two_devices_gets_torch_pipeline_setups_with_time_mem
     assert {p.setup.strategy for p in torch_pipes} - {"pipe"} == expected | ({"mpi"} if spec.nodes > 1 else set())
 
 
+def test_a_printed_command_pasted_into_a_shell_gives_train_py_the_words_meant(tmp_path):
+    """zsh refuses an unquoted strategy.devices=[0,1] ("no matches found"), and any shell splits a
+    folder with a space: a printed command reads back, word for word, as what train.py is to get."""
+    from ddlx.config_check import check_config
+    from ddlx.predict.render import train_command
+
+    folder = tmp_path / "my images"
+    rec = Predictor(hardware(_compose_hw("hw=titanrtx_4x")), []).recommend(Job("vgg11", "firesmall", 3, 3, 224, 32, 633))
+    job = [f"data.root={folder}", "data.mean=[0.5,0.5,0.5]"]
+    listed = [p for p in rec.predictions if "=[" in overrides(p.setup)]
+    assert listed, "pipe and split setups name their devices as a list"
+    for p in rec.predictions:
+        words = as_a_shell_reads(train_command(rec, p, job), cwd=tmp_path)
+        assert words[:2] == ["python", "train.py"] and f"data.root={folder}" in words and "data.mean=[0.5,0.5,0.5]" in words
+        assert words[-len(overrides(p.setup).split()) - 1:-1] == overrides(p.setup).split(), p.setup.label
+        check_config(compose_config(words[2:]))
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("overrides", [["hw=cpu_2core_cluster"], ["hw=titanrtx_4x", "hw.nodes=2"]], ids=["cpu", "gpu_2_nodes"])
 def test_every_printed_command_composes_and_names_its_launcher(overrides):
@@ -599,7 +617,7 @@ def test_every_printed_command_composes_and_names_its_launcher(overrides):
     commands = {p.setup.label: train_command(rec, p, []) for p in rec.predictions}
     for label, command in commands.items():
         launcher, train = command.split("python train.py ")
-        cfg = compose_config(train.split())  # a key the config does not have fails here
+        cfg = compose_config(as_a_shell_reads(train))  # a key the config does not have fails here
         assert cfg.trainer.accelerator == ("cpu" if spec.device_kind == "cpu" else "gpu"), label  # the machine's devices
         if label.startswith("mpi "):
             assert launcher == f"mpirun -np {spec.total_devices} ", label
@@ -781,7 +799,7 @@ def test_recommend_py_answers_as_json_with_no_runs(tmp_path):
 
     for command in [rec["command"], *filter(None, [rec["command_with_loading_fix"]]), *answer["calibrate_with"],
                     *(c["command"] for c in answer["close_calls"])]:
-        check_config(compose_config(command.split()[2:]))  # each printed command is one train.py takes
+        check_config(compose_config(as_a_shell_reads(command)[2:]))  # each printed command is one train.py takes
     assert all({"predicted_epoch_s", "speedup", "memory_per_device_gb", "fits", "basis"} <= set(p) for p in answer["predictions"])
     best = answer["recommended"]["predicted_epoch_s"]
     assert best == min(p["predicted_epoch_s"] for p in answer["predictions"] if p["fits"]), "the fastest that fits"
@@ -1053,7 +1071,7 @@ def test_gpu_predictions_are_bound_by_the_data_loaders():
     assert f"with data.num_workers={workers} it would take" in recommendation_table(roomy, "no runs", 0.0, 0.05, [])
     command = recommendation_dict(roomy, "no runs", 0.0, 0.05, [])["recommended"]["command_with_loading_fix"]
     assert f" data.num_workers={workers} " in command and "strategy=sequential trainer=gpu" in command
-    check_config(compose_config(command.split()[2:]))  # a command train.py takes
+    check_config(compose_config(as_a_shell_reads(command)[2:]))  # a command train.py takes
 
     serial = Predictor(gpu, [], loading=loading).recommend(Job("alexnet", "firesmall", 3, 3, 64, 32, 320), [one])
     assert serial.sequential.load_per_sample_s == 0.005 and "data.num_workers=0" in serial.sequential.basis

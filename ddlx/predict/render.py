@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 
 from ..allocator import KEEP_FREED
+from ..command_line import shell_words
 from ..strategies import spec_of
 from .machines import Choice, MachineComparison
 from .prediction import Prediction, Recommendation, allocator_advice, compilable
@@ -24,9 +25,9 @@ def train_command(rec: Recommendation, prediction: Prediction, job_overrides: li
         parts[override.split("=")[0]] = override
     if rec.hw.device_kind != "cpu" and "trainer" not in dict(prediction.setup.knobs):
         parts["trainer"] = "trainer=gpu"  # fsdp, mpi and hybrid would train on the CPU under the default trainer
-    launcher = spec_of(prediction.setup.strategy).launcher(prediction.setup, rec.hw)
-    return " ".join([*([launcher] if launcher else []), "python train.py", *parts.values(), overrides(prediction.setup),
-                     *hw_tag(rec)])
+    launcher = spec_of(prediction.setup.strategy).launcher(prediction.setup, rec.hw)  # its own words, a count
+    return " ".join([*([launcher] if launcher else []), "python train.py",
+                     shell_words(*parts.values(), *overrides(prediction.setup).split(), *hw_tag(rec))])
 
 
 def figure(value: float, calibrated: bool) -> str:

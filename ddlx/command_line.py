@@ -1,0 +1,12 @@
+"""The commands ddlx prints for a user to paste: each word quoted where a shell would read it
+otherwise, so that bash and zsh give train.py back the words ddlx meant."""
+from __future__ import annotations
+
+import shlex
+
+
+def shell_words(*words: str) -> str:
+    """``words`` as one command line: a word quoted where the shell would glob it (zsh refuses
+    ``strategy.devices=[cpu,cpu]`` with "no matches found"), split it (a folder with a space) or
+    expand it; plain words stay as they are."""
+    return " ".join(shlex.quote(str(word)) for word in words)

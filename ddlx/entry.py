@@ -108,7 +108,7 @@ def run_training_job(fn: Callable[[], Any], in_sweep: bool, overrides: list[str]
     except SweepJobRefused:
         if not jobs_run_in_this_process():
             raise  # the launcher counts the job failed by its exception (refused on every rank alike)
-        REFUSED_JOBS.append(" ".join(overrides))  # said once, and the sweep's exit status: exit_if_jobs_refused
+        REFUSED_JOBS.append(shell_words(*overrides))  # said once, and the sweep's exit status: exit_if_jobs_refused
         return None
     except CheckpointNotWritten as err:
         _end_job_with_error(err)

@@ -209,6 +209,39 @@ def test_strategy_matches_sequential(case, tmp_path, shared_data, sequential_wei
     assert not [str(w.message) for w in recwarn if "sync_dist=True" in str(w.message)]
 
 
+# Clipping by norm scales the whole network's gradient by its norm, as sequential does: DDP and FSDP
+# clip after their reduce (FSDP's sharded norm is the whole one); PyTorch's pipelines keep each
+# stage's gradients on its own rank. The clip is small enough to scale every step.
+CLIPPED = ["trainer.gradient_clip_val=0.01"]
+CLIP_CASES = {
+    "pipe_torch_1f1b": ["strategy=pipe", "strategy.engine=torch", "strategy.schedule=1f1b", "strategy.chunks=4"],
+    # two pipelines of two stages each: the norm summed over a pipeline's stages, not over the replicas
+    "hybrid_pipe_torch_zero_bubble": pytest.param(["strategy=hybrid", "strategy.processes=2", "strategy.local=pipe",
+                                                   "strategy.engine=torch", "strategy.schedule=zero_bubble", "strategy.chunks=2",
+                                                   "strategy.balance=[4,6,5,7]"], marks=pytest.mark.slow),
+    "fsdp_full": pytest.param(["strategy=fsdp", "strategy.processes=2"], marks=pytest.mark.slow),
+    "ddp_gloo": pytest.param(["strategy=ddp_gloo", "strategy.processes=2"], marks=pytest.mark.slow),
+}
+
+
+@pytest.fixture(scope="module")
+def clipped_sequential_weights(tmp_path_factory, shared_data, sequential_weights) -> dict[str, torch.Tensor]:
+    workdir = tmp_path_factory.mktemp("sequential-clipped")
+    threads = torch.get_num_threads()
+    train_here(workdir, "strategy=sequential", "strategy.threads=1", f"paths.data_dir={shared_data}", *SAME_MATHS, *CLIPPED)
+    torch.set_num_threads(threads)
+    weights = final_weights(workdir)
+    assert any(not torch.allclose(weights[k], sequential_weights[k], rtol=1e-3) for k in weights), "the clip scaled the steps"
+    return weights
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("overrides", list(CLIP_CASES.values()), ids=list(CLIP_CASES))
+def test_clipping_by_norm_matches_sequential(overrides, tmp_path, shared_data, clipped_sequential_weights):
+    train_here(tmp_path, *SAME_MATHS, *CLIPPED, *overrides, f"paths.data_dir={shared_data}")
+    _assert_same_weights(final_weights(tmp_path), clipped_sequential_weights, exact=False)
+
+
 @pytest.mark.integration
 def test_cpu_mp_resumes_with_its_optimizer_state(tmp_path, shared_data):
     """cpu_mp's ranks keep the optimizer state by slice; the checkpoint gathers it whole, and a

@@ -24,6 +24,11 @@ activations never cross the network, only the gradient average does, as in the L
 Figure 1). Each pipeline trains its share of the batch; after the schedule, every rank averages
 its stages' gradients with the same stages of the other pipelines.
 
+Clipping by norm (``trainer.gradient_clip_val``) clips by the whole network's gradient norm, as
+sequential does: each rank's norm of its own stages' gradients, squared and summed over its
+pipeline (torchtitan's ``clip_grad_norm_`` over its ``pp`` mesh). Lightning's own clip would
+scale each stage by its own norm.
+
 Schedules (PyTorch's classes): ``gpipe`` (all forwards, then all backwards), ``1f1b`` (one
 forward, one backward: PipeDream-flush, at most one micro-batch per stage in flight per
 stage ahead), ``interleaved_1f1b`` (two stages per process, looped: smaller bubble) and
@@ -32,6 +37,7 @@ bubble).
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 from datetime import timedelta
@@ -218,6 +224,9 @@ class TorchPipelineStrategy(RelaunchingDDPStrategy):
                                    self.root_device, loss_fn, self.recompute, group)
 
         self._forward = install(self.model, parallelize, self.global_rank)
+        # On the precision plugin, after its unscaling (16-mixed), as Lightning's own clip by norm.
+        self.precision_plugin.clip_grad_by_norm = functools.partial(clip_grad_norm_over_stages, group=group,
+                                                                   device=self.root_device)
         if self.root_device.type == "cuda":  # only this rank's stages stay on its GPU
             owned = {id(p) for p in self._forward.parameters}
             for layer in self.lightning_module.modules():
@@ -289,6 +298,19 @@ class TorchPipelineStrategy(RelaunchingDDPStrategy):
         unpin(self._restore, self.pin_cores)
         self._restore, self._mesh = None, None
         super().teardown()
+
+
+def clip_grad_norm_over_stages(optimizer, clip_val: float, group=None, device: torch.device | None = None) -> None:
+    """``torch.nn.utils.clip_grad_norm_`` of the whole pipeline: this rank holds the gradients of
+    its stages only, so their squared norm is summed over ``group`` (the pipeline's ranks) first."""
+    grads = [p.grad for g in plain_optimizer(optimizer).param_groups for p in g["params"] if p.grad is not None]
+    squared = torch.zeros((), dtype=torch.float32, device=device)
+    for grad in grads:
+        squared += torch.linalg.vector_norm(grad, dtype=torch.float32) ** 2
+    dist.all_reduce(squared, group=group)
+    scale = (clip_val / (squared.sqrt() + 1e-6)).clamp(max=1.0)  # torch's clip_grad_norm_, to the same epsilon
+    for grad in grads:
+        grad.mul_(scale.to(grad.dtype))
 
 
 def average_gradients(grads: list[torch.Tensor], group, replicas: int, bucket_mb: float = 25.0) -> None:

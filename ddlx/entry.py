@@ -69,7 +69,24 @@ def hydra_job_tags(project_root: str) -> tuple[str, dict[str, str]]:
     except ValueError:
         sweep_id = str(sweep_dir)
     overrides = " ".join(hydra_cfg.overrides.task)
-    return hydra_cfg.runtime.output_dir, {"sweep_id": sweep_id, "sweep_job": str(hydra_cfg.job.num), "overrides": overrides}
+    swept = " ".join(swept_overrides(list(hydra_cfg.overrides.task), sys.argv[1:]))
+    return hydra_cfg.runtime.output_dir, {"sweep_id": sweep_id, "sweep_job": str(hydra_cfg.job.num), "overrides": overrides,
+                                          **({"swept": swept} if swept else {})}
+
+
+def swept_overrides(job: list[str], argv: list[str]) -> list[str]:
+    """Of a sweep job's overrides ``job``, those its command line ``argv`` sweeps (``a,b``,
+    ``range()``, ``glob()``): what tells the job's run from the sweep's others."""
+    from hydra._internal.utils import get_args_parser
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    try:
+        swept = {o.key_or_group for o in parser.parse_overrides(get_args_parser().parse_args(argv).overrides)
+                 if o.is_sweep_override()}
+        return [text for text, o in zip(job, parser.parse_overrides(job)) if o.key_or_group in swept]
+    except Exception:  # noqa: BLE001 - argv not Hydra's (a launcher's own): the name goes without
+        return []
 
 
 def report_config_errors(fn: Callable[[], Any], in_sweep: bool = False) -> Any:

@@ -136,12 +136,27 @@ def setup_label(tags: dict[str, str], params: dict[str, str] | None = None) -> s
 def run_name(params: dict[str, str], tags: dict[str, str]) -> str:
     """What MLflow's runs table shows a run as: its strategy with its knobs and the speed knobs it
     set, model, data, image size, global batch and, unless fp32, its precision (``cpu_mp
-    processes=2 alexnet/firesmall 224px b32``), so the runs of a sweep are told apart at a glance;
-    the setup first, as the table's narrow column shows a name's start."""
+    processes=2 alexnet/firesmall 224px b32``), then what else its sweep varies (tag ``swept``),
+    so the runs of a sweep are told apart at a glance; the setup first, as the table's narrow
+    column shows a name's start."""
     precision = precision_of(tags.get("precision", params.get("trainer.precision")))
-    return " ".join([setup_label(tags, params), *_knob_words(params), f"{params.get('model.name')}/{params.get('data.name')}",
-                     f"{params.get('data.image_size')}px", f"b{params.get('data.batch_size')}",
-                     *([precision] if precision != FP32 else [])])
+    words = [setup_label(tags, params), *_knob_words(params), f"{params.get('model.name')}/{params.get('data.name')}",
+             f"{params.get('data.image_size')}px", f"b{params.get('data.batch_size')}", *([precision] if precision != FP32 else [])]
+    name = " ".join(words)
+    return " ".join([name, *(o.lstrip("+") for o in tags.get("swept", "").split() if not _named(o, name))])
+
+
+def _named(override: str, name: str) -> bool:
+    """Whether the run name ``name`` shows the value ``override`` sets (a sweep's varied setting
+    it does not show is added to it: ``optim.lr=0.1``)."""
+    key, _, value = override.lstrip("+~").lower().partition("=")
+    words = name.lower().split()
+    if key in ("model", "data", "model.name", "data.name"):
+        return any(value in word.split("/") for word in words)
+    if key in ("strategy", "trainer.precision"):  # the setup's first word; the precision unless fp32
+        return True
+    return bool({f"{key}={value}", f"{key.rsplit('.', 1)[-1]}={value}",
+                 *({"data.image_size": [f"{value}px"], "data.batch_size": [f"b{value}"]}.get(key, []))} & set(words))
 
 
 def _knob_words(params: dict[str, str]) -> list[str]:

@@ -125,6 +125,23 @@ def test_a_compiled_run_is_a_row_of_its_own_and_never_the_baseline(store):
     assert "compile" not in run_name({**WORKLOAD, "compile.enable": "False"}, {"strategy": "sequential", "threads": "1"})
 
 
+def test_a_sweep_job_is_named_by_the_settings_its_sweep_varies_that_the_name_does_not_show():
+    from ddlx.entry import swept_overrides
+    from ddlx.records import run_name
+
+    job = ["model=alexnet", "optim.lr=0.1", "data.image_size=64", "+logger.tags.note=x", "strategy.threads=2",
+           "trainer.precision=bf16-mixed", "compile.enable=true"]
+    argv = ["model=alexnet", "optim.lr=0.01,0.1", "data.image_size=range(32,96,32)", "+logger.tags.note=x,y",
+            "strategy.threads=1,2", "trainer.precision=32,bf16-mixed", "compile.enable=true,false", "-m"]
+    swept = swept_overrides(job, argv)
+    assert swept == job[1:], "model=alexnet is the same in every job"
+    assert swept_overrides(job, ["-m", "optim.lr=0.1"]) == [] and swept_overrides(job, ["/not/hydra's argv"]) == []
+    params = {**WORKLOAD, "data.image_size": "64", "compile.enable": "True", "trainer.precision": "bf16-mixed"}
+    name = run_name(params, {"strategy": "sequential", "threads": "2", "swept": " ".join(swept)})
+    assert name.endswith(" 64px b32 bf16-mixed optim.lr=0.1 logger.tags.note=x"), \
+        "what the name shows (threads, image size, precision, compile) is not repeated"
+
+
 def test_a_run_that_did_not_leave_out_its_start_up_is_listed_not_counted(store):
     """No warm-up epoch and 5 steps (one epoch of 160 samples, batch 32): start-up is most of it."""
     client = MlflowClient(store)

@@ -115,6 +115,18 @@ def test_a_sweep_stops_at_the_first_job_the_store_refuses(tmp_path):
 
 
 @pytest.mark.integration
+def test_the_runs_of_a_sweep_are_named_apart_by_what_it_varies(tmp_path):
+    """MLflow's runs table shows names: a sweep over a setting the name does not show (the
+    learning rate) adds it to each job's name; one the name shows already (the batch) is not repeated."""
+    proc = run_train_py(tmp_path, "model=alexnet", "optim.lr=0.01,0.02", "data.batch_size=8,16",
+                        "trainer.limit_train_batches=1", multirun=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    names = sorted(r.info.run_name for r in runs(f"sqlite:///{tmp_path / 'mlflow.db'}"))
+    assert names == sorted(f"sequential threads=1 alexnet/firesmall 32px b{b} optim.lr={lr}"
+                           for lr in ("0.01", "0.02") for b in (8, 16)), names
+
+
+@pytest.mark.integration
 @pytest.mark.parametrize("model", ARCHITECTURES)
 def test_every_model_trains(tiny_config, tracking_uri, model):
     metrics = train(tiny_config(f"model={model}", "data=cifar10", "data.num_images=24", "data.val_fraction=0.25"),

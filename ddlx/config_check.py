@@ -27,12 +27,45 @@ from .config import (
     STRATEGY_CONFIGS,
     TRAINER_ARGS_SET_BY_DDLX,
     OptimConfig,
+    RecommendConfig,
+    RecommendTrainerConfig,
     TrainConfig,
     TrainerConfig,
 )
 from .errors import ConfigError
 
 TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+# train.py and recommend.py compose from one conf/ folder, so each one's --help lists the other's
+# groups too. A group or key of the other, given to one, is said so, with what this one takes instead.
+ENTRIES = {"train": ("train.py", TrainConfig), "recommend": ("recommend.py", RecommendConfig)}
+INSTEAD = {
+    ("train", "hw"): "train.py trains on this machine; the machine recommend.py predicts for is its hw "
+                     "(python recommend.py hw=NAME model=... data=...)",
+    ("recommend", "strategy"): "recommend.py ranks every strategy on its hw; candidates.STRATEGY.KNOB=[...] sets the "
+                               "knob values it tries (e.g. candidates.pipe.chunks=[4,8])",
+    ("recommend", "trainer"): "recommend.py's device kind comes from hw=, and its trainer keys are trainer.precision "
+                              "and trainer.max_epochs",
+    ("recommend", "experiment"): "recommend.py takes the job as model=, data= and their keys",
+}
+
+
+def other_entry_problem(key: str, here: str) -> str | None:
+    """``key`` (a group, or a dotted key) given to entry point ``here`` ('train' or 'recommend')
+    that is the other one's: what that is and what ``here`` takes instead (None: not the other's)."""
+    top, _, leaf = key.lstrip("+~").partition(".")
+    other = "recommend" if here == "train" else "train"
+    (this_script, this_schema), (other_script, other_schema) = ENTRIES[here], ENTRIES[other]
+    groups = {"train": {"hw"}, "recommend": {"strategy", "experiment"}}[here]  # the other's, beyond its schema's keys
+    theirs = groups | ({f.name for f in fields(other_schema)} - {f.name for f in fields(this_schema)})
+    if here == "recommend" and top == "trainer":  # the trainer group, or a trainer key recommend.py does not take
+        ours = {f.name for f in fields(RecommendTrainerConfig)}
+        theirs |= {"trainer"} if not leaf or (leaf in {f.name for f in fields(TrainerConfig)} and leaf not in ours) else set()
+    if top not in theirs:
+        return None
+    said = key.lstrip("+~")
+    instead = INSTEAD.get((here, top), f"{this_script}'s keys are in its --help")
+    return f"{said} is {other_script}'s, not {this_script}'s: {instead}"
 
 
 def check_config(cfg: DictConfig) -> DictConfig:
@@ -182,14 +215,14 @@ def _unknown_key(full_key: str, object_type: Any) -> str:
         also = f"; {leaf} is a knob of strategy={'|'.join(elsewhere)}" if elsewhere else ""
         return (f"strategy.{leaf} is not a knob of strategy={strategy}{_did_you_mean(leaf, known, 'strategy.')} "
                 f"(its knobs: {', '.join(k for k in known if k != 'name')}){also}")
-    hint = _did_you_mean(leaf, known, f"{parent}." if parent else "") or _elsewhere(leaf)
+    hint = _did_you_mean(leaf, known, f"{parent}." if parent else "") or _elsewhere(leaf, full_key)
     listing = f" (its keys: {', '.join(known)})" if known else ""  # an untyped node: its keys are not known here
     return f"{full_key} is not a key of {where}{hint}{listing}"
 
 
-def _elsewhere(leaf: str) -> str:
+def _elsewhere(leaf: str, full_key: str) -> str:
     """A key given under the wrong parent (``data.lr``): where a key of that name lives."""
-    found = [path for path in _schema_keys(TrainConfig, "") if path.rpartition(".")[2] == leaf]
+    found = [path for path in _schema_keys(TrainConfig, "") if path.rpartition(".")[2] == leaf and path != full_key]
     return f"; did you mean {' or '.join(found)}?" if found else ""
 
 
@@ -322,6 +355,10 @@ def _job_errors(overrides: list[str], multirun: bool, config_dir: Path, config_n
     with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
         for job in jobs:
             swept = [o for o in job if o not in shared]
+            elsewhere = [other_entry_problem(o.split("=")[0], config_name) for o in job] if config_name in ENTRIES else []
+            if any(elsewhere):  # Hydra's own words would be "no match in the defaults list", then a missing schema
+                yield job, swept, ConfigError(next(p for p in elsewhere if p))
+                continue
             try:
                 check(compose(config_name=config_name, overrides=job, return_hydra_config=True), multirun)
             except ConfigError as err:

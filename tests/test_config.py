@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from conftest import PROJECT_DIR, compose_config, subprocess_env
+from conftest import CONF_DIR, PROJECT_DIR, compose_config, subprocess_env
 
 from ddlx.config import STRATEGY_CONFIGS, TRAINER_ARGS_SET_BY_DDLX, TrainConfig, TrainerConfig
 from ddlx.config_check import check_config, typed_config
@@ -38,6 +38,7 @@ def train_py(*overrides: str, multirun: bool = False, script: str = "train.py") 
     ("trainer.max_epoch=3", r"trainer.max_epoch is not a key of trainer", r"did you mean trainer.max_epochs\?"),
     ("data.lr=0.1", r"data.lr is not a key of data", r"did you mean optim.lr\?"),
     ("+trainer.ckpt_path=x.ckpt", r"trainer.ckpt_path is set by ddlx", r"ckpt_path=PATH"),
+    ("hw=titanrtx_4x", r"hw is recommend.py's, not train.py's", r"python recommend.py hw=NAME"),  # its --help lists hw
     ("trainer.devices=4", r"trainer.devices is set by ddlx", r"strategy.processes"),
     ("strategy.processes=2", r"strategy.processes is not a knob of strategy=sequential", r"knob of strategy=cpu_mp"),
     ("model=vgg17", r"model=vgg17 is not an option of model", r"did you mean model=vgg16\?"),
@@ -101,7 +102,8 @@ def test_recommend_names_an_unknown_machine_or_model_with_the_options(tmp_path):
                                ("model=nosuch", r"model=nosuch is not an option of model.*expected one of .*vgg16"),
                                ("hw=schema", r"hw=schema is the fields every machine description has, not a machine"),
                                ("data.synthetic_dir=", r"data.synthetic_dir='' is empty"),  # else written at /synthetic
-                               ("data.std=[0,1,1]", r"data.std=\[0.0, 1.0, 1.0\]: every pixel is divided by it")):
+                               ("data.std=[0,1,1]", r"data.std=\[0.0, 1.0, 1.0\]: every pixel is divided by it"),
+                               ("strategy=ddp_nccl", r"strategy is train.py's, not recommend.py's: .*candidates.STRATEGY.KNOB")):
         proc, _ = train_py(override, f"paths.root={tmp_path}", script="recommend.py")
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
         assert re.search(rf"ddlx: error: {expected}", proc.stderr), proc.stderr
@@ -115,6 +117,40 @@ def test_every_job_of_a_sweep_is_checked_before_the_first_runs(tmp_path):
     assert re.search(r"sweep job strategy=cpu_mp: strategy.threads is not a knob of strategy=cpu_mp",
                      proc.stderr)
     assert not (tmp_path / "multirun").exists() and not (tmp_path / "mlflow.db").exists(), "no job ran"
+
+
+@pytest.mark.parametrize("entry,override,said", [
+    ("train", "hw=titanrtx_4x", "hw is recommend.py's, not train.py's"),
+    ("train", "+hw=titanrtx_4x", "hw is recommend.py's"),  # Hydra's advice after the first: 'Could not load hw/schema'
+    ("train", "hw.nodes=2", "hw.nodes is recommend.py's"),
+    ("train", "compare=[h100_1x]", "compare is recommend.py's"),
+    ("recommend", "strategy=ddp_nccl", "strategy is train.py's, not recommend.py's"),
+    ("recommend", "+strategy=ddp_nccl", "strategy is train.py's"),  # was: 'strategy is not a key; did you mean strategy?'
+    ("recommend", "strategy.processes=2", "strategy.processes is train.py's"),
+    ("recommend", "trainer=gpu", "trainer is train.py's"),
+    ("recommend", "trainer.accelerator=gpu", "trainer.accelerator is train.py's"),
+    ("recommend", "experiment=simplebig", "experiment is train.py's"),
+    ("recommend", "ckpt_path=x.ckpt", "ckpt_path is train.py's"),
+])
+def test_a_group_or_key_of_the_other_entry_point_is_named_as_its(entry, override, said):
+    """train.py and recommend.py share conf/, so each one's --help lists the other's groups."""
+    from ddlx.config_check import _job_errors, check_recommend_job, check_train_job
+
+    check = check_train_job if entry == "train" else (lambda cfg, multirun: check_recommend_job(cfg, multirun, CONF_DIR / "hw"))
+    ((_, _, err),) = _job_errors([override], False, CONF_DIR, entry, check)
+    assert str(err).startswith(said), err
+
+
+def test_what_each_entry_point_takes_is_not_refused_as_the_others():
+    from ddlx.config_check import other_entry_problem
+
+    for key in ("trainer.precision", "trainer.max_epochs", "model", "data.batch_size", "optim.lr", "logger.experiment_name",
+                "paths.root", "cpu_allocator", "seed", "hydra.run.dir"):
+        assert other_entry_problem(key, "recommend") is None and other_entry_problem(key, "train") is None, key
+    for key in ("strategy", "strategy.processes", "trainer.accelerator", "ckpt_path", "checkpoint.save", "compile.enable"):
+        assert other_entry_problem(key, "train") is None, key
+    for key in ("hw", "mode", "compare", "candidates.pipe.chunks", "max_epoch_s"):
+        assert other_entry_problem(key, "recommend") is None, key
 
 
 def test_the_schema_types_and_bounds_every_strategys_knobs():

@@ -33,6 +33,13 @@ def compile_model(model, unit: str, mode: str = "default") -> None:
 
     torch._dynamo.reset()
     modules = [model] if unit == WHOLE_MODEL else list(model.children())
+    # Each layer's compiled forward is one frame to dynamo (torch.compile's wrapper of a bound
+    # method), cached per layer and mode (training, validation) and batch shape: past its limit of
+    # entries (8), the remaining layers would run eager, with only a warning to say so.
+    config = torch._dynamo.config
+    limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # torch < 2.6: its old name
+    setattr(config, limit, max(getattr(config, limit), 4 * len(modules)))
+    config.accumulated_recompile_limit = max(getattr(config, "accumulated_recompile_limit", 0), 4 * len(modules))
     for module in modules:
         module.forward = torch.compile(module.forward, mode=mode)
 

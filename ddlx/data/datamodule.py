@@ -17,6 +17,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampl
 from ..allocator import release_free_heap
 from ..errors import ConfigError
 from ..job import batch_split_problems, split_too_small, validation_images
+from ..parallel.data_replicas import data_replicas
 from .folder import scan_imagefolder
 from .synthetic import SyntheticSpec, ensure_synthetic_imagefolder
 from .cache import keep_decoded
@@ -357,12 +358,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
     def _replica(self) -> tuple[int, int]:
         """(data-parallel replicas, this process's) as the strategy shards data: the processes of
         one pipeline all read the same batches; otherwise every rank is a replica."""
-        sharding = getattr(getattr(self.trainer, "strategy", None), "distributed_sampler_kwargs", None)
-        if sharding:
-            return sharding["num_replicas"], sharding["rank"]
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            return torch.distributed.get_world_size(), torch.distributed.get_rank()
-        return 1, 0
+        return data_replicas(getattr(self.trainer, "strategy", None))
 
     def _training_position(self) -> tuple[int, int]:
         """(epoch, its batches trained) when a checkpoint is written; after an epoch's last batch,

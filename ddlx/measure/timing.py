@@ -13,6 +13,7 @@ import pytorch_lightning as pl
 import torch
 
 from ..compiling import CompileClock
+from ..parallel.data_replicas import data_replicas
 
 EPOCH_METRICS = ("epoch_time_s", "data_wait_s", "compute_s", "step_time_s", "samples_per_s")
 
@@ -121,7 +122,7 @@ class EpochTimer(pl.Callback):
         compiling = self.clock.now() - self._compile_mark  # not the step's: torch compiling a graph
         self.step_times.append((self._batch_start - self._mark, now - self._batch_start - compiling))
         self._mark = now
-        self._samples += _batch_size(batch) * trainer.world_size
+        self._samples += _batch_size(batch) * data_replicas(trainer.strategy)[0]  # a pipeline's stages share one batch
         if last:
             self._finish_epoch(trainer, pl_module)
 

@@ -307,7 +307,9 @@ def fit(cfg: TrainConfig, trainer: pl.Trainer, module: ClassifierModule, datamod
             learnt["data_cache"] = "memory" if datamodule.cached else "none"
         tag_run(logger, learnt)
     if trainer.fast_dev_run or not timer.epoch_times:
-        record_unmeasured(logger, "trainer.fast_dev_run" if trainer.fast_dev_run else "no training step")
+        record_unmeasured(logger, "trainer.fast_dev_run" if trainer.fast_dev_run else
+                          "no whole epoch timed: trainer.max_steps or max_time stopped the first" if trainer.global_step else
+                          "no training step")
 
 
 def forward_gflops(cfg: TrainConfig) -> float:

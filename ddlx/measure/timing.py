@@ -6,6 +6,8 @@ done), and rank 0 logs them. Single-process strategies reduce to themselves.
 """
 from __future__ import annotations
 
+import logging
+import math
 import time
 from statistics import mean
 
@@ -14,6 +16,8 @@ import torch
 
 from ..compiling import CompileClock
 from ..parallel.data_replicas import data_replicas
+
+log = logging.getLogger(__name__)
 
 EPOCH_METRICS = ("epoch_time_s", "data_wait_s", "compute_s", "step_time_s", "samples_per_s")
 
@@ -30,7 +34,8 @@ class EpochTimer(pl.Callback):
     An epoch's figures are taken at its last training step (before validation, and before the
     epoch-end checkpoint, which so holds them). At the end of training, ``mean_epoch_time_s`` and
     ``mean_samples_per_s`` average the epochs after the first ``warmup_epochs`` (the thesis
-    reports the mean of 3 epochs).
+    reports the mean of 3 epochs). An epoch that ``trainer.max_steps`` or ``max_time`` stops
+    within is no epoch's time: it is left out of both (the log says so).
 
     With ``compile.enable``, torch compiles at a step's first call of a new graph: those seconds
     (torch's compile callbacks, :class:`~ddlx.compiling.CompileClock`) are taken out of the step
@@ -127,11 +132,12 @@ class EpochTimer(pl.Callback):
             self._finish_epoch(trainer, pl_module)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.step_times:  # an epoch cut short (max_steps) or of unknown length
-            self._finish_epoch(trainer, pl_module)
+        if self.step_times:  # an epoch cut short (trainer.max_steps, max_time) or of unknown length
+            self._finish_epoch(trainer, pl_module, whole=not math.isfinite(trainer.num_training_batches))
 
-    def _finish_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """The slowest rank's figures (a collective: every rank calls it at the same step)."""
+    def _finish_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, whole: bool = True) -> None:
+        """The slowest rank's figures (a collective: every rank calls it at the same step). An
+        epoch cut short is no epoch's time: it is said, and left out of the epoch figures and means."""
         steps = len(self.step_times)
         local = torch.tensor(
             [sum(w for w, _ in self.step_times), sum(c for _, c in self.step_times), self._compile_before + self.clock.now(),
@@ -142,6 +148,11 @@ class EpochTimer(pl.Callback):
         self.cache = None if hits < 0 else (int(hits), int(misses))
         elapsed, samples = wait + compute, self._samples
         self.step_times, self._samples = [], 0
+        if not whole:
+            if trainer.is_global_zero:
+                log.info("epoch %d stopped after %d of its %d steps (trainer.max_steps or max_time): not an epoch's time, "
+                         "left out of epoch_time_s and the means", trainer.current_epoch + 1, steps, trainer.num_training_batches)
+            return
         if steps == 0 or elapsed <= 0:
             return
         self.epoch_times.append(elapsed)

@@ -55,11 +55,21 @@ class EpochLines(pl.Callback):
     def __init__(self, every_s: float = PROGRESS_EVERY_S) -> None:
         self.every_s = every_s
         self._epoch_start = self._last_line = 0.0
-        self._ended: tuple[int, float] | None = None  # the epoch ended and its time, not yet said
+        self._ended: tuple[int, float, bool] | None = None  # the epoch ended, its time and whether validated, not yet said
+        self._validated = False
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Resumed mid-epoch, Lightning goes on with the epoch without on_train_epoch_start.
+        self._epoch_start = self._last_line = time.perf_counter()
+        self._validated = False
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._say_ended(trainer)
         self._epoch_start = self._last_line = time.perf_counter()
+        self._validated = False
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._validated = self._validated or not trainer.sanity_checking
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         now = time.perf_counter()
@@ -71,17 +81,18 @@ class EpochLines(pl.Callback):
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Said when the next epoch starts or training ends: Lightning gathers the epoch's metrics
         # after its callbacks' epoch-end hooks.
-        self._ended = (trainer.current_epoch + 1, time.perf_counter() - self._epoch_start)
+        self._ended = (trainer.current_epoch + 1, time.perf_counter() - self._epoch_start, self._validated)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._say_ended(trainer)
 
     def _say_ended(self, trainer: pl.Trainer) -> None:
         if self._ended is not None and trainer.is_global_zero:
-            epoch, seconds = self._ended
+            epoch, seconds, validated = self._ended
             metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
             shown = ", ".join(f"{k} {metrics[k]:.3f}" for k in ("train_loss", "train_acc", "val_loss", "val_acc") if k in metrics)
-            log.info("epoch %d/%s done, %.1f s with validation: %s", epoch, _of(trainer.max_epochs), seconds, shown)
+            log.info("epoch %d/%s done, %.1f s%s: %s", epoch, _of(trainer.max_epochs), seconds,
+                     " with validation" if validated else "", shown)
         self._ended = None
 
 

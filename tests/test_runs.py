@@ -584,3 +584,46 @@ def test_a_run_that_is_not_mpi_leaves_mpi_alone(tiny_config, tmp_path, monkeypat
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
     abort_job(1, show_traceback=False)
     assert aborted == [1]
+
+
+def test_the_console_times_an_epoch_resumed_mid_way_from_the_resume_and_says_whether_it_validated(tmp_path, caplog):
+    """Resumed mid-epoch, Lightning skips on_train_epoch_start: the epoch line said the seconds
+    since the machine booted (69463.0 s). An epoch without validation is not said to have one."""
+    import logging
+
+    import pytorch_lightning as pl
+    from pytorch_lightning.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from ddlx.console import EpochLines
+
+    class Tiny(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 2)
+
+        def training_step(self, batch, batch_idx):
+            return torch.nn.functional.cross_entropy(self.layer(batch[0]), batch[1])
+
+        def validation_step(self, batch, batch_idx):
+            self.log("val_loss", torch.nn.functional.cross_entropy(self.layer(batch[0]), batch[1]))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = DataLoader(TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,))), batch_size=4)
+
+    def fit(epochs: int, ckpt_path=None, **kw):
+        pl.Trainer(max_epochs=epochs, callbacks=[EpochLines(), *kw.pop("callbacks", [])], logger=False, enable_progress_bar=False,
+                   enable_model_summary=False, accelerator="cpu", num_sanity_val_steps=0, default_root_dir=tmp_path,
+                   **kw).fit(Tiny(), data, data, ckpt_path=ckpt_path)
+
+    fit(1, callbacks=[ModelCheckpoint(dirpath=tmp_path, filename="mid-{step}", auto_insert_metric_name=False,
+                                      every_n_train_steps=2, save_top_k=-1)], limit_val_batches=1)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="ddlx.console"):
+        fit(2, ckpt_path=tmp_path / "mid-2.ckpt", check_val_every_n_epoch=2)  # 2 of epoch 1's 4 steps
+    lines = [r.getMessage() for r in caplog.records if " done, " in r.getMessage()]
+    assert len(lines) == 2, lines
+    assert float(re.search(r"done, ([\d.]+) s", lines[0]).group(1)) < 60, lines[0]
+    assert " with validation" not in lines[0] and " with validation" in lines[1], lines

@@ -107,7 +107,7 @@ def checkpoint_callbacks(save: str, keep_best: bool, folder: Path, every_minutes
     if every_minutes is not None:  # Lightning takes one trigger per callback: the time's is a second one
         callbacks.append(ModelCheckpoint(**last, train_time_interval=timedelta(minutes=every_minutes)))
     if keep_best:
-        callbacks.append(ModelCheckpoint(dirpath=folder, filename="best-epoch={epoch}-val_acc={val_acc:.4f}",
+        callbacks.append(ModelCheckpoint(dirpath=folder, filename="best-epoch{epoch}-val_acc{val_acc:.4f}",  # no "=": ckpt_path=FILE as Hydra reads it
                                          auto_insert_metric_name=False, monitor="val_acc", mode="max", save_top_k=1,
                                          save_weights_only=weights_only, enable_version_counter=False))
     return callbacks

@@ -154,7 +154,12 @@ def test_checkpoint_policies(tiny_config, tmp_path):
     the reason; keep_best adds the best by val_acc; none writes nothing."""
     train(tiny_config("checkpoint.save=weights", "checkpoint.keep_best=true"), tmp_path / "weights")
     files = sorted(p.name for p in (tmp_path / "weights" / "checkpoints").iterdir())
-    assert files[-1] == "last.ckpt" and re.fullmatch(r"best-epoch=0-val_acc=[\d.]+\.ckpt", files[0]) and len(files) == 2
+    assert files[-1] == "last.ckpt" and re.fullmatch(r"best-epoch0-val_acc[\d.]+\.ckpt", files[0]) and len(files) == 2
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    best = tmp_path / "weights" / "checkpoints" / files[0]
+    (given,) = OverridesParser.create().parse_overrides([f"ckpt_path={best}"])  # as written, unquoted
+    assert given.value() == str(best)
     assert "optimizer_states" not in torch.load(tmp_path / "weights" / "checkpoints" / "last.ckpt", weights_only=True)
     with pytest.raises(ConfigError, match=r"holds the model's weights only .*checkpoint.save=full"):
         train(tiny_config(f"ckpt_path={tmp_path / 'weights' / 'checkpoints' / 'last.ckpt'}"), tmp_path / "again")

@@ -190,6 +190,15 @@ class SavedRun:
     global_step: int
     epochs_done: int = 0  # whole epochs trained (the epoch in progress at a stop within one not among them)
 
+    def epoch_left_out(self, trainer) -> str | None:
+        """None, or how the typed ``trainer`` config would close the run before the epoch its
+        checkpoint was written within: FINISHED after fewer epochs than its weights trained."""
+        if trainer.max_epochs in (None, -1) or self.epoch != self.epochs_done or self.epochs_done < trainer.max_epochs:
+            return None
+        return (f"ckpt_path={self.path} was written within epoch {self.epoch + 1}, whose steps its weights hold; "
+                f"trainer.max_epochs={trainer.max_epochs} would close the run after {trainer.max_epochs} epoch(s) without "
+                f"them; resume with trainer.max_epochs={self.epochs_done + 1} or more")
+
     def nothing_left(self, trainer) -> str | None:
         """None, or how the typed ``trainer`` config leaves nothing to train after this checkpoint, with the fix."""
         max_epochs = trainer.max_epochs
@@ -243,6 +252,17 @@ def _as_override(text: str | None) -> str:
     return shlex.quote(text)
 
 
+def _fix_words(refused: Mapping[str, str], flat_then: Mapping[str, str]) -> list[str]:
+    """The overrides that give back the checkpoint's run its settings ``refused``; another strategy
+    as its group and every knob it had (the strategy now may not have those knobs)."""
+    keys = sorted(refused)
+    if "strategy.name" not in refused:
+        return [f"{k}={_as_override(flat_then.get(k))}" for k in keys]
+    knobs = sorted(k for k in flat_then if k.startswith("strategy.") and k != "strategy.name")
+    return [f"strategy={flat_then['strategy.name']}", *(f"{k}={_as_override(flat_then[k])}" for k in knobs),
+            *(f"{k}={_as_override(flat_then.get(k))}" for k in keys if not k.startswith("strategy."))]
+
+
 def check_resumable(saved: SavedRun, flat_now: Mapping[str, str], flatten) -> dict[str, str]:
     """The settings a resumed run changes (``MAY_CHANGE_ON_RESUME``); any other difference from
     the checkpoint's run is a :class:`ConfigError` naming it."""
@@ -253,6 +273,8 @@ def check_resumable(saved: SavedRun, flat_now: Mapping[str, str], flatten) -> di
     changed.update({k: "(unset)" for k in flat_then if k not in flat_now})
     refused = {k: v for k, v in changed.items() if not k.startswith(MAY_CHANGE_ON_RESUME)}
     synthetic_then, synthetic_now = (flat.get("data.root", "None") == "None" for flat in (flat_then, flat_now))
+    if not synthetic_then and not synthetic_now:  # a folder's data.name is its folder's: it moves with data.root
+        refused.pop("data.name", None)
     if synthetic_then != synthetic_now:  # a moved folder may change; the images trained on may not
         then = "synthetic images" if synthetic_then else f"the images of data.root={flat_then['data.root']}"
         now = "synthetic images" if synthetic_now else f"the images of data.root={flat_now['data.root']}"
@@ -260,7 +282,7 @@ def check_resumable(saved: SavedRun, flat_now: Mapping[str, str], flatten) -> di
                           f"one run of two datasets; resume on the same data, or start a new run without ckpt_path")
     if refused:
         was = ", ".join(f"{k}={flat_then.get(k)} (now {v})" for k, v in sorted(refused.items()))
-        fix = " ".join(f"{k}={_as_override(flat_then.get(k))}" for k in sorted(refused))
+        fix = " ".join(_fix_words(refused, flat_then))
         raise ConfigError(f"ckpt_path={saved.path} was written by a run with {was}: a resumed run keeps its "
                           f"settings; resume with {fix}, or start a new run without ckpt_path")
     return {k: v for k, v in changed.items() if k != "ckpt_path"}

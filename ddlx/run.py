@@ -352,6 +352,9 @@ def prepare_job(cfg: TrainConfig, tags: dict, rank0: bool):
         plan = batch_of_workers(cfg, plan, meta, rank0)
     if cfg.ckpt_path:
         saved = read_saved_run(cfg.ckpt_path)
+        cut = saved.epoch_left_out(cfg.trainer)
+        if cut:
+            raise ConfigError(cut)
         tags["resume_changes"] = " ".join(f"{k}={v}" for k, v in check_resumable(
             saved, flatten_config(asdict(cfg)), flatten_config).items()) or None
         tags["resumed_from"] = str(saved.path)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import psutil
 import pytest
 import pytorch_lightning as pl
 import torch
-from conftest import PROJECT_DIR, TINY, rank_workers, runs, subprocess_env
+from conftest import PROJECT_DIR, TINY, compose_config, rank_workers, runs, subprocess_env
 
 from ddlx import run as run_module
 from ddlx.errors import ConfigError, Stopped
@@ -108,6 +109,36 @@ def test_an_overfit_batches_run_resumes_as_if_never_stopped(tiny_config, trackin
 
 
 @pytest.mark.integration
+def test_a_resume_that_would_close_the_run_before_the_epoch_its_checkpoint_is_within_is_refused(tiny_config, tmp_path,
+                                                                                                monkeypatch):
+    """Stopped within epoch 2 and resumed with trainer.max_epochs=1, the run closed FINISHED
+    "after 1 epoch" while its weights held part of a second."""
+    job = ["model=alexnet", "trainer.max_epochs=2", *FULL]  # 2 steps an epoch
+    _with_signal_at(monkeypatch, step=3, signum=signal.SIGINT)
+    with pytest.raises(Stopped) as stop:
+        train(tiny_config(*job), tmp_path / "stopped")
+    monkeypatch.undo()
+    with pytest.raises(ConfigError, match=r"written within epoch 2.*resume with trainer.max_epochs=2 or more"):
+        train(tiny_config("model=alexnet", "trainer.max_epochs=1", *FULL, f"ckpt_path={stop.value.checkpoint}"), tmp_path / "r")
+
+
+@pytest.mark.integration
+def test_a_folder_of_images_resumes_from_where_it_moved_under_another_name(tiny_config, tracking_uri, tmp_path, data_dir):
+    """data=imagefolder names the data by its folder: a resume from the folder moved and renamed
+    (data.root may move) was refused for data.name, and adding data.name failed on the folder."""
+    synthetic = next((data_dir / "synthetic").glob("firesmall-n48-*"))
+    first, moved = tmp_path / "photos", tmp_path / "moved" / "photos_2026"
+    shutil.copytree(synthetic, first)
+    job = ["model=alexnet", "data=imagefolder", "data.image_size=32", *FULL]
+    train(tiny_config(*job, f"data.root={first}"), tmp_path / "a")
+    shutil.move(first, moved)
+    train(tiny_config(*job, f"data.root={moved}", "trainer.max_epochs=2",
+                      f"ckpt_path={tmp_path / 'a' / 'checkpoints' / 'last.ckpt'}"), tmp_path / "b")
+    (run,) = runs(tracking_uri)
+    assert run.info.status == "FINISHED" and "data.name=photos_2026" in run.data.tags["resume_changes"]
+
+
+@pytest.mark.integration
 def test_sigusr1_slurms_preemption_warning_checkpoints_and_stops(tiny_config, tracking_uri, tmp_path, monkeypatch):
     _with_signal_at(monkeypatch, step=1, signum=signal.SIGUSR1)
     with pytest.raises(Stopped) as stop:
@@ -132,6 +163,12 @@ def test_a_checkpoint_resumes_only_the_run_it_belongs_to(tiny_config, tracking_u
     with pytest.raises(ConfigError, match=r"FINISHED, and trainer.max_epochs=1 leave\(s\) nothing to train after its 1 "
                                           r"epoch\(s\); raise it to train on \(e.g. trainer.max_epochs=2\)"):
         train(tiny_config(*job, f"ckpt_path={checkpoint}"), tmp_path / "b")
+    with pytest.raises(ConfigError, match=r"resume with strategy=sequential strategy.\w+=") as refused:
+        train(tiny_config(*job, "strategy=cpu_mp", "strategy.processes=2", f"ckpt_path={checkpoint}"), tmp_path / "b")
+    fix = re.search(r"resume with (.*), or start a new run", str(refused.value)).group(1).split()
+    from ddlx.config_check import check_config
+
+    check_config(compose_config([*TINY, *job, *fix]))  # the advice is a command line train.py takes (its knobs were cpu_mp's)
     folder = next((data_dir / "synthetic").glob("firesmall-n48-*"))  # the same images, as a folder of real ones
     with pytest.raises(ConfigError, match=r"written by a run on synthetic images, and this one would train on the images "
                                           r"of data.root=\S+: one run of two datasets"):

@@ -30,9 +30,10 @@ class Stopped(BaseException):
     state the run can resume from, when one was written."""
 
     def __init__(self, signum: int, checkpoint: Path | None = None, step: int | None = None,
-                 resumable: bool = False, after_training: bool = False) -> None:
+                 resumable: bool = False, after_training: bool = False, at_once: bool = False) -> None:
         self.signum, self.checkpoint, self.step, self.resumable = signum, checkpoint, step, resumable
         self.after_training = after_training  # the run had trained to its end: it is FINISHED
+        self.at_once = at_once  # a second Ctrl-C while training: ``checkpoint`` is the last one written before it
         super().__init__(self.describe())
 
     @property
@@ -48,6 +49,9 @@ class Stopped(BaseException):
             return f"{self.signal_name} came after training had finished: the run is FINISHED"
         where = f" after step {self.step}" if self.step is not None else " before training"
         kind = "checkpoint" if self.resumable else "checkpoint of the weights only"
+        if self.at_once:
+            kept = f"; the last {kind}, written before it: {self.checkpoint}" if self.checkpoint else "; no checkpoint written"
+            return f"stopped at once by a second {self.signal_name}{where}{kept}"
         kept = f"; {kind} {self.checkpoint}" if self.checkpoint else "; no checkpoint written"
         return f"stopped by {self.signal_name}{where}{kept}"
 

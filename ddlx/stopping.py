@@ -42,6 +42,8 @@ class StopSignals:
         self.received: int | None = None
         self.deferred = False
         self.stopping = False
+        self.at_once = Stopped  # what a stop at once raises: while training, where it was and the last checkpoint
+        self.checkpointing = False  # whether a deferred stop writes a checkpoint (checkpoint.save is not none)
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> "StopSignals":
@@ -64,8 +66,8 @@ class StopSignals:
         self.received = self.received or signum
         if not self.deferred or (again and signum == signal.SIGINT):
             self.stopping = True
-            raise Stopped(signum)
-        log.warning("%s received: stopping after this step, with a checkpoint", name)
+            raise self.at_once(signum)
+        log.warning("%s received: stopping after this step%s", name, ", with a checkpoint" if self.checkpointing else "")
 
 
 def disable_lightning_signal_handlers(trainer: pl.Trainer) -> None:
@@ -83,6 +85,8 @@ class StopAtSignal(pl.Callback):
         self.signals, self.checkpoint, self.weights_only = signals, checkpoint, weights_only
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.signals.at_once = lambda signum: self._stopped_at_once(signum, trainer)
+        self.signals.checkpointing = self.checkpoint is not None
         self.signals.deferred = True
         self._stop_if_signalled(trainer)  # a signal between the run's start and here
 
@@ -99,6 +103,14 @@ class StopAtSignal(pl.Callback):
         # process then exits as stopped (ddlx.run.train raises Stopped(after_training=True)).
         if self.signals.received is not None:
             log.warning("training had finished when the stop signal came: the run ends as finished")
+
+    def _stopped_at_once(self, signum: int, trainer: pl.Trainer) -> Stopped:
+        """A second Ctrl-C: no checkpoint of this point, but the last one written (an epoch's end,
+        checkpoint.every_minutes) still resumes, from where it was written."""
+        written = {str(getattr(c, "best_model_path", "")) for c in trainer.checkpoint_callbacks}  # in the background too
+        kept = self.checkpoint if self.checkpoint is not None and (self.checkpoint.is_file() or str(self.checkpoint) in written) \
+            else None
+        return Stopped(signum, kept, trainer.global_step, resumable=kept is not None and not self.weights_only, at_once=True)
 
     def _stop_if_signalled(self, trainer: pl.Trainer) -> None:
         # A collective: every rank calls it at the same point of every step (a no-op for one process).

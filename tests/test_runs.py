@@ -138,6 +138,40 @@ def test_a_folder_of_images_resumes_from_where_it_moved_under_another_name(tiny_
     assert run.info.status == "FINISHED" and "data.name=photos_2026" in run.data.tags["resume_changes"]
 
 
+class TwoCtrlCsInValidation(pl.Callback):
+    """Two SIGINTs within the validation of ``epoch``: the second stops at once."""
+
+    def __init__(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        if trainer.current_epoch == self.epoch and not trainer.sanity_checking:
+            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)
+
+
+@pytest.mark.integration
+def test_a_second_ctrl_c_stops_at_once_and_names_the_last_checkpoint_which_resumes(tiny_config, tracking_uri, tmp_path,
+                                                                                    monkeypatch):
+    """It said "stopped by SIGINT before training; no checkpoint written" and printed no resume
+    line, while the last epoch's checkpoint resumes."""
+    job = ["model=alexnet", "trainer.max_epochs=2", *FULL]
+    measured = run_module.measurement_callbacks
+    monkeypatch.setattr(run_module, "measurement_callbacks", lambda cfg: [*measured(cfg), TwoCtrlCsInValidation(1)])
+    with pytest.raises(Stopped) as stop:
+        train(tiny_config(*job), tmp_path / "stopped")
+    monkeypatch.undo()
+    checkpoint = tmp_path / "stopped" / "checkpoints" / "last.ckpt"
+    assert stop.value.at_once and stop.value.resumable and stop.value.checkpoint == checkpoint and stop.value.step == 4
+    (run,) = runs(tracking_uri)
+    assert run.info.status == "KILLED"
+    assert re.search(r"stopped at once by a second SIGINT after step 4; the last checkpoint, written before it: \S+last.ckpt",
+                     run.data.tags["error"]), run.data.tags["error"]
+    train(tiny_config(*job, f"ckpt_path={checkpoint}"), tmp_path / "resumed")
+    (run,) = runs(tracking_uri)
+    assert run.info.status == "FINISHED"
+
+
 @pytest.mark.integration
 def test_sigusr1_slurms_preemption_warning_checkpoints_and_stops(tiny_config, tracking_uri, tmp_path, monkeypatch):
     _with_signal_at(monkeypatch, step=1, signum=signal.SIGUSR1)

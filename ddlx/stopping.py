@@ -94,9 +94,19 @@ class StopAtSignal(pl.Callback):
         self._stop_if_signalled(trainer)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # Not mid-validation: a run resumed from there would skip the rest of that validation.
-        if not trainer.sanity_checking:
+        # Not mid-validation: a run resumed from there would skip the rest of that validation. Not
+        # after the epoch's own validation either: Lightning logs the epoch's training metrics
+        # after its epoch-end hooks, so a stop here lost them; the next epoch's start stops instead.
+        if not trainer.sanity_checking and not _at_epoch_end(trainer):
             self._stop_if_signalled(trainer)
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # The state of the epoch-end checkpoint just written (ModelCheckpoint, save_on_train_epoch_end):
+        # a stop here resumes from it, without writing another.
+        # Not at the first epoch of a fit, whose state no epoch end wrote: its first step's end stops.
+        written = {str(getattr(c, "best_model_path", "")) for c in trainer.checkpoint_callbacks}
+        if self.checkpoint is None or str(self.checkpoint) in written:
+            self._stop_if_signalled(trainer, written=True)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Training is done: a signal from now on is only noted, the run is closed FINISHED, and the
@@ -112,12 +122,18 @@ class StopAtSignal(pl.Callback):
             else None
         return Stopped(signum, kept, trainer.global_step, resumable=kept is not None and not self.weights_only, at_once=True)
 
-    def _stop_if_signalled(self, trainer: pl.Trainer) -> None:
+    def _stop_if_signalled(self, trainer: pl.Trainer, written: bool = False) -> None:
         # A collective: every rank calls it at the same point of every step (a no-op for one process).
         if not trainer.strategy.reduce_boolean_decision(self.signals.received is not None, all=False):
             return
         self.signals.stopping = True  # nothing interrupts the checkpoint from here
-        if self.checkpoint is not None:
+        if self.checkpoint is not None and not written:
             trainer.save_checkpoint(self.checkpoint, weights_only=self.weights_only)  # every rank: it has a barrier
         raise Stopped(self.signals.received or signal.SIGTERM, self.checkpoint, trainer.global_step,
                       resumable=self.checkpoint is not None and not self.weights_only)
+
+
+def _at_epoch_end(trainer: pl.Trainer) -> bool:
+    """Whether the validation just run is the epoch's own, after its last training batch."""
+    done = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+    return done >= trainer.num_training_batches

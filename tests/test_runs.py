@@ -550,8 +550,8 @@ class SignalAt(pl.Callback):
 @pytest.mark.parametrize("point,status,step", [
     ("setup", "KILLED", None),            # before training: at once, nothing to keep
     ("training step", "KILLED", 1),       # after the step it came in, with its checkpoint
-    ("validation", "KILLED", 2),          # after that validation, with the epoch's checkpoint
-    ("checkpoint write", "KILLED", 3),    # the write completes; the next step is the stop's
+    ("validation", "KILLED", 2),          # after that epoch's end, with its checkpoint and its training metrics logged
+    ("checkpoint write", "KILLED", 2),    # the epoch end's write completes, and the next epoch's start stops with it
     ("teardown", "FINISHED", 4),          # training was done: the run is, and the process says it was stopped
 ])
 def test_a_stop_signal_at_any_point_ends_the_run_with_its_status_and_no_loader_worker_left(
@@ -576,6 +576,8 @@ def test_a_stop_signal_at_any_point_ends_the_run_with_its_status_and_no_loader_w
     (run,) = runs(tracking_uri)
     assert run.info.status == status
     assert (tmp_path / "run" / "checkpoints" / "last.ckpt").exists() == (point != "setup")
+    if point in ("validation", "checkpoint write"):  # a stop within the epoch's end lost them
+        assert "train_loss" in run.data.metrics and "train_acc" in run.data.metrics
     loaders = [c for c in psutil.Process().children() if c.name() == "ddlx-loader" and c.status() != psutil.STATUS_ZOMBIE]
     assert not loaders, "the loader workers ended with the run (multiprocessing would wait for them at exit)"
 

@@ -39,7 +39,8 @@ def compile_model(model, unit: str, mode: str = "default") -> None:
     config = torch._dynamo.config
     limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # torch < 2.6: its old name
     setattr(config, limit, max(getattr(config, limit), 4 * len(modules)))
-    config.accumulated_recompile_limit = max(getattr(config, "accumulated_recompile_limit", 0), 4 * len(modules))
+    if hasattr(config, "accumulated_recompile_limit"):  # torch >= 2.5: a limit over all frames too
+        config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4 * len(modules))
     for module in modules:
         module.forward = torch.compile(module.forward, mode=mode)
 

@@ -16,6 +16,12 @@ def process_batches(images: int, data_parallel: int, batch: int) -> int:
     return math.ceil(process_images(images, data_parallel) / batch)
 
 
+def epoch_trained(trainer) -> bool:
+    """Whether the running epoch has trained all its batches (Lightning's progress): its own
+    validation and its end hooks may still be to come."""
+    return trainer.fit_loop.epoch_loop.batch_progress.current.ready >= trainer.num_training_batches
+
+
 def _limited(batches: int, limit) -> int:
     """Lightning's count of ``batches`` under a ``limit_*_batches`` (a count, or a share)."""
     if limit is None:

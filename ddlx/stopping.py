@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytorch_lightning as pl
 
+from .epoch_batches import epoch_trained
 from .errors import Stopped
 
 log = logging.getLogger(__name__)
@@ -97,15 +98,14 @@ class StopAtSignal(pl.Callback):
         # Not mid-validation: a run resumed from there would skip the rest of that validation. Not
         # after the epoch's own validation either: Lightning logs the epoch's training metrics
         # after its epoch-end hooks, so a stop here lost them; the next epoch's start stops instead.
-        if not trainer.sanity_checking and not _at_epoch_end(trainer):
+        if not trainer.sanity_checking and not epoch_trained(trainer):
             self._stop_if_signalled(trainer)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # The state of the epoch-end checkpoint just written (ModelCheckpoint, save_on_train_epoch_end):
         # a stop here resumes from it, without writing another.
         # Not at the first epoch of a fit, whose state no epoch end wrote: its first step's end stops.
-        written = {str(getattr(c, "best_model_path", "")) for c in trainer.checkpoint_callbacks}
-        if self.checkpoint is None or str(self.checkpoint) in written:
+        if self.checkpoint is None or self._written_this_fit(trainer):
             self._stop_if_signalled(trainer, written=True)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -114,11 +114,15 @@ class StopAtSignal(pl.Callback):
         if self.signals.received is not None:
             log.warning("training had finished when the stop signal came: the run ends as finished")
 
+    def _written_this_fit(self, trainer: pl.Trainer) -> bool:
+        """Whether the last-checkpoint callback wrote ``checkpoint`` in this fit (in the background
+        too: the write may still be under way)."""
+        return str(self.checkpoint) in {str(getattr(c, "best_model_path", "")) for c in trainer.checkpoint_callbacks}
+
     def _stopped_at_once(self, signum: int, trainer: pl.Trainer) -> Stopped:
         """A second Ctrl-C: no checkpoint of this point, but the last one written (an epoch's end,
         checkpoint.every_minutes) still resumes, from where it was written."""
-        written = {str(getattr(c, "best_model_path", "")) for c in trainer.checkpoint_callbacks}  # in the background too
-        kept = self.checkpoint if self.checkpoint is not None and (self.checkpoint.is_file() or str(self.checkpoint) in written) \
+        kept = self.checkpoint if self.checkpoint is not None and (self.checkpoint.is_file() or self._written_this_fit(trainer)) \
             else None
         return Stopped(signum, kept, trainer.global_step, resumable=kept is not None and not self.weights_only, at_once=True)
 
@@ -132,8 +136,3 @@ class StopAtSignal(pl.Callback):
         raise Stopped(self.signals.received or signal.SIGTERM, self.checkpoint, trainer.global_step,
                       resumable=self.checkpoint is not None and not self.weights_only)
 
-
-def _at_epoch_end(trainer: pl.Trainer) -> bool:
-    """Whether the validation just run is the epoch's own, after its last training batch."""
-    done = trainer.fit_loop.epoch_loop.batch_progress.current.ready
-    return done >= trainer.num_training_batches

@@ -111,3 +111,14 @@ def test_the_thesis_ratio_study_runs_every_variant():
     out = run_benchmark("thesis_ratio_checks.py", folder="studies")
     rows = re.findall(r"^\| ([\w.-]+) \| (\d) of 8 \| ((?:[^|;]+;){7}[^|;]+) \| A [-+][\d.]+%, B [-+][\d.]+%, C [-+][\d.]+% \|$", out, re.M)
     assert [row[0] for row in rows] == ["shipped", "gpu-times-0.78", "horovod-bucket-64", "recompute-forward"], out
+
+
+@pytest.mark.integration
+def test_every_layer_compiled_by_itself_is_compiled_not_left_eager():
+    """studies/compile_layer_graphs.py: fsdp and PyTorch's pipelines compile each layer, one frame to
+    dynamo, whose default limit of 8 cached graphs left all but the first 8 of VGG-11's 32 layers
+    eager, with a warning only. Dynamo's eager backend: its caching without inductor's minutes."""
+    (row,) = [line for line in run_benchmark("compile_layer_graphs.py", "vgg11", folder="studies").splitlines()
+              if line.startswith("| vgg11 |")]
+    layers, graphs = (int(cell) for cell in row.strip("|").split("|")[1:3])
+    assert graphs >= layers, row

@@ -116,28 +116,6 @@ def test_compiled_forward_keeps_the_state_dict_and_hooks_outside():
     assert list(whole.state_dict()) == keys
 
 
-def test_every_layer_compiled_by_itself_is_compiled_not_left_eager(monkeypatch):
-    """fsdp and PyTorch's pipelines compile each layer: one frame to dynamo, whose default limit of 8
-    cached entries left all but the first 8 of VGG-11's 32 layers eager, with a warning only.
-    Dynamo's eager backend: its caching is the same without inductor's minutes of compiling."""
-    from torch._dynamo.utils import counters
-
-    compile_ = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, backend="eager"))
-    model = build_model("vgg11", 3, 3, 32, 0.0)
-    compile_model(model, "layer")
-    counters.clear()
-    for training in (True, False):  # a step, a smaller last batch, validation
-        model.train(training)
-        for batch in (4, 3):
-            with torch.set_grad_enabled(training):
-                out = model(torch.randn(batch, 3, 32, 32))
-            if training:
-                out.sum().backward()
-    layers = len(list(model.children()))
-    assert counters["stats"]["unique_graphs"] >= layers, (counters["stats"]["unique_graphs"], layers)
-
-
 @pytest.mark.integration
 @pytest.mark.parametrize("strategy, key", [
     (["strategy=pipe"], "strategy.engine=torch"),

@@ -16,6 +16,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampl
 
 from ..allocator import release_free_heap
 from ..errors import ConfigError
+from ..epoch_batches import epoch_trained
 from ..job import batch_split_problems, split_too_small, validation_images
 from ..parallel.data_replicas import data_replicas
 from .folder import scan_imagefolder
@@ -308,7 +309,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
         same global batches, shuffled or not. (Lightning's own sampler injection always shuffles
         training data and is switched off with ``use_distributed_sampler=False``.)
         """
-        replicas, rank = self._replica()
+        replicas, rank = data_replicas(getattr(self.trainer, "strategy", None))  # a pipeline's stages: one replica
         images = getattr(getattr(self.trainer, "strategy", None), "needs_inputs", True)
         workers = self.data.num_workers if images else 0  # labels alone: nothing to decode
         if not images:
@@ -355,19 +356,13 @@ class ImageFolderDataModule(pl.LightningDataModule):
             _shutdown_workers_and_reset_iterator(loader)
             self._loaders.remove(loader)
 
-    def _replica(self) -> tuple[int, int]:
-        """(data-parallel replicas, this process's) as the strategy shards data: the processes of
-        one pipeline all read the same batches; otherwise every rank is a replica."""
-        return data_replicas(getattr(self.trainer, "strategy", None))
-
     def _training_position(self) -> tuple[int, int]:
         """(epoch, its batches trained) when a checkpoint is written; after an epoch's last batch,
         the next epoch from its start."""
         trainer = self.trainer
-        done = trainer.fit_loop.epoch_loop.batch_progress.current.ready
-        if done >= trainer.num_training_batches:
+        if epoch_trained(trainer):
             return trainer.current_epoch + 1, 0
-        return trainer.current_epoch, done
+        return trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_progress.current.ready
 
     def train_dataloader(self) -> DataLoader:
         # A training loader asked for again (trainer.reload_dataloaders_every_n_epochs) replaces the

@@ -60,6 +60,7 @@ class EpochTimer(pl.Callback):
         self._mark = 0.0
         self._batch_start = 0.0
         self._samples = 0
+        self._replicas = 1  # processes training on different batches (set at the start of training)
         self._carried: tuple[list, int] | None = None  # the resumed epoch's steps timed before the stop
         self.clock = CompileClock()
         self.compile_s = 0.0  # every rank's compiling so far, the slowest's (at the last epoch's end)
@@ -109,6 +110,7 @@ class EpochTimer(pl.Callback):
         # Resumed mid-epoch, Lightning goes on with the epoch without on_train_epoch_start.
         self.step_times, self._samples = self._carried or ([], 0)
         self._carried = None
+        self._replicas = data_replicas(trainer.strategy)[0]  # a pipeline's stages share one batch
         self._mark = time.perf_counter()
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -127,7 +129,7 @@ class EpochTimer(pl.Callback):
         compiling = self.clock.now() - self._compile_mark  # not the step's: torch compiling a graph
         self.step_times.append((self._batch_start - self._mark, now - self._batch_start - compiling))
         self._mark = now
-        self._samples += _batch_size(batch) * data_replicas(trainer.strategy)[0]  # a pipeline's stages share one batch
+        self._samples += _batch_size(batch) * self._replicas
         if last:
             self._finish_epoch(trainer, pl_module)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+import types
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 MEMORY_FORMATS = ("contiguous", "channels_last")
@@ -42,7 +43,17 @@ def compile_model(model, unit: str, mode: str = "default") -> None:
     if hasattr(config, "accumulated_recompile_limit"):  # torch >= 2.5: a limit over all frames too
         config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4 * len(modules))
     for module in modules:
-        module.forward = torch.compile(module.forward, mode=mode)
+        # The compiled function bound to the module, not a compiled bound method: a copy of the
+        # module (copy.deepcopy) then runs its own weights and settings, not the original's.
+        module.forward = types.MethodType(torch.compile(module.forward.__func__, mode=mode), module)
+
+
+def drop_compiled(model) -> None:
+    """Have ``model``'s compiled forwards (:func:`compile_model`'s) run eager again, in place."""
+    for module in model.modules():
+        forward = module.__dict__.get("forward")
+        if getattr(getattr(forward, "__func__", None), "_torchdynamo_orig_callable", None) is not None:
+            del module.forward
 
 
 def to_memory_format(model, memory_format: str):

@@ -3,6 +3,7 @@ the optimizer step's implementation (optim.implementation): the same maths as ea
 kept apart, refused where a strategy cannot take it."""
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from test_strategies import SAME_MATHS, final_weights, train_here
 
 from ddlx.compiling import CompileClock, compile_model, optimizer_flags, to_memory_format
 from ddlx.models import build_model
+from ddlx.parallel.balance import layer_times
 from ddlx.module import ClassifierModule
 from ddlx.records import MeasuredRun, usable, workload_of
 
@@ -114,6 +116,41 @@ def test_compiled_forward_keeps_the_state_dict_and_hooks_outside():
     compile_model(whole, "model")
     assert "forward" in whole.__dict__ and not any("forward" in layer.__dict__ for layer in whole.children())
     assert list(whole.state_dict()) == keys
+
+
+@pytest.fixture
+def eager_backend(monkeypatch):
+    """torch.compile with dynamo's eager backend: the same frames and caching, without inductor's kernels."""
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: real(fn, backend="eager", **kwargs))
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_a_copy_of_a_compiled_model_runs_its_own_weights(eager_backend):
+    model = build_model("alexnet", 3, 3, 32)
+    compile_model(model, "layer")
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.zero_()
+    images = torch.randn(2, 3, 32, 32)
+    assert torch.count_nonzero(twin(images)) == 0, "the copy ran the original's weights"
+    assert torch.count_nonzero(model(images)) > 0
+
+
+def test_a_pipeline_balanced_by_time_profiles_compiled_layers_eager(eager_backend):
+    """balance=auto times a copy of each layer on a detached input: a compiled in-place ReLU of the
+    original failed there ('a leaf Variable that requires grad is being used in an in-place
+    operation'), so every compiled torch pipeline with balance=auto failed before its first step."""
+    model = build_model("alexnet", 3, 3, 32)
+    compile_model(model, "layer")
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    times = layer_times(model, torch.randn(2, 3, 32, 32), rounds=1)
+    assert len(times) == len(model) and all(t > 0 for t in times)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "the profile compiled nothing"
+    assert all("forward" in layer.__dict__ for layer in model.children()), "the model itself stays compiled"
 
 
 @pytest.mark.integration

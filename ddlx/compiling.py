@@ -34,18 +34,22 @@ def compile_model(model, unit: str, mode: str = "default") -> None:
 
     torch._dynamo.reset()
     modules = [model] if unit == WHOLE_MODEL else list(model.children())
-    # Each layer's compiled forward is one frame to dynamo (torch.compile's wrapper of a bound
-    # method), cached per layer and mode (training, validation) and batch shape: past its limit of
-    # entries (8), the remaining layers would run eager, with only a warning to say so.
+    # Layers of one class share their forward's code, which is one frame to dynamo, cached per
+    # layer, mode (training, validation) and batch shape: past its limit of entries (8), the
+    # remaining layers would run eager, with only a warning to say so.
     config = torch._dynamo.config
     limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # torch < 2.6: its old name
-    setattr(config, limit, max(getattr(config, limit), 4 * len(modules)))
+    setattr(config, limit, max(getattr(config, limit), 8 * len(modules)))
     if hasattr(config, "accumulated_recompile_limit"):  # torch >= 2.5: a limit over all frames too
-        config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4 * len(modules))
+        config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 8 * len(modules))
+    # Layer by layer, static shapes: a frame that met a second shape would otherwise be recompiled
+    # for symbolic ones, and layers of one class but other widths (a ResNet's blocks) do that at
+    # once. A whole model keeps torch's default, where a new shape is a new batch size.
+    dynamic = False if unit == EACH_LAYER else None
     for module in modules:
         # The compiled function bound to the module, not a compiled bound method: a copy of the
         # module (copy.deepcopy) then runs its own weights and settings, not the original's.
-        module.forward = types.MethodType(torch.compile(module.forward.__func__, mode=mode), module)
+        module.forward = types.MethodType(torch.compile(module.forward.__func__, mode=mode, dynamic=dynamic), module)
 
 
 def drop_compiled(model) -> None:

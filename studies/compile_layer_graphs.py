@@ -1,6 +1,7 @@
 """How many graphs dynamo compiles when ddlx compiles a model layer by layer (fsdp, PyTorch's
 pipeline schedules), against dynamo's default limit of graphs per frame: every layer's compiled
-forward is one frame to it, so past the limit the remaining layers run eager.
+forward is one frame to it, so past the limit the remaining layers run eager. Also counted: the
+graphs compiled for symbolic (dynamic) shapes, which a frame gets once it meets a second shape.
 
     python studies/compile_layer_graphs.py [MODEL ...] [--default-limit]
 
@@ -27,8 +28,17 @@ def main() -> None:
     from ddlx.models import build_model
 
     compile_ = torch.compile
-    torch.compile = lambda fn, **kw: compile_(fn, backend="eager")
-    print("| model | layers | graphs compiled | recompile limit |\n|---|---|---|---|")
+    graphs = {"symbolic": 0}
+
+    def eager_backend(graph, example_inputs):
+        """Dynamo's eager backend, counting the graphs compiled for symbolic (dynamic) shapes."""
+        graphs["symbolic"] += any(isinstance(i, torch.SymInt) or
+                                  (isinstance(i, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in i.shape))
+                                  for i in example_inputs)
+        return graph.forward
+
+    torch.compile = lambda fn, mode=None, **kw: compile_(fn, backend=eager_backend, **kw)
+    print("| model | layers | graphs compiled | for symbolic shapes | recompile limit |\n|---|---|---|---|---|")
     for name in args.models:
         model = build_model(name, 10, 3, 32, 0.0)
         config = torch._dynamo.config
@@ -37,6 +47,7 @@ def main() -> None:
         if args.default_limit:
             config.recompile_limit, config.accumulated_recompile_limit = 8, 256
         counters.clear()
+        graphs["symbolic"] = 0
         for training in (True, False):
             model.train(training)
             for batch in (4, 3):
@@ -44,7 +55,8 @@ def main() -> None:
                     out = model(torch.randn(batch, 3, 32, 32))
                 if training:
                     out.sum().backward()
-        print(f"| {name} | {len(list(model.children()))} | {counters['stats']['unique_graphs']} | {config.recompile_limit} |")
+        print(f"| {name} | {len(list(model.children()))} | {counters['stats']['unique_graphs']} | {graphs['symbolic']} "
+              f"| {config.recompile_limit} |")
         config.recompile_limit, config.accumulated_recompile_limit = before
 
 

@@ -13,6 +13,9 @@ stop the next.
   GPU per process); ``compile.enable=true``; a run killed with SIGKILL in its second epoch and
   resumed from its ``last.ckpt``. Per run: exit code, MLflow status, mean epoch seconds,
   samples/s, peak GPU memory.
+- ``compile_layers`` (compile_layers.csv, compile_layers.log): what compiling layer by layer gains
+  where a step is the GPU's, ResNet-50 bf16-mixed at 224 px, batch 128: ``sequential`` (the whole
+  model compiled) and ``fsdp processes=1`` (each block compiled), each eager and compiled.
 - ``layers`` (layers.csv, memory.csv): ``benchmarks/gpu_layers.py`` over the seven networks.
 - ``feed`` (feed.txt): the whole pipeline, train.py with ResNet-50 bf16-mixed at 224 px, each
   epoch's data wait and compute (decoded images kept in memory and not); then
@@ -54,6 +57,11 @@ PATHS = {
                                      "strategy.devices=[cuda:0]"]
        for s in ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")},
     "sequential compile.enable=true bf16-mixed": ["strategy=sequential", "compile.enable=true", "trainer.precision=bf16-mixed"],
+    "fsdp processes=1 compile.enable=true bf16-mixed": ["strategy=fsdp", "strategy.processes=1", "compile.enable=true",
+                                                        "trainer.precision=bf16-mixed"],
+    "pipe torch gpipe compile.enable=true bf16-mixed": ["strategy=pipe", "strategy.engine=torch", "strategy.schedule=gpipe",
+                                                        "strategy.devices=[cuda:0]", "compile.enable=true",
+                                                        "trainer.precision=bf16-mixed"],
 }
 PATH_FIELDS = ["path", "exit", "status", "wall_s", "mean_epoch_time_s", "mean_samples_per_s", "peak_gpu_mem_mb",
                "compile_s", "note"]
@@ -65,13 +73,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--only", nargs="+", default=["paths", "layers", "feed", "overhead"])
     parser.add_argument("--budget-s", type=float, default=480, help="the whole command's seconds")
     parser.add_argument("--work", type=Path, default=Path("/tmp/ddlx-gpu-checks"))
+    parser.add_argument("--paths", nargs="+", default=None,
+                        help="paths: only the paths whose names contain one of these words (the kill and resume always)")
     return parser.parse_args()
 
 
 class Budget:
     """Each step's share of the seconds left: a step that overruns is stopped, the next still runs."""
 
-    SHARES = {"paths": 0.40, "layers": 0.27, "feed": 0.18, "overhead": 0.15}
+    SHARES = {"paths": 0.40, "compile_layers": 0.55, "layers": 0.27, "feed": 0.18, "overhead": 0.15}
 
     def __init__(self, seconds: float, steps: list[str]) -> None:
         self.end = time.monotonic() + seconds
@@ -134,7 +144,8 @@ def paths(args, seconds: float) -> None:
     with open(table, "w", newline="") as f:
         writer = csv.DictWriter(f, PATH_FIELDS)
         writer.writeheader()
-        jobs = list(PATHS.items())
+        jobs = [(name, overrides) for name, overrides in PATHS.items()
+                if args.paths is None or any(word in name for word in args.paths)]
         for i, (name, overrides) in enumerate(jobs):
             left = end - time.monotonic() - 40  # keep time for the kill and resume
             if left < 10:
@@ -179,6 +190,41 @@ def kill_and_resume(args, log: Path, end: float) -> list[dict]:
     resumed = path_row("resumed with ckpt_path=", code, wall, tail, root)
     resumed["note"] = (resumed["note"] + f" runs in store: {count_runs(root)}").strip()
     return [killed, resumed]
+
+
+BIG = ["trainer=gpu", "model=resnet50", "data=firesmall", "data.image_size=224", "data.synthetic_size=[72,96]",
+       "data.num_images=2560", "data.batch_size=128", "data.cache=auto", "trainer.precision=bf16-mixed",
+       "trainer.max_epochs=4", "measure.warmup_epochs=1", "trainer.limit_val_batches=0",
+       "trainer.enable_progress_bar=false", "checkpoint.save=none", "cpu_allocator=system"]
+COMPILE_PAIRS = {"sequential eager": ["strategy=sequential"],
+                 "fsdp processes=1 eager": ["strategy=fsdp", "strategy.processes=1"],
+                 "sequential compiled": ["strategy=sequential", "compile.enable=true"],
+                 "fsdp processes=1 compiled (each block)": ["strategy=fsdp", "strategy.processes=1", "compile.enable=true"]}
+
+
+def compile_layers(args, seconds: float) -> None:
+    """Eager against compiled where the GPU sets the step: the whole model, and each block under fsdp.
+    The eager runs first (they also make the data), the compiled after: a compile that runs out of
+    time still leaves both eager figures."""
+    end = time.monotonic() + seconds
+    log, table = args.out / "compile_layers.log", args.out / "compile_layers.csv"
+    workers = max(1, (os.cpu_count() or 2) - 1)
+    with open(table, "w", newline="") as f:
+        writer = csv.DictWriter(f, PATH_FIELDS)
+        writer.writeheader()
+        for i, (name, overrides) in enumerate(COMPILE_PAIRS.items()):
+            left = end - time.monotonic()
+            if left < 20:
+                writer.writerow({"path": name, "note": "not run: out of time"})
+                continue
+            root = args.work / f"compile{i}"
+            lines_before = log.read_text().count("\n") if log.exists() else 0
+            code, wall, tail = train_py(root, [*BIG, f"data.num_workers={workers}", *overrides], log, left)
+            row = path_row(name, code, wall, tail, root)
+            eager_layers = sum("recompile" in line for line in log.read_text().splitlines()[lines_before:])
+            row["note"] = (row["note"] + f" lines naming recompile: {eager_layers}").strip()
+            writer.writerow(row)
+            f.flush()
 
 
 def count_runs(root: Path) -> int:
@@ -256,7 +302,7 @@ def overhead(args, seconds: float) -> None:
     print(f"overhead: exit {code} after {wall:.0f} s", flush=True)
 
 
-STEPS = {"paths": paths, "layers": layers, "feed": feed, "overhead": overhead}
+STEPS = {"paths": paths, "compile_layers": compile_layers, "layers": layers, "feed": feed, "overhead": overhead}
 
 
 def main() -> None:

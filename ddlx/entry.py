@@ -11,8 +11,8 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from .command_line import shell_words
-from .errors import CheckpointNotWritten, ConfigError, RanksDisagree, Stopped, StoreError
+from .command_line import resume_command, shell_words, task_overrides  # noqa: F401 -- train.py takes task_overrides from here
+from .errors import CheckpointNotWritten, ConfigError, RankDied, RanksDisagree, Stopped, StoreError
 
 
 class SweepJobRefused(Exception):
@@ -129,6 +129,11 @@ def run_training_job(fn: Callable[[], Any], in_sweep: bool, overrides: list[str]
         return None
     except CheckpointNotWritten as err:
         _end_job_with_error(err)
+    except RankDied:  # said in full where it was found (ddlx.run.RankDeath): no traceback
+        from .parallel.mpi_ranks import abort_job
+
+        abort_job(1, show_traceback=False)
+        raise SystemExit(1) from None
     except Exception:
         from .parallel.mpi_ranks import abort_job
 
@@ -137,8 +142,7 @@ def run_training_job(fn: Callable[[], Any], in_sweep: bool, overrides: list[str]
     except Stopped as stop:
         print(f"ddlx: {stop}", file=sys.stderr)
         if stop.resumable:
-            kept = [o for o in overrides if not o.lstrip("+").startswith("ckpt_path=")]
-            print(f"ddlx: resume with: python train.py {shell_words(*kept, f'ckpt_path={stop.checkpoint}')}", file=sys.stderr)
+            print(f"ddlx: resume with: {resume_command(overrides, stop.checkpoint)}", file=sys.stderr)
         if requeue is not None and stop.after_training:
             if launch_rank() == 0:
                 requeue.forget()
@@ -193,8 +197,3 @@ def resume_requeued_job(cfg, tags: dict[str, str]):
     return marker
 
 
-def task_overrides() -> list[str]:
-    """The overrides of this Hydra job (a sweep job's own values)."""
-    from hydra.core.hydra_config import HydraConfig
-
-    return list(HydraConfig.get().overrides.task)

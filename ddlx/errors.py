@@ -24,6 +24,11 @@ class CheckpointNotWritten(OSError):
     checkpoint file is as it was. The message says which file and why."""
 
 
+class RankDied(RuntimeError):
+    """Another rank process died (kill -9, the out-of-memory killer, a crash) and this one failed
+    on its lost connection. The console has said so, and how to resume (``ddlx.run.RankDeath``)."""
+
+
 class Stopped(BaseException):
     """Training was stopped by a signal (:mod:`ddlx.stopping`). A BaseException, as
     KeyboardInterrupt, so no ``except Exception`` on the way swallows it. ``checkpoint``: the

@@ -9,6 +9,8 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import sys
+import threading
 from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
@@ -21,6 +23,7 @@ from pytorch_lightning.utilities.exceptions import MisconfigurationException
 
 from .allocator import apply_allocator, check_allocator, resolve_allocator
 from .allocator import explain as explain_allocator
+from .command_line import resume_command, task_overrides
 from .checkpoints import (
     LAST,
     RunInCheckpoint,
@@ -35,7 +38,7 @@ from .console import EpochLines, RunSummary, is_terminal, silence_known_noise
 from .data.datamodule import build_datamodule
 from .data.folder import complete_data_config
 from .epoch_batches import process_batches, trainer_batch_problems
-from .errors import ConfigError, Stopped
+from .errors import ConfigError, RankDied, Stopped
 from .job import precision_of
 from .machine import busy_cores, machine_tags
 from .measure.resources import ResourceMonitor
@@ -45,6 +48,7 @@ from .models import build_model
 from .module import ClassifierModule
 from .parallel.launch import (
     RelaunchingDDPStrategy,
+    WorkerLauncher,
     cluster_environment_plugins,
     end_distributed_job,
     launch_rank,
@@ -198,6 +202,32 @@ def build_trainer(cfg: TrainConfig, plan, logger, output_dir: Path, callbacks: l
     return trainer
 
 
+
+class RankDeath:
+    """A rank process died (kill -9, the out-of-memory killer, a crash): the run FAILED with the
+    reason, and the console says so and how to resume, once, whichever finds it first: Lightning's
+    watchdog (which kills this process next, so no end summary follows) or this process failing
+    on the dead rank's connection (:func:`fit`)."""
+
+    def __init__(self, output_dir: Path, checkpoint_file: Path | None) -> None:
+        self.output_dir, self.checkpoint_file = output_dir, checkpoint_file
+        self._said = threading.Lock()
+        try:  # now, in the job: Hydra unsets its config when the job ends, and the watchdog may say it later
+            self.overrides = task_overrides()
+        except ValueError:  # not a Hydra job (train() called directly)
+            self.overrides = []
+
+    def __call__(self, logger, reason: str) -> None:
+        if not self._said.acquire(blocking=False):
+            return
+        mark_failed(logger, reason)
+        print(f"ddlx: run FAILED: {reason}; its folder: {self.output_dir}", file=sys.stderr, flush=True)
+        if self.checkpoint_file is not None and self.checkpoint_file.is_file():
+            print(f"ddlx: resume with: {resume_command(self.overrides, self.checkpoint_file)}", file=sys.stderr, flush=True)
+        else:
+            print("ddlx: no checkpoint was written before it", file=sys.stderr, flush=True)
+
+
 def train(cfg, output_dir: str | os.PathLike, extra_tags: Mapping[str, str] | None = None) -> dict[str, float]:
     """Train once as ``cfg`` says and return the final logged metrics (on every rank).
 
@@ -232,7 +262,6 @@ def train(cfg, output_dir: str | os.PathLike, extra_tags: Mapping[str, str] | No
         strategy = plan.trainer_kwargs.get("strategy")
         if isinstance(strategy, RelaunchingDDPStrategy):
             strategy.worker_args = [str(config_file), str(output_dir)]  # before the Trainer picks a launcher
-            strategy.rank_died = mark_failed  # a dead rank: the run FAILED with the reason
         accelerator = str(plan.trainer_kwargs.get("accelerator", cfg.trainer.accelerator))
         tags.update({
             "synthetic_data": str(datamodule.is_synthetic),
@@ -248,6 +277,8 @@ def train(cfg, output_dir: str | os.PathLike, extra_tags: Mapping[str, str] | No
         # A resumed run goes on writing where its checkpoint is (last.ckpt replaced, the best kept track of).
         checkpoint_dir = saved.path.parent if saved is not None else output_dir / "checkpoints"
         checkpoint_file = None if cfg.checkpoint.save == "none" else checkpoint_dir / LAST
+        if isinstance(strategy, RelaunchingDDPStrategy):  # a dead rank: the run FAILED with the reason
+            strategy.rank_died = RankDeath(output_dir, checkpoint_file)
         timer, *others = measurement_callbacks(cfg)
         callbacks = [SameJobOnEveryRank(params), timer, *others, identity,
                      StopAtSignal(signals, checkpoint_file, weights_only=cfg.checkpoint.save == "weights")]
@@ -299,6 +330,13 @@ def fit(cfg: TrainConfig, trainer: pl.Trainer, module: ClassifierModule, datamod
         identity.experiment = cfg.logger.experiment_name
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    except Exception as err:
+        launcher = getattr(trainer.strategy, "launcher", None)
+        died = launcher.dead_ranks() if isinstance(launcher, WorkerLauncher) else None
+        if died is None:
+            raise
+        trainer.strategy.rank_died(logger, died)  # the cause, not this rank's lost connection
+        raise RankDied(died) from err
     finally:
         datamodule.end_workers()
         end_distributed_job(trainer.strategy)

@@ -447,12 +447,15 @@ def test_killed_rank_does_not_hang_the_others(strategy, tmp_path, shared_data):
            f"hydra.run.dir={tmp_path}/run", *strategy, "strategy.timeout_s=30",
            *SAME_MATHS, "trainer.max_epochs=1000", "trainer.limit_train_batches=1.0"]
     parent = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=subprocess_env(), cwd=tmp_path)
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
     try:
         worker = _wait_for_worker(parent.pid, timeout=120)
-        time.sleep(3)
+        deadline = time.monotonic() + 120
+        while not last.is_file() and time.monotonic() < deadline:  # an epoch written: the run can resume
+            time.sleep(0.2)
         os.kill(worker, signal.SIGKILL)
         start = time.monotonic()
-        parent.wait(timeout=90)
+        _, stderr = parent.communicate(timeout=90)
         assert parent.returncode != 0
         assert time.monotonic() - start < 90
     finally:
@@ -461,6 +464,12 @@ def test_killed_rank_does_not_hang_the_others(strategy, tmp_path, shared_data):
     (run,) = runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
     assert run.info.status in ("FAILED", "KILLED"), run.info.status
     _assert_no_process_left(tmp_path)
+    # The console says so (Lightning's watchdog kills rank 0 next: no end summary), and how to resume.
+    assert "ddlx: run FAILED: rank 1 was killed by SIGKILL" in stderr, stderr[-3000:]
+    assert "Traceback" not in stderr, "rank 0's lost connection is not the story: " + stderr[-3000:]
+    assert "was killed by SIGKILL" in run.data.tags["error"]
+    (resume,) = [line for line in stderr.splitlines() if line.startswith("ddlx: resume with: python train.py ")]
+    assert resume.endswith(f"ckpt_path={last}") and "trainer.max_epochs=1000" in resume, resume
 
 
 def _wait_for_worker(parent_pid: int, timeout: float) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import time
 from collections.abc import Callable
@@ -176,8 +177,19 @@ class _RecordingObserver(_ChildProcessObserver):
 
     def _terminate_all(self) -> None:
         codes = {rank: p.returncode for rank, p in enumerate(self._child_processes, start=1) if p.returncode}
-        self.rank_died(", ".join(f"rank {r} exited with code {c}" for r, c in codes.items()))
+        self.rank_died(", ".join(how_it_ended(r, c) for r, c in codes.items()))
         super()._terminate_all()
+
+
+def how_it_ended(rank: int, code: int) -> str:
+    """A rank process's end in words: its exit code, or the signal that killed it."""
+    if code >= 0:
+        return f"rank {rank} exited with code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    return f"rank {rank} was killed by {name}" + (" (kill -9, or the out-of-memory killer)" if -code == signal.SIGKILL else "")
 
 
 class WorkerLauncher(_SubprocessScriptLauncher):
@@ -198,6 +210,16 @@ class WorkerLauncher(_SubprocessScriptLauncher):
                 log.warning("rank process %d still running %.0f s after the job: killing it", proc.pid, timeout_s)
                 proc.kill()
                 proc.wait()
+
+    def dead_ranks(self, wait_s: float = 2.0) -> str | None:
+        """Which rank processes died, in words (None: none within ``wait_s``): asked when this one
+        failed, which it does on a dead rank's lost connection before the watchdog sees it."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            dead = {rank: code for rank, proc in enumerate(self.procs, start=1) if (code := proc.poll())}
+            if dead or time.monotonic() > deadline:
+                return ", ".join(how_it_ended(rank, code) for rank, code in dead.items()) or None
+            time.sleep(0.1)
 
     def launch(self, function, *args, trainer=None, **kwargs):
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)

@@ -204,28 +204,33 @@ def build_trainer(cfg: TrainConfig, plan, logger, output_dir: Path, callbacks: l
 
 
 class RankDeath:
-    """A rank process died (kill -9, the out-of-memory killer, a crash): the run FAILED with the
-    reason, and the console says so and how to resume, once, whichever finds it first: Lightning's
-    watchdog (which kills this process next, so no end summary follows) or this process failing
-    on the dead rank's connection (:func:`fit`)."""
+    """A rank process died (kill -9, the out-of-memory killer, a crash): the console says so and
+    how to resume, then the run is marked FAILED with the reason; once, by whichever finds it
+    first: Lightning's watchdog (which kills this process next, so its end summary may not
+    follow) or this process failing on the dead rank's connection (:func:`fit`). The second
+    waits for the first to finish."""
 
     def __init__(self, output_dir: Path, checkpoint_file: Path | None) -> None:
         self.output_dir, self.checkpoint_file = output_dir, checkpoint_file
-        self._said = threading.Lock()
+        self._lock, self._said = threading.Lock(), False
         try:  # now, in the job: Hydra unsets its config when the job ends, and the watchdog may say it later
             self.overrides = task_overrides()
         except ValueError:  # not a Hydra job (train() called directly)
             self.overrides = []
 
     def __call__(self, logger, reason: str) -> None:
-        if not self._said.acquire(blocking=False):
-            return
-        mark_failed(logger, reason)
-        print(f"ddlx: run FAILED: {reason}; its folder: {self.output_dir}", file=sys.stderr, flush=True)
-        if self.checkpoint_file is not None and self.checkpoint_file.is_file():
-            print(f"ddlx: resume with: {resume_command(self.overrides, self.checkpoint_file)}", file=sys.stderr, flush=True)
-        else:
-            print("ddlx: no checkpoint was written before it", file=sys.stderr, flush=True)
+        with self._lock:
+            if self._said:
+                return
+            self._said = True
+            print(f"ddlx: run FAILED: {reason}; its folder: {self.output_dir}", file=sys.stderr, flush=True)
+            if self.checkpoint_file is None:
+                print("ddlx: checkpoints are off (checkpoint.save=none): the run cannot be resumed", file=sys.stderr, flush=True)
+            elif self.checkpoint_file.is_file():
+                print(f"ddlx: resume with: {resume_command(self.overrides, self.checkpoint_file)}", file=sys.stderr, flush=True)
+            else:
+                print("ddlx: no checkpoint was written before it", file=sys.stderr, flush=True)
+            mark_failed(logger, reason)
 
 
 def train(cfg, output_dir: str | os.PathLike, extra_tags: Mapping[str, str] | None = None) -> dict[str, float]:

@@ -1,6 +1,7 @@
 """Every GPU path of ddlx on one GPU, and the measurements the GPU time model needs (issue 44).
 
-    python studies/gpu_checks.py --out DIR [--only paths layers feed overhead] [--budget-s 480]
+    python studies/gpu_checks.py --out DIR [--only paths compile_layers layers feed overhead] [--budget-s 480]
+    python studies/gpu_checks.py --out DIR --only paths --paths "pipe torch" fsdp   # the paths naming these words
 
 One command for a lent GPU machine, whose time is short: each step writes its results under
 ``--out`` as it goes, and a step that fails or runs out of its share of ``--budget-s`` does not

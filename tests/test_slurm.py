@@ -232,7 +232,8 @@ def test_a_job_warned_of_its_end_is_requeued_and_resumes_its_run(case, request, 
     job = _sbatch(slurm, tmp_path, [*options, "--requeue", "--signal=USR1@90"],
                   [_command(*prefix, *TRAIN, f"paths.root={tmp_path}", f"paths.data_dir={shared_data}", *strategy,
                             "checkpoint.save=full", *LONG)], env)
-    wait_until(lambda: _training(tmp_path), 120, "the job did not start training")
+    # Its second epoch: a start of two ranks over MPI took over 120 s beside a busy neighbour once.
+    wait_until(lambda: _training(tmp_path), 240, "the job did not start training", log=tmp_path / f"slurm-{job}.out")
     slurm.run("scancel", "--signal=USR1", job)
     fields = slurm.wait_for(job, ("COMPLETED", "FAILED", "CANCELLED"), timeout=240)
     log = _job_log(tmp_path, job)

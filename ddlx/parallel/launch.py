@@ -174,8 +174,14 @@ class _RecordingObserver(_ChildProcessObserver):
     def __init__(self, main_pid: int, child_processes, rank_died: Callable[[str], None]) -> None:
         super().__init__(main_pid=main_pid, child_processes=child_processes, sleep_period=1)
         self.rank_died = rank_died
+        self.stopped = False  # the job is ending: ranks that end now (or that ddlx kills) did not die
+
+    def _run(self) -> bool:
+        return True if self.stopped else super()._run()
 
     def _terminate_all(self) -> None:
+        if self.stopped:
+            return
         codes = {rank: p.returncode for rank, p in enumerate(self._child_processes, start=1) if p.returncode}
         self.rank_died(", ".join(how_it_ended(r, c) for r, c in codes.items()))
         super()._terminate_all()
@@ -202,6 +208,8 @@ class WorkerLauncher(_SubprocessScriptLauncher):
     def join(self, timeout_s: float) -> None:
         """Wait for the other ranks to exit (kill what is left after ``timeout_s``), so the next
         job of a sweep never overlaps this one's processes."""
+        if getattr(self, "observer", None) is not None:
+            self.observer.stopped = True
         deadline = time.monotonic() + timeout_s
         for proc in self.procs:
             try:
@@ -212,11 +220,16 @@ class WorkerLauncher(_SubprocessScriptLauncher):
                 proc.wait()
 
     def dead_ranks(self, wait_s: float = 2.0) -> str | None:
-        """Which rank processes died, in words (None: none within ``wait_s``): asked when this one
-        failed, which it does on a dead rank's lost connection before the watchdog sees it."""
+        """Which rank processes a signal killed (kill -9, the out-of-memory killer, a crash), in
+        words; None: none within ``wait_s``. Asked when this one failed, which it does on a dead
+        rank's lost connection before the watchdog sees it. A rank that exited with an error of its
+        own is not counted: this one's error may be the same, and is its own story."""
+        if not self.procs:
+            return None
         deadline = time.monotonic() + wait_s
         while True:
-            dead = {rank: code for rank, proc in enumerate(self.procs, start=1) if (code := proc.poll())}
+            dead = {rank: code for rank, proc in enumerate(self.procs, start=1)
+                    if (code := proc.poll()) is not None and code < 0}
             if dead or time.monotonic() > deadline:
                 return ", ".join(how_it_ended(rank, code) for rank, code in dead.items()) or None
             time.sleep(0.1)
@@ -225,7 +238,8 @@ class WorkerLauncher(_SubprocessScriptLauncher):
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         self._call_children_scripts()
         logger = trainer.logger if trainer is not None else None
-        _RecordingObserver(os.getpid(), self.procs, lambda reason: self.rank_died(logger, reason)).start()
+        self.observer = _RecordingObserver(os.getpid(), self.procs, lambda reason: self.rank_died(logger, reason))
+        self.observer.start()
         _set_num_threads_if_needed(num_processes=self.num_processes)
         return function(*args, **kwargs)
 

@@ -17,8 +17,8 @@ from ddlx.entry import (
     register_config,
     resume_requeued_job,
     run_training_job,
-    task_overrides,
 )
+from ddlx.command_line import task_overrides
 from ddlx.config_check import check_command_line
 from ddlx.parallel.rank_fork import start_fork_server
 from ddlx.rank_worker import main as rank_entry

@@ -11,7 +11,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from .command_line import resume_command, shell_words, task_overrides  # noqa: F401 -- train.py takes task_overrides from here
+from .command_line import resume_command, shell_words
 from .errors import CheckpointNotWritten, ConfigError, RankDied, RanksDisagree, Stopped, StoreError
 
 

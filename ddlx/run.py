@@ -202,7 +202,6 @@ def build_trainer(cfg: TrainConfig, plan, logger, output_dir: Path, callbacks: l
     return trainer
 
 
-
 class RankDeath:
     """A rank process died (kill -9, the out-of-memory killer, a crash): the console says so and
     how to resume, then the run is marked FAILED with the reason; once, by whichever finds it

@@ -204,11 +204,12 @@ class WorkerLauncher(_SubprocessScriptLauncher):
         super().__init__(cluster_environment, num_processes, num_nodes)
         self.worker_args = worker_args
         self.rank_died = rank_died  # (the Trainer's logger, why): the run layer records it
+        self.observer: _RecordingObserver | None = None  # the watchdog, from launch on
 
     def join(self, timeout_s: float) -> None:
         """Wait for the other ranks to exit (kill what is left after ``timeout_s``), so the next
         job of a sweep never overlaps this one's processes."""
-        if getattr(self, "observer", None) is not None:
+        if self.observer is not None:
             self.observer.stopped = True
         deadline = time.monotonic() + timeout_s
         for proc in self.procs:

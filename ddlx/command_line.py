@@ -12,10 +12,26 @@ def shell_words(*words: str) -> str:
     return " ".join(shlex.quote(str(word)) for word in words)
 
 
+def hydra_string(text) -> str:
+    """A string value as a Hydra override writes it: as it is where Hydra reads it back as that
+    string, else quoted (a path with ``,`` would be a sweep over its pieces; one with ``=`` or
+    ``[`` does not parse; ``null`` or ``1`` would not be strings)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    text = str(text)
+    try:
+        if OverridesParser.create().parse_override(f"k={text}").value() == text:
+            return text
+    except HydraException:  # it does not parse
+        pass
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
 def resume_command(overrides: list[str], checkpoint) -> str:
     """The train.py command that resumes a job of ``overrides`` (its own ckpt_path replaced) from ``checkpoint``."""
     kept = [o for o in overrides if not o.lstrip("+").startswith("ckpt_path=")]
-    return f"python train.py {shell_words(*kept, f'ckpt_path={checkpoint}')}"
+    return f"python train.py {shell_words(*kept, f'ckpt_path={hydra_string(checkpoint)}')}"
 
 
 def task_overrides() -> list[str]:

@@ -10,7 +10,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING
 
 from .allocator import SYSTEM
-from .command_line import shell_words
+from .command_line import hydra_string, shell_words
 from .job import BASELINE, CPU_BASELINE_SETUP, FP32, Job, precision_of
 
 if TYPE_CHECKING:  # a type only: the record layer does not import the predictor's
@@ -54,7 +54,7 @@ class Workload:
                 f"data.batch_size={self.batch_size}", f"data.num_images={self.num_images}",
                 f"data.num_workers={self.num_workers}", f"trainer.limit_train_batches={self.limit_train_batches}"]
         if self.root not in ("None", ""):
-            over.append(f"data.root={self.root}")
+            over.append(f"data.root={hydra_string(self.root)}")
         if self.cpu_allocator != SYSTEM:
             over.append(f"cpu_allocator={self.cpu_allocator}")
         if self.precision != FP32:

@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from conftest import CONF_DIR, PROJECT_DIR, compose_config, subprocess_env
+from conftest import CONF_DIR, PROJECT_DIR, as_a_shell_reads, compose_config, subprocess_env
 
 from ddlx.config import STRATEGY_CONFIGS, TRAINER_ARGS_SET_BY_DDLX, TrainConfig, TrainerConfig
 from ddlx.config_check import check_config, typed_config
@@ -243,3 +243,15 @@ def test_an_unknown_key_of_an_untyped_config_is_named_without_an_empty_list():
 
     assert _unknown_key("foo", None) == "foo is not a key of the config"
     assert "(its keys: seed," in _unknown_key("foo", TrainConfig)
+
+
+@pytest.mark.parametrize("folder", ["plain", "a,b", "run=2", "[x]", "it's", "null", "with space"])
+def test_a_printed_resume_command_gives_hydra_the_checkpoint_path_meant(tmp_path, folder):
+    """A folder with ``,`` would make the pasted command a sweep over the path's pieces; one with
+    ``=`` or ``[`` would not parse; ``null`` would be no checkpoint."""
+    from ddlx.command_line import resume_command
+
+    checkpoint = tmp_path / folder / "last.ckpt"
+    words = as_a_shell_reads(resume_command(["model=vgg11", "ckpt_path=old.ckpt"], checkpoint), cwd=tmp_path)
+    assert words[:3] == ["python", "train.py", "model=vgg11"] and not any(w.startswith("ckpt_path=old") for w in words)
+    assert compose_config(words[2:]).ckpt_path == str(checkpoint)

@@ -904,6 +904,37 @@ def test_a_batch_stated_per_worker_grows_with_each_setups_processes():
     assert {p.setup.checkpoint for p in pipes} >= {"never", "except_last"}, "torchgpipe's default tried"
 
 
+def test_a_process_stated_its_own_batch_pays_that_batchs_measured_step():
+    """With data.batch_per=worker, cpu_mp's two processes each train the batch a sequential run
+    measured: each pays that run's step, not half of a step of twice the batch. At 32 px a step
+    is mostly fixed cost, so the batch of 8 (probed) takes no longer than the measured 4; scaled
+    per sample from it, two processes would be predicted more than twice as fast as one."""
+    hw = _hw()
+    params = {**_workload_params("alexnet", 32), "data.batch_size": "4"}
+    four = Job("alexnet", "firesmall", 3, 3, 32, 4, 320)
+    step_4 = 0.5
+    runs = [_run("seq-4", STRATEGIES["sequential"].setup(threads=1), params, step_4 * four.steps)]
+
+    def probe(job):
+        return lambda n: [ProbedBatch(step_4, 0.0)] * n  # batch 8 no slower than batch 4
+
+    predictor = Predictor(hw, runs, local=hw, probe=probe)
+    rec = predictor.recommend(four, batches=Batches("worker"))
+    by_label = {p.setup.label: p for p in rec.predictions}
+    cpu_mp = by_label["cpu_mp processes=2"]
+    assert cpu_mp.batch_size == 8 and "from runs at that batch" in cpu_mp.basis
+    eight = replace(four, batch_size=8)
+    seq = predictor.sequential(eight, hw, predictor.runs)
+    each = model_cost(cpu_mp.setup, eight, hw, profile_model("alexnet", 3, 3, 32), seq).compute_s
+    assert each == pytest.approx(step_4 - seq.weight_s), "each process's compute is the measured step of 4"
+    # Two processes at batch 8 step the weights half as often as one at batch 4, so a little over
+    # 2x is the model's due; scaled per sample from the probe it said 3.8x.
+    assert 1.0 < cpu_mp.speedup < 2.5, f"two processes on two cores: {cpu_mp.speedup:.2f}x"
+    unsplit = {p.setup.label: p.epoch_s for p in Predictor(hw, runs, local=hw, probe=probe).recommend(four).predictions}
+    assert unsplit["sequential threads=1"] == pytest.approx(by_label["sequential threads=1"].epoch_s), \
+        "the stated batch's own setups keep their measured time"
+
+
 def test_the_candidates_option_is_checked_and_names_the_key():
     assert check_tries({"pipe": {"chunks": [12, 24], "checkpoint": "except_last", "batch_size": 48}}) == \
         ({"pipe": {"chunks": [12, 24], "checkpoint": ["except_last"]}}, [("pipe", 48)])

@@ -40,7 +40,15 @@ from .setups import (
     worker_batch,
     workers_to_keep_up,
 )
-from .sequential_time import ProbedBatch, efficiency_from_runs, from_flops, from_gpu_model, from_probe, from_runs
+from .sequential_time import (
+    ProbedBatch,
+    efficiency_from_runs,
+    from_flops,
+    from_gpu_model,
+    from_probe,
+    from_runs,
+    with_measured_shares,
+)
 
 Probe = Callable[[Job], Callable[[int], list[ProbedBatch]]]
 LoadingProbe = Callable[[Job], Callable[[], float]]
@@ -198,6 +206,9 @@ class Predictor:
         """Measured runs of the job, else a probe here (when the target is this machine), else the
         GPU model on a GPU, else FLOPs."""
         profile = profile_of_job(job)
+        return with_measured_shares(self._sequential(job, hw, runs, profile), job, hw, runs, profile)
+
+    def _sequential(self, job: Job, hw: HardwareSpec, runs: Sequence[MeasuredRun], profile: ModelProfile) -> SequentialTime:
         can_probe = self.probe is not None and self.local is not None and hw is self.local
         measured = from_runs(job, hw, runs, profile, other_batch=not can_probe)
         if measured is not None:
@@ -235,7 +246,8 @@ class Predictor:
                 continue
             job = job_of_run(run)
             if job not in seqs:
-                seqs[job] = from_runs(job, source_hw, runs, profile_of_job(job))
+                seq = from_runs(job, source_hw, runs, profile_of_job(job))
+                seqs[job] = seq and with_measured_shares(seq, job, source_hw, runs, profile_of_job(job))
             seq = seqs[job]
             if seq is None:
                 continue

@@ -81,6 +81,35 @@ def from_runs(job: Job, hw: HardwareSpec, runs: Sequence[MeasuredRun], profile: 
     return SequentialTime(max(per_sample, 1e-9), weights, f"measured ({len(chosen)} run{'s' * (len(chosen) > 1)}, {what})", load)
 
 
+def with_measured_shares(seq: SequentialTime, job: Job, hw: HardwareSpec, runs: Sequence[MeasuredRun],
+                         profile: ModelProfile) -> SequentialTime:
+    """``seq`` with a step at n samples (a data-parallel worker's share, a micro-batch) taken from
+    the one-device runs measured at batch n where there are any, else ``seq``'s own per sample.
+    Scaling per sample misses a step's fixed cost, which at small batches is most of it: with
+    ``data.batch_per=worker`` a process's share is the batch a run measured, and its own time is
+    what the process pays. ``seq`` as it is where it prices steps of any size already (the GPU model)."""
+    if seq.step_s is not None:
+        return seq
+
+    @functools.lru_cache(maxsize=32)
+    def share(samples: int) -> SequentialTime | None:
+        if samples == job.batch_size:
+            return None
+        return from_runs(dataclasses.replace(job, batch_size=samples), hw, runs, profile, other_batch=False)
+
+    measured = sorted({int(r.params["data.batch_size"]) for r in baselines_on(hw, runs) if same_network(r, job)}
+                      - {job.batch_size})
+    if not measured:
+        return seq
+
+    def step_s(samples: int) -> float:
+        own = share(samples)
+        return samples * (own or seq).per_sample_s
+
+    return dataclasses.replace(seq, step_s=step_s, basis=f"{seq.basis}; steps of {'/'.join(map(str, measured))} "
+                               f"samples (a process's share, a micro-batch) from runs at that batch")
+
+
 def _loads_between_steps(run: MeasuredRun) -> bool:
     """The run loaded its data in the training process (data.num_workers=0)."""
     return int(run.params.get("data.num_workers") or 0) == 0

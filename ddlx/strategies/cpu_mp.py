@@ -67,7 +67,7 @@ class CpuMp(StrategySpec):
         rank steps its slice), each extra rank repeats only its forward and backward passes, and
         of those not the split layers' (each rank computes its rows, exchanging activations)."""
         p = setup.processes
-        work = job.batch_size * (seq.per_sample_s + seq.load_per_sample_s)
+        work = job.batch_size * (seq.per_sample_at(job.batch_size / p) + seq.load_per_sample_s)
         barrier = hw.intra_node.latency_us * 1e-6
         split, split_params = split_layers(setup, job, profile)
         averaged_mb = (profile.params - split_params) * profile.param_bytes / 1e6

@@ -221,6 +221,7 @@ class RecommendConfig:
     max_epoch_s: Optional[float] = None
     close_call: float = 0.05
     candidates: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+    strategies: List[str] = field(default_factory=list)
     experiments: List[str] = field(default_factory=lambda: ["ddlx"])
     trainer: RecommendTrainerConfig = field(default_factory=RecommendTrainerConfig)
     cpu_allocator: str = knob(AUTO, choices=(AUTO, *ALLOCATORS))

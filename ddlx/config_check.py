@@ -42,8 +42,9 @@ ENTRIES = {"train": ("train.py", TrainConfig), "recommend": ("recommend.py", Rec
 INSTEAD = {
     ("train", "hw"): "train.py trains on this machine; the machine recommend.py predicts for is its hw "
                      "(python recommend.py hw=NAME model=... data=...)",
-    ("recommend", "strategy"): "recommend.py ranks every strategy on its hw; candidates.STRATEGY.KNOB=[...] sets the "
-                               "knob values it tries (e.g. candidates.pipe.chunks=[4,8])",
+    ("recommend", "strategy"): "recommend.py ranks every strategy on its hw, or those of strategies=[...] (e.g. "
+                               "strategies=[ddp_nccl,pipe]); candidates.STRATEGY.KNOB=[...] sets the knob values it "
+                               "tries (e.g. candidates.pipe.chunks=[4,8])",
     ("recommend", "trainer"): "recommend.py's device kind comes from hw=, and its trainer keys are trainer.precision "
                               "and trainer.max_epochs",
     ("recommend", "experiment"): "recommend.py takes the job as model=, data= and their keys",

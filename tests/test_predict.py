@@ -32,6 +32,7 @@ from ddlx.predict.setups import (
     SequentialTime,
     Setup,
     check_tries,
+    is_baseline,
     memory_need,
     model_batch_s,
     model_cost,
@@ -933,6 +934,28 @@ def test_a_process_stated_its_own_batch_pays_that_batchs_measured_step():
     unsplit = {p.setup.label: p.epoch_s for p in Predictor(hw, runs, local=hw, probe=probe).recommend(four).predictions}
     assert unsplit["sequential threads=1"] == pytest.approx(by_label["sequential threads=1"].epoch_s), \
         "the stated batch's own setups keep their measured time"
+
+
+def test_a_question_can_rank_only_the_strategies_it_names():
+    """strategies=[...] keeps those strategies' setups and the one-device reference; a name that
+    is no strategy, or strategies with no setup on the machine, are refused naming them."""
+    from ddlx.predict.setups import candidates, check_strategies, only_strategies
+
+    gpu = _compose_hw_spec("titanrtx_4x")
+    job = Job("resnet18", "imagenet", 1000, 3, 224, 32, 1280000)
+    every = candidates(gpu, job)
+    kept = only_strategies(every, check_strategies(["ddp_nccl", "pipe"]), gpu)
+    assert {s.strategy for s in kept} == {"ddp_nccl", "pipe", "sequential"}
+    assert [s for s in kept if s.strategy == "sequential"] == [s for s in every if is_baseline(s)]
+    assert only_strategies(every, [], gpu) == every
+    rec = Predictor(gpu, []).recommend(job, kept)
+    assert {p.setup.label for p in rec.predictions} == {s.label for s in kept}
+    with pytest.raises(ConfigError, match=r"ddp_ncl is not a strategy; did you mean ddp_nccl\?"):
+        check_strategies(["ddp_ncl"])
+    with pytest.raises(ConfigError, match=r"strategies=\[cpu_mp\]: none has a setup on hw=titanrtx_4x"):
+        only_strategies(every, ["cpu_mp"], gpu)
+    assert only_strategies(every, ["cpu_mp"], gpu, required=False) == [s for s in every if is_baseline(s)], \
+        "a machine compared with the target keeps its reference"
 
 
 def test_the_candidates_option_is_checked_and_names_the_key():

@@ -26,7 +26,7 @@ from .count_ahead import count_ahead, wait_for
 from .kept_probes import forget, kept
 from .machines import compare
 from .prediction import Predictor, Recommendation, data_config_of_job
-from .setups import check_tries
+from .setups import candidates, check_strategies, check_tries, only_strategies
 from .render import (
     comparison_dict,
     comparison_lines,
@@ -161,6 +161,7 @@ def run(composed: DictConfig, out_dir: Path, hw_dir: Path, job_overrides: list[s
     cfg.cpu_allocator = resolve_allocator(cfg.cpu_allocator)  # as train.py resolves it on this machine
     check_allocator(cfg.cpu_allocator)
     job = job_from_config(cfg) if cfg.mode == "recommend" else None  # bad values named before any timing
+    wanted = check_strategies(cfg.strategies)
     detected_dir = Path(cfg.detected_dir) if cfg.detected_dir else None
     target = hardware(composed.hw, detected_dir, refresh=cfg.mode == "probe")
     check_recommend_job(composed, False, hw_dir)  # folders, data values; compare= names machines; max_epoch_s is a time
@@ -198,7 +199,8 @@ def run(composed: DictConfig, out_dir: Path, hw_dir: Path, job_overrides: list[s
     recs = []
     for machine in [target, *others]:  # the same question on each machine, the runs and probes of this one shared
         on_it = job if machine is target else dataclasses.replace(job, data_cache=cache_of(job, cfg, machine))
-        rec = Predictor(machine, runs, local, probe, loading).recommend(on_it, batches=batches, tries=tries)
+        setups = only_strategies(candidates(machine, on_it, batches, tries), wanted, machine, required=machine is target)
+        rec = Predictor(machine, runs, local, probe, loading).recommend(on_it, setups, batches=batches)
         rec.errors = close_call_errors(Predictor(machine, runs, local), cfg.cpu_allocator, rec)
         rec.epochs = cfg.trainer.max_epochs
         rec.hw_overrides = hw_overrides if machine is target else ()

@@ -3,6 +3,7 @@ answered by the strategy's own spec (:mod:`ddlx.strategies`); the parts the mode
 :mod:`.costs`."""
 from __future__ import annotations
 
+import difflib
 import math
 
 from ..errors import ConfigError
@@ -46,6 +47,31 @@ def tried(setups: list[Setup], knobs: dict) -> list[Setup]:
             variants = [v | {knob: tuple(value) if isinstance(value, list) else value} for v in variants for value in values]
         out += [spec_of(setup.strategy).setup(**v) for v in variants]
     return list(dict.fromkeys(out))
+
+
+def check_strategies(names) -> list[str]:
+    """recommend.py's ``strategies`` option, checked: names of strategies ([]: every one)."""
+    unknown = [n for n in names if n not in STRATEGIES]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], list(STRATEGIES), n=1, cutoff=0.6)
+        raise ConfigError(f"strategies=[{','.join(names)}]: {unknown[0]} is not a strategy"
+                          f"{f'; did you mean {close[0]}?' if close else ''} The strategies are {', '.join(STRATEGIES)}, "
+                          f"e.g. strategies=[ddp_nccl,pipe]")
+    return list(names)
+
+
+def only_strategies(setups: list[Setup], names: list[str], hw: HardwareSpec, required: bool = True) -> list[Setup]:
+    """``setups`` of the strategies ``names`` ([]: all) and the one-device setup (the speedups'
+    reference); with ``required``, a :class:`ConfigError` when none of those strategies has a
+    setup on ``hw`` (a machine compared with it may have none)."""
+    if not names:
+        return setups
+    kept = [s for s in setups if s.strategy in names or is_baseline(s)]
+    if required and not any(s.strategy in names for s in kept):
+        placed = sorted({s.strategy for s in setups}, key=list(STRATEGIES).index)
+        raise ConfigError(f"strategies=[{','.join(names)}]: none has a setup on hw={hw.name} ({hw.nodes} node(s) x "
+                          f"{hw.devices_per_node} {hw.device_kind} device(s)); the strategies that have: {', '.join(placed)}")
+    return kept
 
 
 def check_tries(candidates: dict) -> tuple[dict, Batches]:

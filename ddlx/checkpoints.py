@@ -18,6 +18,7 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
+import torch.distributed as dist
 from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -157,17 +158,23 @@ class RunInCheckpoint(pl.Callback):
                               "experiment": self.experiment, "config": self.config}
 
     def state_dict(self) -> dict[str, Any]:
-        import numpy
-
-        kind, keys, pos, has_gauss, gauss = numpy.random.get_state()
-        # As tensors and plain values: checkpoints load with torch.load(weights_only=True).
-        return {"torch": torch.get_rng_state(), "python": random.getstate(),
-                "numpy": [kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, gauss],
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+        """This rank's generators and, with several ranks, every rank's under ``ranks``: a
+        pipeline's stages draw apart (only the stages with dropout draw its masks), so rank 0's
+        would give the others masks they never drew. Every rank writes the checkpoint (Lightning's
+        save_checkpoint), so every rank takes part in gathering them."""
+        own = _generators()
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            ranks: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(ranks, own)
+            return {**own, "ranks": ranks}
+        return own
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         import numpy
 
+        ranks = state.get("ranks")
+        if ranks and dist.is_available() and dist.is_initialized() and dist.get_world_size() == len(ranks):
+            state = ranks[dist.get_rank()]
         torch.set_rng_state(state["torch"])
         random.setstate(state["python"])
         kind, keys, pos, has_gauss, gauss = state["numpy"]
@@ -175,6 +182,17 @@ class RunInCheckpoint(pl.Callback):
         cuda = state.get("cuda") or []
         if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(cuda)
+
+
+def _generators() -> dict[str, Any]:
+    """This process's random number generators' states, as tensors and plain values: checkpoints
+    load with torch.load(weights_only=True)."""
+    import numpy
+
+    kind, keys, pos, has_gauss, gauss = numpy.random.get_state()
+    return {"torch": torch.get_rng_state(), "python": random.getstate(),
+            "numpy": [kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, gauss],
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
 
 
 @dataclass

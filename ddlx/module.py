@@ -10,6 +10,16 @@ from torchmetrics.classification import MulticlassAccuracy
 from .compiling import optimizer_flags
 
 
+def _summed_states(metric) -> dict:
+    """``metric``'s states summed over every rank, as its compute() adds them (this rank's alone
+    outside torch.distributed), and whether any rank added anything (``_updates``: its counts and
+    weights are sums, all 0 until then)."""
+    with metric.sync_context(should_sync=True, should_unsync=True):
+        states = {state: getattr(metric, state).detach().cpu().clone() for state in metric._defaults}
+    states["_updates"] = any(bool(value.any()) for value in states.values())
+    return states
+
+
 class ClassifierModule(pl.LightningModule):
     """Cross-entropy classification with SGD (Lerat et al. 2022, section 3.2: lr 0.001, momentum 0.9)."""
 
@@ -69,6 +79,25 @@ class ClassifierModule(pl.LightningModule):
             self.log(f"{stage}_acc", accuracy.compute(), prog_bar=True, sync_dist=True)
         loss_mean.reset()
         accuracy.reset()
+
+    # A checkpoint written within an epoch holds the epoch's running sums so far, every rank's
+    # added up, so that a run resumed from it logs the whole epoch's train_loss and train_acc, not
+    # only the batches after the resume. Every rank writes the checkpoint (Lightning's
+    # save_checkpoint), so every rank takes part in adding them up. At an epoch's end they are
+    # already reset (the checkpoint callbacks run after on_train_epoch_end).
+    EPOCH_SUMS = "ddlx_epoch_sums"
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint[self.EPOCH_SUMS] = {name: _summed_states(getattr(self, name)) for name in ("train_loss", "train_acc")}
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        for name, states in (checkpoint.get(self.EPOCH_SUMS) or {}).items():
+            metric = getattr(self, name)
+            metric.reset()
+            if self.global_rank == 0 and states["_updates"]:  # the sums once: compute() adds every rank's
+                for state in metric._defaults:
+                    getattr(metric, state).copy_(states[state])
+                metric._update_count = 1
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay,

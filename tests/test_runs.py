@@ -52,13 +52,18 @@ def _history(uri: str, run_id: str, metric: str) -> list[tuple[int, float]]:
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("strategy", ["sequential", *(pytest.param(s, marks=pytest.mark.slow, id=s.split()[0]) for s in (
+    "ddp_gloo", "cpu_mp", "pipe strategy.engine=torch strategy.devices=[cpu,cpu] strategy.chunks=2"))])
 def test_a_run_stopped_mid_epoch_resumes_into_the_same_run_as_if_never_stopped(tiny_config, tracking_uri, tmp_path,
-                                                                               monkeypatch):
+                                                                               monkeypatch, strategy):
     """Ctrl-C at step 7 (epoch 3 of 3, after its first batch): a checkpoint of that step, the run
     KILLED; resumed from it, the same MLflow run goes on to FINISHED with one figure per epoch,
-    and ends with the weights of a run that was never stopped: optimizer, loop, random state and
-    the data position restored (the loader's own state, set before its worker reads an index)."""
-    job = ["model=alexnet", "trainer.max_epochs=3", "trainer.limit_train_batches=3", "data.num_workers=1", *FULL]
+    its metrics and its weights those of a run that was never stopped: optimizer, loop, random
+    state, the data position (the loader's own state, set before its worker reads an index) and
+    the epoch's running sums restored (with several ranks, every rank's added up once) and each
+    rank's own random state (a pipeline's last stage draws AlexNet's dropout masks, its first none)."""
+    job = ["model=alexnet", "trainer.max_epochs=3", "trainer.limit_train_batches=3", "data.num_workers=1", *FULL,
+           *f"strategy={strategy}".split()]
     train(tiny_config(*job), tmp_path / "never_stopped")
 
     _with_signal_at(monkeypatch, step=7, signum=signal.SIGINT)
@@ -85,6 +90,11 @@ def test_a_run_stopped_mid_epoch_resumes_into_the_same_run_as_if_never_stopped(t
     never, again = _weights(tmp_path / "never_stopped" / "checkpoints" / "last.ckpt"), _weights(checkpoint)
     for name, value in never.items():
         assert torch.allclose(value, again[name], atol=1e-6), name
+    (unstopped,) = [r for r in runs(tracking_uri) if r.info.run_id != stopped.info.run_id]
+    for metric in ("train_loss", "train_acc", "val_loss"):  # the stopped epoch's over all its batches too
+        expected, got = (_history(tracking_uri, r.info.run_id, metric) for r in (unstopped, resumed))
+        assert [s for s, _ in got] == [s for s, _ in expected] and \
+            [v for _, v in got] == pytest.approx([v for _, v in expected], abs=1e-5), metric
 
 
 @pytest.mark.integration

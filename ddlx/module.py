@@ -88,16 +88,25 @@ class ClassifierModule(pl.LightningModule):
     EPOCH_SUMS = "ddlx_epoch_sums"
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint[self.EPOCH_SUMS] = {name: _summed_states(getattr(self, name)) for name in ("train_loss", "train_acc")}
+        sums = {name: _summed_states(getattr(self, name)) for name in ("train_loss", "train_acc")}
+        trainer = self._trainer
+        if trainer is not None and not trainer.validating and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+            # Written after the epoch's last batch, before its validation: resumed from here,
+            # Lightning counts the epoch done and skips its end, so its sums would go to the next.
+            sums = {name: {**states, "_updates": False} for name, states in sums.items()}
+        checkpoint[self.EPOCH_SUMS] = sums
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         for name, states in (checkpoint.get(self.EPOCH_SUMS) or {}).items():
             metric = getattr(self, name)
             metric.reset()
-            if self.global_rank == 0 and states["_updates"]:  # the sums once: compute() adds every rank's
+            if not states["_updates"]:
+                continue
+            if self.global_rank == 0:  # the sums once: compute() adds every rank's
                 for state in metric._defaults:
                     getattr(metric, state).copy_(states[state])
-                metric._update_count = 1
+            # Every rank: whether the epoch's end computes (a collective) must not differ by rank.
+            metric._update_count = 1
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay,

@@ -97,6 +97,27 @@ def test_a_run_stopped_mid_epoch_resumes_into_the_same_run_as_if_never_stopped(t
             [v for _, v in got] == pytest.approx([v for _, v in expected], abs=1e-5), metric
 
 
+@pytest.mark.slow
+def test_a_run_stopped_after_an_epochs_last_batch_resumes_with_the_next_epochs_own_figures(tiny_config, tracking_uri,
+                                                                                          tmp_path, monkeypatch):
+    """Stopped after epoch 2's last batch, before its validation: resumed, Lightning counts that
+    epoch done and skips its end (its figures are not logged), so its running sums must not be
+    carried into epoch 3's."""
+    job = ["model=alexnet", "trainer.max_epochs=3", "trainer.limit_train_batches=3", *FULL]
+    train(tiny_config(*job), tmp_path / "never_stopped")
+    (never,) = runs(tracking_uri)
+    _with_signal_at(monkeypatch, step=6, signum=signal.SIGINT)
+    with pytest.raises(Stopped) as stop:
+        train(tiny_config(*job), tmp_path / "stopped")
+    monkeypatch.undo()
+    train(tiny_config(*job, f"ckpt_path={stop.value.checkpoint}"), tmp_path / "resumed")
+    (resumed,) = [r for r in runs(tracking_uri) if r.info.run_id != never.info.run_id]
+    for metric in ("train_loss", "train_acc"):
+        expected = dict(_history(tracking_uri, never.info.run_id, metric))
+        got = dict(_history(tracking_uri, resumed.info.run_id, metric))
+        assert got[8] == pytest.approx(expected[8], abs=1e-5), metric
+
+
 @pytest.mark.integration
 def test_an_overfit_batches_run_resumes_as_if_never_stopped(tiny_config, tracking_uri, tmp_path, monkeypatch):
     """Lightning's overfit_batches would swap the training loader's sampler for its own

@@ -2,6 +2,7 @@
 otherwise, so that bash and zsh give train.py back the words ddlx meant."""
 from __future__ import annotations
 
+import re
 import shlex
 
 
@@ -20,12 +21,15 @@ def hydra_string(text) -> str:
     from hydra.errors import HydraException
 
     text = str(text)
-    try:
-        if OverridesParser.create().parse_override(f"k={text}").value() == text:
-            return text
-    except HydraException:  # it does not parse
-        pass
-    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    if "${" not in text:  # OmegaConf would resolve it, quoted or not
+        try:
+            if OverridesParser.create().parse_override(f"k={text}").value() == text:
+                return text
+        except HydraException:  # it does not parse
+            pass
+    # Quoted, a backslash is an escape only before a quote or at the end (there it is doubled).
+    quoted = re.sub(r"(\\+)(?='|$)", r"\1\1", text).replace("'", "\\'").replace("${", "\\${")
+    return f"'{quoted}'"
 
 
 def resume_command(overrides: list[str], checkpoint) -> str:

@@ -245,10 +245,12 @@ def test_an_unknown_key_of_an_untyped_config_is_named_without_an_empty_list():
     assert "(its keys: seed," in _unknown_key("foo", TrainConfig)
 
 
-@pytest.mark.parametrize("folder", ["plain", "a,b", "run=2", "[x]", "it's", "null", "with space"])
+@pytest.mark.parametrize("folder", ["plain", "a,b", "run=2", "[x]", "it's", "null", "with space", "back\\slash,x",
+                                    "${oc.env:HOME}", "it\\'s,x"])
 def test_a_printed_resume_command_gives_hydra_the_checkpoint_path_meant(tmp_path, folder):
     """A folder with ``,`` would make the pasted command a sweep over the path's pieces; one with
-    ``=`` or ``[`` would not parse; ``null`` would be no checkpoint."""
+    ``=`` or ``[`` would not parse; ``null`` would be no checkpoint; ``${...}`` would be resolved;
+    a backslash is kept as it is."""
     from ddlx.command_line import resume_command
 
     checkpoint = tmp_path / folder / "last.ckpt"

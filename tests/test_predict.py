@@ -950,6 +950,11 @@ def test_a_question_can_rank_only_the_strategies_it_names():
     assert only_strategies(every, [], gpu) == every
     rec = Predictor(gpu, []).recommend(job, kept)
     assert {p.setup.label for p in rec.predictions} == {s.label for s in kept}
+    from ddlx.predict.render import recommendation_dict, recommendation_table
+
+    rec.strategies = ("ddp_nccl", "pipe")
+    assert recommendation_dict(rec, "", 0.0, 0.05, [])["strategies"] == ["ddp_nccl", "pipe"], "a narrowed answer says so"
+    assert "ranked: only ddp_nccl, pipe (strategies=[ddp_nccl,pipe])" in recommendation_table(rec, "", 0.0, 0.05, [])
     with pytest.raises(ConfigError, match=r"ddp_ncl is not a strategy; did you mean ddp_nccl\?"):
         check_strategies(["ddp_ncl"])
     with pytest.raises(ConfigError, match=r"strategies=\[cpu_mp\]: none has a setup on hw=titanrtx_4x"):

@@ -204,6 +204,7 @@ def run(composed: DictConfig, out_dir: Path, hw_dir: Path, job_overrides: list[s
         rec.errors = close_call_errors(Predictor(machine, runs, local), cfg.cpu_allocator, rec)
         rec.epochs = cfg.trainer.max_epochs
         rec.hw_overrides = hw_overrides if machine is target else ()
+        rec.strategies = tuple(wanted)
         recs.append(rec)
     rec = recs[0]
     comparison = compare(recs, cfg.max_epoch_s) if others or cfg.max_epoch_s is not None else None
@@ -296,7 +297,7 @@ def log_recommendation(cfg: RecommendConfig, rec: Recommendation, answer: dict, 
               "recommended": best.setup.label if best else "none fits", "t_seq_basis": rec.sequential.basis[:5000],
               "close_calls": ", ".join(p.setup.label for p in rec.close_calls(cfg.close_call))[:5000]},
         params={"batch_size": rec.job.batch_size, "image_size": rec.job.image_size, "train_samples": rec.job.train_samples,
-                "nodes": rec.hw.nodes},
+                "nodes": rec.hw.nodes, "strategies": ",".join(rec.strategies) or "all"},
         metrics={"predicted_epoch_s": best.epoch_s, "predicted_speedup": best.speedup} if best else {},
         files=[path])
 

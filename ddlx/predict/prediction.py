@@ -118,6 +118,8 @@ class Recommendation:
     # The hw field overrides the question gave this machine (hw.nodes=2): beside its name where
     # machines are compared, so a file and the same file changed are told apart.
     hw_overrides: tuple[str, ...] = ()
+    # The strategies the question asked to rank (recommend.py strategies=[...]); empty: every one.
+    strategies: tuple[str, ...] = ()
 
     @property
     def machine(self) -> str:

@@ -78,6 +78,7 @@ def recommendation_dict(rec: Recommendation, note: str, elapsed: float, close_ca
     return {
         "hw": rec.hw.name,
         "hw_overrides": list(rec.hw_overrides),
+        "strategies": list(rec.strategies) or "all",
         "job": vars(rec.job) | {"steps_per_epoch": rec.job.steps},
         "runs": note,
         "sequential_basis": rec.sequential.basis,
@@ -115,6 +116,9 @@ def recommendation_table(rec: Recommendation, note: str, elapsed: float, close_c
              f"{' cores' if rec.hw.device_kind == 'cpu' else 's'} ({rec.hw.device_name})",
              f"measured runs: {note}" + ("" if rec.runs_used else "; none usable: every figure below is a model estimate"),
              f"T_seq basis: {rec.sequential.basis}", ""]
+    if rec.strategies:
+        lines.insert(-1, f"ranked: only {', '.join(rec.strategies)} (strategies=[{','.join(rec.strategies)}]), "
+                         f"beside the one-device setup")
     batches = len({p.batch_size for p in rec.predictions}) > 1  # a column only when the setups' batches differ
     over = speedup_over(rec)
     if over != "one device":

@@ -106,8 +106,8 @@ def with_measured_shares(seq: SequentialTime, job: Job, hw: HardwareSpec, runs: 
         own = share(samples)
         return samples * (own or seq).per_sample_s
 
-    return dataclasses.replace(seq, step_s=step_s, basis=f"{seq.basis}; steps of {'/'.join(map(str, measured))} "
-                               f"samples (a process's share, a micro-batch) from runs at that batch")
+    return dataclasses.replace(seq, step_s=step_s, basis=f"{seq.basis}; where a process's share or a micro-batch is "
+                               f"{' or '.join(map(str, measured))} samples, its step from runs at that batch")
 
 
 def _loads_between_steps(run: MeasuredRun) -> bool:

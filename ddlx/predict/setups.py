@@ -55,7 +55,7 @@ def check_strategies(names) -> list[str]:
     if unknown:
         close = difflib.get_close_matches(unknown[0], list(STRATEGIES), n=1, cutoff=0.6)
         raise ConfigError(f"strategies=[{','.join(names)}]: {unknown[0]} is not a strategy"
-                          f"{f'; did you mean {close[0]}?' if close else ''} The strategies are {', '.join(STRATEGIES)}, "
+                          f"{f'; did you mean {close[0]}?' if close else ''}; the strategies are {', '.join(STRATEGIES)}, "
                           f"e.g. strategies=[ddp_nccl,pipe]")
     return list(names)
 

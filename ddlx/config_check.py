@@ -146,7 +146,7 @@ def schema_for(cfg: DictConfig) -> DictConfig:
     name = OmegaConf.select(cfg, "strategy.name", default=None)
     if name not in STRATEGY_CONFIGS:
         raise ConfigError(
-            f"strategy={name} is not a strategy ddlx knows{_did_you_mean(str(name), STRATEGY_CONFIGS)}; "
+            f"strategy={name} is not a strategy ddlx knows{did_you_mean(str(name), STRATEGY_CONFIGS)}; "
             f"expected one of {', '.join(STRATEGY_CONFIGS)}"
         )
     schema = OmegaConf.structured(TrainConfig)
@@ -214,9 +214,9 @@ def _unknown_key(full_key: str, object_type: Any) -> str:
         strategy = next((n for n, config in STRATEGY_CONFIGS.items() if config is object_type), None)
         elsewhere = [n for n, config in STRATEGY_CONFIGS.items() if leaf in {f.name for f in fields(config)}]
         also = f"; {leaf} is a knob of strategy={'|'.join(elsewhere)}" if elsewhere else ""
-        return (f"strategy.{leaf} is not a knob of strategy={strategy}{_did_you_mean(leaf, known, 'strategy.')} "
+        return (f"strategy.{leaf} is not a knob of strategy={strategy}{did_you_mean(leaf, known, 'strategy.')} "
                 f"(its knobs: {', '.join(k for k in known if k != 'name')}){also}")
-    hint = _did_you_mean(leaf, known, f"{parent}." if parent else "") or _elsewhere(leaf, full_key)
+    hint = did_you_mean(leaf, known, f"{parent}." if parent else "") or _elsewhere(leaf, full_key)
     listing = f" (its keys: {', '.join(known)})" if known else ""  # an untyped node: its keys are not known here
     return f"{full_key} is not a key of {where}{hint}{listing}"
 
@@ -296,7 +296,7 @@ def _type_words(annotation: Any) -> str:
     return f"{word} or null" if optional else word
 
 
-def _did_you_mean(word: str, candidates: Sequence[str], prefix: str = "") -> str:
+def did_you_mean(word: str, candidates: Sequence[str], prefix: str = "") -> str:
     close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
     return f"; did you mean {prefix}{close[0]}?" if close else ""
 
@@ -433,7 +433,7 @@ def _missing_option(err) -> str:
     group, _, option = missing.rpartition("/")
     options = [o for o in (getattr(err, "options", None) or []) if not o.startswith("schema")]
     if group and options:
-        return (f"{group}={option} is not an option of {group}{_did_you_mean(option, options, f'{group}=')}; "
+        return (f"{group}={option} is not an option of {group}{did_you_mean(option, options, f'{group}=')}; "
                 f"expected one of {', '.join(sorted(options))}")
     return text
 

@@ -248,8 +248,9 @@ class Predictor:
                 continue
             job = job_of_run(run)
             if job not in seqs:
-                seq = from_runs(job, source_hw, runs, profile_of_job(job))
-                seqs[job] = seq and with_measured_shares(seq, job, source_hw, runs, profile_of_job(job))
+                profile = profile_of_job(job)
+                seq = from_runs(job, source_hw, runs, profile)
+                seqs[job] = seq and with_measured_shares(seq, job, source_hw, runs, profile)
             seq = seqs[job]
             if seq is None:
                 continue

@@ -3,9 +3,9 @@ answered by the strategy's own spec (:mod:`ddlx.strategies`); the parts the mode
 :mod:`.costs`."""
 from __future__ import annotations
 
-import difflib
 import math
 
+from ..config_check import did_you_mean
 from ..errors import ConfigError
 from ..job import Batches, Job
 from ..strategies import BASELINE, STRATEGIES, Setup, spec_of
@@ -53,9 +53,8 @@ def check_strategies(names) -> list[str]:
     """recommend.py's ``strategies`` option, checked: names of strategies ([]: every one)."""
     unknown = [n for n in names if n not in STRATEGIES]
     if unknown:
-        close = difflib.get_close_matches(unknown[0], list(STRATEGIES), n=1, cutoff=0.6)
         raise ConfigError(f"strategies=[{','.join(names)}]: {unknown[0]} is not a strategy"
-                          f"{f'; did you mean {close[0]}?' if close else ''}; the strategies are {', '.join(STRATEGIES)}, "
+                          f"{did_you_mean(unknown[0], list(STRATEGIES))}; the strategies are {', '.join(STRATEGIES)}, "
                           f"e.g. strategies=[ddp_nccl,pipe]")
     return list(names)
 

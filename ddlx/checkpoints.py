@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import random
 import shlex
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -25,6 +26,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.plugins.io import AsyncCheckpointIO
 
+from .epoch_batches import epoch_trained
 from .errors import CheckpointNotWritten, ConfigError
 from .preflight import checkpoint_path_problem
 
@@ -106,12 +108,27 @@ def checkpoint_callbacks(save: str, keep_best: bool, folder: Path, every_minutes
             "save_weights_only": weights_only, "enable_version_counter": False, "save_on_train_epoch_end": True}
     callbacks = [ModelCheckpoint(**last)]
     if every_minutes is not None:  # Lightning takes one trigger per callback: the time's is a second one
-        callbacks.append(ModelCheckpoint(**last, train_time_interval=timedelta(minutes=every_minutes)))
+        callbacks.append(WithinEpochCheckpoint(**last, train_time_interval=timedelta(minutes=every_minutes)))
     if keep_best:
         callbacks.append(ModelCheckpoint(dirpath=folder, filename="best-epoch{epoch}-val_acc{val_acc:.4f}",  # no "=": ckpt_path=FILE as Hydra reads it
                                          auto_insert_metric_name=False, monitor="val_acc", mode="max", save_top_k=1,
                                          save_weights_only=weights_only, enable_version_counter=False))
     return callbacks
+
+
+class WithinEpochCheckpoint(ModelCheckpoint):
+    """Lightning's time-triggered checkpoint, within an epoch only: after an epoch's last batch it
+    would write the state before that epoch's validation, from which Lightning resumes by counting
+    the epoch done and skipping its validation and end (its figures never logged), and the
+    epoch-end checkpoint follows anyway. Its minutes count from that epoch-end checkpoint."""
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args, **kwargs) -> None:
+        if not epoch_trained(trainer):  # alike on every rank: Lightning's time check broadcasts
+            super().on_train_batch_end(trainer, pl_module, *args, **kwargs)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_epoch_end(trainer, pl_module)
+        self._last_time_checked = time.monotonic()
 
 
 def checkpoint_writer(background: bool) -> CheckpointIO:

@@ -80,7 +80,8 @@ def disable_lightning_signal_handlers(trainer: pl.Trainer) -> None:
 class StopAtSignal(pl.Callback):
     """Defers the stop signals while training, and stops every rank at the end of the step in
     which one of them was signalled (or at the end of a validation that one arrived in), after
-    writing ``checkpoint`` (None: no checkpoint; ``weights_only``: one that cannot resume)."""
+    writing ``checkpoint`` (None: no checkpoint; ``weights_only``: one that cannot resume). A
+    signal in an epoch's last step, or in its own validation, stops once that epoch has ended."""
 
     def __init__(self, signals: StopSignals, checkpoint: Path | None, weights_only: bool = False) -> None:
         self.signals, self.checkpoint, self.weights_only = signals, checkpoint, weights_only
@@ -92,7 +93,11 @@ class StopAtSignal(pl.Callback):
         self._stop_if_signalled(trainer)  # a signal between the run's start and here
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx: int) -> None:
-        self._stop_if_signalled(trainer)
+        # Not after the epoch's last batch: resumed from there, Lightning counts the epoch done and
+        # skips its validation and end, so its figures were never logged. The epoch ends first, and
+        # the next one's start stops (the last epoch's: training is done, the run ends finished).
+        if not epoch_trained(trainer):
+            self._stop_if_signalled(trainer)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Not mid-validation: a run resumed from there would skip the rest of that validation. Not

@@ -53,7 +53,7 @@ def _history(uri: str, run_id: str, metric: str) -> list[tuple[int, float]]:
 
 @pytest.mark.integration
 @pytest.mark.parametrize("strategy", ["sequential", *(pytest.param(s, marks=pytest.mark.slow, id=s.split()[0]) for s in (
-    "ddp_gloo", "cpu_mp", "pipe strategy.engine=torch strategy.devices=[cpu,cpu] strategy.chunks=2"))])
+    "ddp_gloo", "cpu_mp", "pipe strategy.engine=torch strategy.devices=[cpu,cpu] strategy.chunks=2 strategy.balance=auto"))])
 def test_a_run_stopped_mid_epoch_resumes_into_the_same_run_as_if_never_stopped(tiny_config, tracking_uri, tmp_path,
                                                                                monkeypatch, strategy):
     """Ctrl-C at step 7 (epoch 3 of 3, after its first batch): a checkpoint of that step, the run
@@ -61,7 +61,8 @@ def test_a_run_stopped_mid_epoch_resumes_into_the_same_run_as_if_never_stopped(t
     its metrics and its weights those of a run that was never stopped: optimizer, loop, random
     state, the data position (the loader's own state, set before its worker reads an index) and
     the epoch's running sums restored (with several ranks, every rank's added up once) and each
-    rank's own random state (a pipeline's last stage draws AlexNet's dropout masks, its first none)."""
+    rank's own random state (a pipeline's last stage draws AlexNet's dropout masks, its first none;
+    the profile of balance=auto on rank 0 draws none of the run's)."""
     job = ["model=alexnet", "trainer.max_epochs=3", "trainer.limit_train_batches=3", "data.num_workers=1", *FULL,
            *f"strategy={strategy}".split()]
     train(tiny_config(*job), tmp_path / "never_stopped")
@@ -98,24 +99,32 @@ def test_a_run_stopped_mid_epoch_resumes_into_the_same_run_as_if_never_stopped(t
 
 
 @pytest.mark.slow
-def test_a_run_stopped_after_an_epochs_last_batch_resumes_with_the_next_epochs_own_figures(tiny_config, tracking_uri,
-                                                                                          tmp_path, monkeypatch):
-    """Stopped after epoch 2's last batch, before its validation: resumed, Lightning counts that
-    epoch done and skips its end (its figures are not logged), so its running sums must not be
-    carried into epoch 3's."""
+def test_a_stop_in_an_epochs_last_step_waits_for_the_epochs_end_and_resumes_as_if_never_stopped(tiny_config, tracking_uri,
+                                                                                               tmp_path, monkeypatch):
+    """Ctrl-C in epoch 2's last step: resumed from after that step, Lightning counts the epoch
+    done and skips its validation and end, so epoch 2's figures were never logged. The stop
+    waits for the epoch's end: the stopped run logs them, and its checkpoint is the epoch's."""
     job = ["model=alexnet", "trainer.max_epochs=3", "trainer.limit_train_batches=3", *FULL]
     train(tiny_config(*job), tmp_path / "never_stopped")
     (never,) = runs(tracking_uri)
     _with_signal_at(monkeypatch, step=6, signum=signal.SIGINT)
     with pytest.raises(Stopped) as stop:
         train(tiny_config(*job), tmp_path / "stopped")
+    assert stop.value.step == 6 and torch.load(stop.value.checkpoint, weights_only=True)["epoch"] == 1
+    (stopped,) = [r for r in runs(tracking_uri) if r.info.run_id != never.info.run_id]
+    assert stopped.info.status == "KILLED"
+    metrics = ("train_loss", "train_acc", "val_loss")
+    for metric in metrics:  # epochs 1 and 2, as the run never stopped logged them
+        expected, got = (_history(tracking_uri, r.info.run_id, metric) for r in (never, stopped))
+        assert len(expected) == 3 and [s for s, _ in got] == [s for s, _ in expected[:2]], metric
+        assert [v for _, v in got] == pytest.approx([v for _, v in expected[:2]], abs=1e-5), metric
     monkeypatch.undo()
     train(tiny_config(*job, f"ckpt_path={stop.value.checkpoint}"), tmp_path / "resumed")
-    (resumed,) = [r for r in runs(tracking_uri) if r.info.run_id != never.info.run_id]
-    for metric in ("train_loss", "train_acc"):
-        expected = dict(_history(tracking_uri, never.info.run_id, metric))
-        got = dict(_history(tracking_uri, resumed.info.run_id, metric))
-        assert got[8] == pytest.approx(expected[8], abs=1e-5), metric
+    for metric in metrics:
+        expected, got = (_history(tracking_uri, r.info.run_id, metric) for r in (never, stopped))
+        assert [s for s, _ in got] == [s for s, _ in expected] and \
+            [v for _, v in got] == pytest.approx([v for _, v in expected], abs=1e-5), metric
+    assert [s for s, _ in _history(tracking_uri, stopped.info.run_id, "epoch_time_s")] == [3, 6, 9], "each epoch once"
 
 
 @pytest.mark.integration
@@ -523,6 +532,10 @@ def test_last_ckpt_is_rewritten_at_every_epoch_end_and_every_n_minutes_within_on
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             self._look("step", trainer)
 
+        def on_validation_start(self, trainer, pl_module) -> None:
+            if not trainer.sanity_checking:
+                self._look("validation", trainer)
+
     measured = run_module.measurement_callbacks
     monkeypatch.setattr(run_module, "measurement_callbacks", lambda cfg: [*measured(cfg), Look()])
     train(tiny_config(*FULL, "checkpoint.background=false", "trainer.max_epochs=3", *validation), tmp_path / "run")
@@ -533,6 +546,9 @@ def test_last_ckpt_is_rewritten_at_every_epoch_end_and_every_n_minutes_within_on
     seen.clear()
     train(tiny_config(*FULL, "checkpoint.background=false", "checkpoint.every_minutes=1e-9"), tmp_path / "minutes")
     assert [(g, s) for when, g, s in seen if when == "step"] == [(0, None), (1, 1)], "saved within the epoch"
+    # Not after the epoch's last batch: a kill during its validation resumes from within the epoch,
+    # which then validates and ends; resumed from after its last batch, it would do neither.
+    assert [(g, s) for when, g, s in seen if when == "validation"] == [(2, 1)], seen
 
 
 def test_a_checkpoint_written_in_the_background_holds_the_state_it_was_taken_at(tmp_path):

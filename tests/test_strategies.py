@@ -591,3 +591,17 @@ def test_more_processes_than_cores_warns(caplog):
     with caplog.at_level(logging.WARNING):
         _plan("strategy=cpu_mp", f"strategy.processes={cores + 1}")
     assert f"asks for {cores + 1} processes but only {cores} cores" in caplog.text
+
+
+def test_a_balance_by_profiled_time_leaves_the_runs_random_numbers_alone():
+    """balance=auto profiles rank 0's layers on a random sample, through AlexNet's dropout: with
+    the run's own random state, its draws shifted every later one of that rank (a resumed
+    pipeline's masks then differed from those of the run it resumes)."""
+    from ddlx.models import build_model
+    from ddlx.parallel.balance import balance_by_time
+
+    model = build_model("alexnet", 3, 3, 32).train()
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    balance = balance_by_time(model, 2, (2, 3, 32, 32), torch.device("cpu"))
+    assert torch.equal(torch.get_rng_state(), before) and len(balance) == 2

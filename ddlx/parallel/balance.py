@@ -70,8 +70,15 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def balance_by_time(model: nn.Sequential, partitions: int, sample: torch.Tensor, deferred_of: int = 0) -> list[int]:
-    """Layer counts per stage that roughly equalise profiled layer time (``deferred_of``: as :func:`layer_times`)."""
-    balance = contiguous_balance(layer_times(model, sample, deferred_of=deferred_of), partitions)
+def balance_by_time(model: nn.Sequential, partitions: int, sample_shape: tuple[int, ...], device: torch.device,
+                    deferred_of: int = 0) -> list[int]:
+    """Layer counts per stage that roughly equalise layer time profiled on a random micro-batch
+    of ``sample_shape`` (``deferred_of``: as :func:`layer_times`). The profile's draws (the
+    sample, dropout masks) come from a forked random state: training draws what it would with
+    the balance given, and a resumed run what the run it resumes would have drawn."""
+    device = torch.device(device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        times = layer_times(model, torch.randn(sample_shape, device=device), deferred_of=deferred_of)
+    balance = contiguous_balance(times, partitions)
     log.info("pipeline: balance by profiled layer time: %s", balance)
     return balance

@@ -52,7 +52,7 @@ class PipeForward:
 def pipe_parallelizer(devices_of: DevicesOf, chunks: int, balance: Sequence[int] | str, checkpoint: str, sample_shape: tuple[int, ...]):
     def parallelize(model: LayeredModel, local_rank: int) -> PipeForward:
         devices = devices_of(local_rank)
-        sizes = balance_by_time(model, len(devices), torch.randn(sample_shape, device=devices[0])) if balance == "auto" else list(balance)
+        sizes = balance_by_time(model, len(devices), sample_shape, devices[0]) if balance == "auto" else list(balance)
         return PipeForward(model, sizes, devices, chunks, checkpoint)
 
     return parallelize

@@ -215,9 +215,8 @@ class TorchPipelineStrategy(RelaunchingDDPStrategy):
             balance = self.balance
             if balance == "auto":  # profiled once, on rank 0: every rank must cut the model alike
                 stages = self.width * SCHEDULES[self.schedule].stages_per_rank
-                sample = torch.randn(self.sample_shape, device=self.root_device)
                 deferred_of = self.chunks if batches_weight_grads(self.schedule) else 0
-                holder = [balance_by_time(model, stages, sample, deferred_of) if rank == 0 else None]
+                holder = [balance_by_time(model, stages, self.sample_shape, self.root_device, deferred_of) if rank == 0 else None]
                 dist.broadcast_object_list(holder, src=0)
                 balance = holder[0]
             return PipelineForward(model, balance, self.schedule, self.chunks, self.stage_rank, self.width,

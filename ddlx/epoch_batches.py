@@ -19,7 +19,8 @@ def process_batches(images: int, data_parallel: int, batch: int) -> int:
 def epoch_trained(trainer) -> bool:
     """Whether the running epoch has trained all its batches (Lightning's progress): its own
     validation and its end hooks may still be to come."""
-    return trainer.fit_loop.epoch_loop.batch_progress.current.ready >= trainer.num_training_batches
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    return progress.current.ready >= trainer.num_training_batches or progress.is_last_batch  # an iterable's count is inf
 
 
 def _limited(batches: int, limit) -> int:

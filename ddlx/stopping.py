@@ -15,11 +15,13 @@ with status 0 and no checkpoint.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from pathlib import Path
 
 import pytorch_lightning as pl
+import torch
 
 from .epoch_batches import epoch_trained
 from .errors import Stopped
@@ -81,7 +83,8 @@ class StopAtSignal(pl.Callback):
     """Defers the stop signals while training, and stops every rank at the end of the step in
     which one of them was signalled (or at the end of a validation that one arrived in), after
     writing ``checkpoint`` (None: no checkpoint; ``weights_only``: one that cannot resume). A
-    signal in an epoch's last step, or in its own validation, stops once that epoch has ended."""
+    signal in an epoch's last step, or in its own validation, stops once that epoch has ended; in
+    the last epoch's, training ends and the run is FINISHED (the process still exits as stopped)."""
 
     def __init__(self, signals: StopSignals, checkpoint: Path | None, weights_only: bool = False) -> None:
         self.signals, self.checkpoint, self.weights_only = signals, checkpoint, weights_only
@@ -110,24 +113,33 @@ class StopAtSignal(pl.Callback):
         # The state of the epoch-end checkpoint just written (ModelCheckpoint, save_on_train_epoch_end):
         # a stop here resumes from it, without writing another.
         # Not at the first epoch of a fit, whose state no epoch end wrote: its first step's end stops.
-        if self.checkpoint is None or self._written_this_fit(trainer):
+        if self.checkpoint is None or self._written(trainer, at_this_step=True):
             self._stop_if_signalled(trainer, written=True)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Training is done: a signal from now on is only noted, the run is closed FINISHED, and the
-        # process then exits as stopped (ddlx.run.train raises Stopped(after_training=True)).
-        if self.signals.received is not None:
+        # process then exits as stopped (ddlx.run.train raises Stopped(after_training=True)). One
+        # that reached another rank only in the last epoch's last step or validation is every
+        # rank's: rank 0, which says how the process ended, would otherwise exit 0.
+        signalled = torch.tensor(self.signals.received or 0, device=trainer.strategy.root_device)
+        signalled = int(trainer.strategy.reduce(signalled, reduce_op="max"))  # a collective, on every rank
+        if signalled:
+            self.signals.received = self.signals.received or signalled
             log.warning("training had finished when the stop signal came: the run ends as finished")
 
-    def _written_this_fit(self, trainer: pl.Trainer) -> bool:
-        """Whether the last-checkpoint callback wrote ``checkpoint`` in this fit (in the background
-        too: the write may still be under way)."""
-        return str(self.checkpoint) in {str(getattr(c, "best_model_path", "")) for c in trainer.checkpoint_callbacks}
+    def _written(self, trainer: pl.Trainer, at_this_step: bool = False) -> bool:
+        """Whether a checkpoint callback wrote ``checkpoint`` in this fit (in the background too:
+        the write may still be under way); with ``at_this_step``, at this step. Paths compared
+        resolved: Lightning resolves its folder, and a run's folder may be under a link."""
+        target = os.path.realpath(self.checkpoint)
+        return any(c.best_model_path and os.path.realpath(c.best_model_path) == target
+                   and (not at_this_step or c._last_global_step_saved == trainer.global_step)  # noqa: SLF001 - no public record of it
+                   for c in trainer.checkpoint_callbacks)
 
     def _stopped_at_once(self, signum: int, trainer: pl.Trainer) -> Stopped:
         """A second Ctrl-C: no checkpoint of this point, but the last one written (an epoch's end,
         checkpoint.every_minutes) still resumes, from where it was written."""
-        kept = self.checkpoint if self.checkpoint is not None and (self.checkpoint.is_file() or self._written_this_fit(trainer)) \
+        kept = self.checkpoint if self.checkpoint is not None and (self.checkpoint.is_file() or self._written(trainer)) \
             else None
         return Stopped(signum, kept, trainer.global_step, resumable=kept is not None and not self.weights_only, at_once=True)
 

@@ -128,6 +128,43 @@ def test_a_stop_in_an_epochs_last_step_waits_for_the_epochs_end_and_resumes_as_i
 
 
 @pytest.mark.integration
+def test_a_stop_in_a_one_step_epoch_under_a_linked_folder_stops_at_the_next_epochs_start(tiny_config, tracking_uri,
+                                                                                          tmp_path, monkeypatch):
+    """Each step an epoch's last: the stop waits for the epoch's end and its checkpoint, which
+    Lightning names by the folder's resolved path; compared with the link's, it was never seen
+    written, and the signal was never acted on (the run trained to its end)."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    _with_signal_at(monkeypatch, step=2, signum=signal.SIGINT)
+    with pytest.raises(Stopped) as stop:
+        train(tiny_config("trainer.max_epochs=4", "trainer.limit_train_batches=1", *FULL), tmp_path / "link" / "run")
+    assert (stop.value.step, stop.value.after_training, stop.value.resumable) == (2, False, True)
+    assert torch.load(stop.value.checkpoint, weights_only=True)["global_step"] == 2
+    (run,) = runs(tracking_uri)
+    assert run.info.status == "KILLED"
+
+
+@pytest.mark.integration
+def test_a_signal_to_another_rank_in_the_last_step_ends_the_process_as_stopped(tiny_config, tracking_uri, tmp_path,
+                                                                                monkeypatch):
+    """SIGTERM to rank 1 only, in the last epoch's last step: no stop is left to make (the run is
+    FINISHED), but rank 0, whose exit status the job's is, must exit as stopped too, not 0."""
+    class SignalRankOne(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+            if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch and trainer.current_epoch == trainer.max_epochs - 1:
+                (worker,) = rank_workers(os.getpid())
+                worker.send_signal(signal.SIGTERM)
+
+    measured = run_module.measurement_callbacks
+    monkeypatch.setattr(run_module, "measurement_callbacks", lambda cfg: [*measured(cfg), SignalRankOne()])
+    with pytest.raises(Stopped) as stop:
+        train(tiny_config("trainer.max_epochs=2", "strategy=ddp_gloo", *FULL), tmp_path / "run")
+    assert (stop.value.after_training, stop.value.exit_status) == (True, 143)
+    (run,) = runs(tracking_uri)
+    assert run.info.status == "FINISHED"
+
+
+@pytest.mark.integration
 def test_an_overfit_batches_run_resumes_as_if_never_stopped(tiny_config, tracking_uri, tmp_path, monkeypatch):
     """Lightning's overfit_batches would swap the training loader's sampler for its own
     SequentialSampler, which cannot resume: a resume then failed on an AttributeError."""
@@ -645,6 +682,30 @@ def test_a_stop_signal_to_the_process_group_during_validation_exits_at_once(tmp_
     (run,) = runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
     assert run.info.status == "KILLED" and "stopped by SIGTERM" in run.data.tags["error"]
     assert re.search(r"ddlx: resume with: python train.py .*ckpt_path=\S+last.ckpt", proc.stderr)
+
+
+@pytest.mark.integration
+def test_a_run_that_fails_says_how_to_resume_from_its_last_checkpoint(tiny_config, tracking_uri, tmp_path, monkeypatch,
+                                                                    capsys):
+    """An error in epoch 2 (out of memory, a lost connection): the run is FAILED, and the console
+    gave only its checkpoint's path, not the command that resumes it from epoch 1's end."""
+    class FailAtStep(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+            if trainer.global_step == 3:
+                raise RuntimeError("CUDA out of memory (a stand-in)")
+
+    measured = run_module.measurement_callbacks
+    monkeypatch.setattr(run_module, "measurement_callbacks", lambda cfg: [*measured(cfg), FailAtStep()])
+    job = ["trainer.max_epochs=2", *FULL]
+    with pytest.raises(RuntimeError, match="stand-in"):
+        train(tiny_config(*job), tmp_path / "run")
+    checkpoint = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    assert f"ddlx: resume with: python train.py ckpt_path={checkpoint}" in capsys.readouterr().err.splitlines()
+    monkeypatch.undo()
+    train(tiny_config(*job, f"ckpt_path={checkpoint}"), tmp_path / "resumed")
+    (run,) = runs(tracking_uri)
+    assert run.info.status == "FINISHED" and run.data.tags["resumes"] == "1"
+    assert [s for s, _ in _history(tracking_uri, run.info.run_id, "epoch_time_s")] == [2, 4]
 
 
 @pytest.mark.integration

@@ -209,13 +209,10 @@ class RankDeath:
     follow) or this process failing on the dead rank's connection (:func:`fit`). The second
     waits for the first to finish."""
 
-    def __init__(self, output_dir: Path, checkpoint_file: Path | None) -> None:
-        self.output_dir, self.checkpoint_file = output_dir, checkpoint_file
+    def __init__(self, output_dir: Path, checkpoint_file: Path | None, weights_only: bool) -> None:
+        self.output_dir, self.checkpoint_file, self.weights_only = output_dir, checkpoint_file, weights_only
         self._lock, self._said = threading.Lock(), False
-        try:  # now, in the job: Hydra unsets its config when the job ends, and the watchdog may say it later
-            self.overrides = task_overrides()
-        except ValueError:  # not a Hydra job (train() called directly)
-            self.overrides = []
+        self.overrides = job_overrides()  # now, in the job: Hydra unsets its config when it ends, and the watchdog may say it later
 
     def __call__(self, logger, reason: str) -> None:
         with self._lock:
@@ -223,13 +220,30 @@ class RankDeath:
                 return
             self._said = True
             print(f"ddlx: run FAILED: {reason}; its folder: {self.output_dir}", file=sys.stderr, flush=True)
-            if self.checkpoint_file is None:
-                print("ddlx: checkpoints are off (checkpoint.save=none): the run cannot be resumed", file=sys.stderr, flush=True)
-            elif self.checkpoint_file.is_file():
-                print(f"ddlx: resume with: {resume_command(self.overrides, self.checkpoint_file)}", file=sys.stderr, flush=True)
-            else:
-                print("ddlx: no checkpoint was written before it", file=sys.stderr, flush=True)
+            say_how_to_resume(self.overrides, self.checkpoint_file, self.weights_only)
             mark_failed(logger, reason)
+
+
+def job_overrides() -> list[str]:
+    """This Hydra job's overrides; none where train() is called outside a Hydra job."""
+    try:
+        return task_overrides()
+    except ValueError:
+        return []
+
+
+def say_how_to_resume(overrides: list[str], checkpoint_file: Path | None, weights_only: bool) -> None:
+    """After a FAILED run (an error, a dead rank): the command that resumes it from its last
+    checkpoint (``overrides``: its job's), or why there is none."""
+    if checkpoint_file is None:
+        said = "checkpoints are off (checkpoint.save=none): the run cannot be resumed"
+    elif weights_only:
+        said = "its checkpoints hold the weights only (checkpoint.save=weights): the run cannot be resumed"
+    elif checkpoint_file.is_file():
+        said = f"resume with: {resume_command(overrides, checkpoint_file)}"
+    else:
+        said = "no checkpoint was written before it"
+    print(f"ddlx: {said}", file=sys.stderr, flush=True)
 
 
 def train(cfg, output_dir: str | os.PathLike, extra_tags: Mapping[str, str] | None = None) -> dict[str, float]:
@@ -282,7 +296,7 @@ def train(cfg, output_dir: str | os.PathLike, extra_tags: Mapping[str, str] | No
         checkpoint_dir = saved.path.parent if saved is not None else output_dir / "checkpoints"
         checkpoint_file = None if cfg.checkpoint.save == "none" else checkpoint_dir / LAST
         if isinstance(strategy, RelaunchingDDPStrategy):  # a dead rank: the run FAILED with the reason
-            strategy.rank_died = RankDeath(output_dir, checkpoint_file)
+            strategy.rank_died = RankDeath(output_dir, checkpoint_file, weights_only=cfg.checkpoint.save == "weights")
         timer, *others = measurement_callbacks(cfg)
         callbacks = [SameJobOnEveryRank(params), timer, *others, identity,
                      StopAtSignal(signals, checkpoint_file, weights_only=cfg.checkpoint.save == "weights")]
@@ -306,7 +320,7 @@ def train(cfg, output_dir: str | os.PathLike, extra_tags: Mapping[str, str] | No
     with signals:
         open_run = (lambda: reopen_run(logger, tags, cfg.logger.run_name)) if resume_run else \
             (lambda: start_run(logger, params, config_file, tags))
-        status, run_id = "FAILED", None
+        status, run_id, said = "FAILED", None, False
         try:
             with recorded(logger, open_run) as run_id:
                 fit(cfg, trainer, module, datamodule, run_id, identity, timer, logger)
@@ -314,12 +328,17 @@ def train(cfg, output_dir: str | os.PathLike, extra_tags: Mapping[str, str] | No
         except Stopped:
             status = "KILLED"
             raise
+        except RankDied:
+            said = True  # with how to resume, by RankDeath
+            raise
         finally:
             metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
             if run_id is not None:  # rank 0, once its run is open: how it went, where it is
                 summary = RunSummary(status, run_id, logger.experiment_id, cfg.logger.tracking_uri, len(timer.epoch_times),
                                      timer.summary(), metrics, checkpoint_file, output_dir)
                 print("\n".join(summary.lines()), flush=True)
+                if status == "FAILED" and not said:  # an error (out of memory, a lost connection): its last checkpoint resumes
+                    say_how_to_resume(job_overrides(), checkpoint_file, weights_only=cfg.checkpoint.save == "weights")
     if signals.received is not None:  # after training's end: the process says it was stopped all the same
         raise Stopped(signals.received, checkpoint_file, trainer.global_step, after_training=True)
     return metrics

@@ -48,7 +48,7 @@ def test_ranks_ended_by_the_job_itself_are_not_reported():
 def test_a_death_is_said_once_with_the_resume_command_then_recorded(tmp_path, capsys):
     checkpoint = tmp_path / "last.ckpt"
     checkpoint.write_bytes(b"")
-    death = RankDeath(tmp_path, checkpoint)
+    death = RankDeath(tmp_path, checkpoint, weights_only=False)
     threads = [threading.Thread(target=death, args=(None, "rank 1 was killed by SIGKILL")) for _ in range(2)]
     for thread in threads:
         thread.start()
@@ -57,5 +57,7 @@ def test_a_death_is_said_once_with_the_resume_command_then_recorded(tmp_path, ca
     err = capsys.readouterr().err.splitlines()
     assert err == [f"ddlx: run FAILED: rank 1 was killed by SIGKILL; its folder: {tmp_path}",
                    f"ddlx: resume with: python train.py ckpt_path={checkpoint}"]
-    RankDeath(tmp_path, None)(None, "rank 1 was killed by SIGKILL")
+    RankDeath(tmp_path, None, weights_only=False)(None, "rank 1 was killed by SIGKILL")
     assert "checkpoint.save=none" in capsys.readouterr().err
+    RankDeath(tmp_path, checkpoint, weights_only=True)(None, "rank 1 was killed by SIGKILL")  # a resume would be refused
+    assert "checkpoint.save=weights" in capsys.readouterr().err

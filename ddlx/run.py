@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
@@ -209,8 +210,9 @@ class RankDeath:
     follow) or this process failing on the dead rank's connection (:func:`fit`). The second
     waits for the first to finish."""
 
-    def __init__(self, output_dir: Path, checkpoint_file: Path | None, weights_only: bool) -> None:
+    def __init__(self, output_dir: Path, checkpoint_file: Path | None, weights_only: bool, not_before: float | None = None) -> None:
         self.output_dir, self.checkpoint_file, self.weights_only = output_dir, checkpoint_file, weights_only
+        self.not_before = not_before  # as say_how_to_resume's
         self._lock, self._said = threading.Lock(), False
         self.overrides = job_overrides()  # now, in the job: Hydra unsets its config when it ends, and the watchdog may say it later
 
@@ -220,8 +222,12 @@ class RankDeath:
                 return
             self._said = True
             print(f"ddlx: run FAILED: {reason}; its folder: {self.output_dir}", file=sys.stderr, flush=True)
-            say_how_to_resume(self.overrides, self.checkpoint_file, self.weights_only)
+            say_how_to_resume(self.overrides, self.checkpoint_file, self.weights_only, self.not_before)
             mark_failed(logger, reason)
+
+    @property
+    def said(self) -> bool:
+        return self._said
 
 
 def job_overrides() -> list[str]:
@@ -232,14 +238,16 @@ def job_overrides() -> list[str]:
         return []
 
 
-def say_how_to_resume(overrides: list[str], checkpoint_file: Path | None, weights_only: bool) -> None:
+def say_how_to_resume(overrides: list[str], checkpoint_file: Path | None, weights_only: bool,
+                      not_before: float | None = None) -> None:
     """After a FAILED run (an error, a dead rank): the command that resumes it from its last
-    checkpoint (``overrides``: its job's), or why there is none."""
+    checkpoint (``overrides``: its job's), or why there is none. ``not_before``: when a new run
+    started; a file older than that in its folder (one reused) is another run's."""
     if checkpoint_file is None:
         said = "checkpoints are off (checkpoint.save=none): the run cannot be resumed"
     elif weights_only:
         said = "its checkpoints hold the weights only (checkpoint.save=weights): the run cannot be resumed"
-    elif checkpoint_file.is_file():
+    elif checkpoint_file.is_file() and (not_before is None or checkpoint_file.stat().st_mtime >= not_before):
         said = f"resume with: {resume_command(overrides, checkpoint_file)}"
     else:
         said = "no checkpoint was written before it"
@@ -296,7 +304,7 @@ def train(cfg, output_dir: str | os.PathLike, extra_tags: Mapping[str, str] | No
         checkpoint_dir = saved.path.parent if saved is not None else output_dir / "checkpoints"
         checkpoint_file = None if cfg.checkpoint.save == "none" else checkpoint_dir / LAST
         if isinstance(strategy, RelaunchingDDPStrategy):  # a dead rank: the run FAILED with the reason
-            strategy.rank_died = RankDeath(output_dir, checkpoint_file, weights_only=cfg.checkpoint.save == "weights")
+            strategy.rank_died = RankDeath(output_dir, checkpoint_file, cfg.checkpoint.save == "weights", None if saved else time.time())
         timer, *others = measurement_callbacks(cfg)
         callbacks = [SameJobOnEveryRank(params), timer, *others, identity,
                      StopAtSignal(signals, checkpoint_file, weights_only=cfg.checkpoint.save == "weights")]
@@ -320,7 +328,7 @@ def train(cfg, output_dir: str | os.PathLike, extra_tags: Mapping[str, str] | No
     with signals:
         open_run = (lambda: reopen_run(logger, tags, cfg.logger.run_name)) if resume_run else \
             (lambda: start_run(logger, params, config_file, tags))
-        status, run_id, said = "FAILED", None, False
+        status, run_id, said, started = "FAILED", None, False, time.time()
         try:
             with recorded(logger, open_run) as run_id:
                 fit(cfg, trainer, module, datamodule, run_id, identity, timer, logger)
@@ -328,8 +336,8 @@ def train(cfg, output_dir: str | os.PathLike, extra_tags: Mapping[str, str] | No
         except Stopped:
             status = "KILLED"
             raise
-        except RankDied:
-            said = True  # with how to resume, by RankDeath
+        except (RankDied, ConfigError):
+            said = True  # with how to resume, by RankDeath; a refusal (the entry says it), which a resume meets again
             raise
         finally:
             metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
@@ -337,10 +345,12 @@ def train(cfg, output_dir: str | os.PathLike, extra_tags: Mapping[str, str] | No
                 summary = RunSummary(status, run_id, logger.experiment_id, cfg.logger.tracking_uri, len(timer.epoch_times),
                                      timer.summary(), metrics, checkpoint_file, output_dir)
                 print("\n".join(summary.lines()), flush=True)
+                said = said or getattr(getattr(trainer.strategy, "rank_died", None), "said", False)
                 if status == "FAILED" and not said:  # an error (out of memory, a lost connection): its last checkpoint resumes
-                    say_how_to_resume(job_overrides(), checkpoint_file, weights_only=cfg.checkpoint.save == "weights")
-    if signals.received is not None:  # after training's end: the process says it was stopped all the same
-        raise Stopped(signals.received, checkpoint_file, trainer.global_step, after_training=True)
+                    say_how_to_resume(job_overrides(), checkpoint_file, cfg.checkpoint.save == "weights",
+                                      None if resume_run else started)
+    if signals.stopped_by is not None:  # after training's end: the process says it was stopped all the same
+        raise Stopped(signals.stopped_by, checkpoint_file, trainer.global_step, after_training=True)
     return metrics
 
 

@@ -15,7 +15,6 @@ with status 0 and no checkpoint.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import threading
 from pathlib import Path
@@ -43,11 +42,17 @@ class StopSignals:
 
     def __init__(self) -> None:
         self.received: int | None = None
+        self.elsewhere: int | None = None  # one that reached another rank, known when training ended
         self.deferred = False
         self.stopping = False
         self.at_once = Stopped  # what a stop at once raises: while training, where it was and the last checkpoint
         self.checkpointing = False  # whether a deferred stop writes a checkpoint (checkpoint.save is not none)
         self._previous: dict[int, object] = {}
+
+    @property
+    def stopped_by(self) -> int | None:
+        """The signal that stopped the run, this rank's or another's."""
+        return self.received or self.elsewhere
 
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():
@@ -124,15 +129,16 @@ class StopAtSignal(pl.Callback):
         signalled = torch.tensor(self.signals.received or 0, device=trainer.strategy.root_device)
         signalled = int(trainer.strategy.reduce(signalled, reduce_op="max"))  # a collective, on every rank
         if signalled:
-            self.signals.received = self.signals.received or signalled
+            self.signals.elsewhere = signalled  # not this rank's: a first Ctrl-C here is not a second
             log.warning("training had finished when the stop signal came: the run ends as finished")
 
     def _written(self, trainer: pl.Trainer, at_this_step: bool = False) -> bool:
         """Whether a checkpoint callback wrote ``checkpoint`` in this fit (in the background too:
-        the write may still be under way); with ``at_this_step``, at this step. Paths compared
-        resolved: Lightning resolves its folder, and a run's folder may be under a link."""
-        target = os.path.realpath(self.checkpoint)
-        return any(c.best_model_path and os.path.realpath(c.best_model_path) == target
+        the write may still be under way); with ``at_this_step``, at this step. Known by the file's
+        name, not its path: Lightning resolves the folder on rank 0 (it may be under a link, which
+        each node may resolve apart), and where the answer decides a collective, every rank's must
+        be the same. (keep_best's file has another name.)"""
+        return any(c.best_model_path and Path(c.best_model_path).name == self.checkpoint.name
                    and (not at_this_step or c._last_global_step_saved == trainer.global_step)  # noqa: SLF001 - no public record of it
                    for c in trainer.checkpoint_callbacks)
 

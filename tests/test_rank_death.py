@@ -61,3 +61,15 @@ def test_a_death_is_said_once_with_the_resume_command_then_recorded(tmp_path, ca
     assert "checkpoint.save=none" in capsys.readouterr().err
     RankDeath(tmp_path, checkpoint, weights_only=True)(None, "rank 1 was killed by SIGKILL")  # a resume would be refused
     assert "checkpoint.save=weights" in capsys.readouterr().err
+
+
+def test_a_checkpoint_older_than_the_run_is_not_offered_to_resume_it(tmp_path, capsys):
+    """A new run in a reused folder fails before writing its own: the last.ckpt there is another run's."""
+    from ddlx.run import say_how_to_resume
+
+    checkpoint = tmp_path / "last.ckpt"
+    checkpoint.write_bytes(b"")
+    say_how_to_resume([], checkpoint, weights_only=False, not_before=checkpoint.stat().st_mtime + 60)
+    assert capsys.readouterr().err == "ddlx: no checkpoint was written before it\n"
+    say_how_to_resume([], checkpoint, weights_only=False, not_before=checkpoint.stat().st_mtime)
+    assert capsys.readouterr().err == f"ddlx: resume with: python train.py ckpt_path={checkpoint}\n"

@@ -303,11 +303,13 @@ def train(cfg, output_dir: str | os.PathLike, extra_tags: Mapping[str, str] | No
         # A resumed run goes on writing where its checkpoint is (last.ckpt replaced, the best kept track of).
         checkpoint_dir = saved.path.parent if saved is not None else output_dir / "checkpoints"
         checkpoint_file = None if cfg.checkpoint.save == "none" else checkpoint_dir / LAST
+        weights_only = cfg.checkpoint.save == "weights"
+        not_before = None if saved is not None else time.time()  # a new run: an older last.ckpt in its folder is another's
         if isinstance(strategy, RelaunchingDDPStrategy):  # a dead rank: the run FAILED with the reason
-            strategy.rank_died = RankDeath(output_dir, checkpoint_file, cfg.checkpoint.save == "weights", None if saved else time.time())
+            strategy.rank_died = RankDeath(output_dir, checkpoint_file, weights_only, not_before)
         timer, *others = measurement_callbacks(cfg)
         callbacks = [SameJobOnEveryRank(params), timer, *others, identity,
-                     StopAtSignal(signals, checkpoint_file, weights_only=cfg.checkpoint.save == "weights")]
+                     StopAtSignal(signals, checkpoint_file, weights_only)]
         trainer = build_trainer(cfg, plan, logger, output_dir, callbacks, checkpoint_dir)
     except ConfigError as err:
         if "sweep_id" in (extra_tags or {}) and rank0:
@@ -328,7 +330,7 @@ def train(cfg, output_dir: str | os.PathLike, extra_tags: Mapping[str, str] | No
     with signals:
         open_run = (lambda: reopen_run(logger, tags, cfg.logger.run_name)) if resume_run else \
             (lambda: start_run(logger, params, config_file, tags))
-        status, run_id, said, started = "FAILED", None, False, time.time()
+        status, run_id, said = "FAILED", None, False
         try:
             with recorded(logger, open_run) as run_id:
                 fit(cfg, trainer, module, datamodule, run_id, identity, timer, logger)
@@ -336,8 +338,8 @@ def train(cfg, output_dir: str | os.PathLike, extra_tags: Mapping[str, str] | No
         except Stopped:
             status = "KILLED"
             raise
-        except (RankDied, ConfigError):
-            said = True  # with how to resume, by RankDeath; a refusal (the entry says it), which a resume meets again
+        except ConfigError:
+            said = True  # a refusal (the entry says it), which a resume would meet again
             raise
         finally:
             metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
@@ -345,10 +347,9 @@ def train(cfg, output_dir: str | os.PathLike, extra_tags: Mapping[str, str] | No
                 summary = RunSummary(status, run_id, logger.experiment_id, cfg.logger.tracking_uri, len(timer.epoch_times),
                                      timer.summary(), metrics, checkpoint_file, output_dir)
                 print("\n".join(summary.lines()), flush=True)
-                said = said or getattr(getattr(trainer.strategy, "rank_died", None), "said", False)
+                said = said or getattr(getattr(trainer.strategy, "rank_died", None), "said", False)  # a dead rank's, with it
                 if status == "FAILED" and not said:  # an error (out of memory, a lost connection): its last checkpoint resumes
-                    say_how_to_resume(job_overrides(), checkpoint_file, cfg.checkpoint.save == "weights",
-                                      None if resume_run else started)
+                    say_how_to_resume(job_overrides(), checkpoint_file, weights_only, not_before)
     if signals.stopped_by is not None:  # after training's end: the process says it was stopped all the same
         raise Stopped(signals.stopped_by, checkpoint_file, trainer.global_step, after_training=True)
     return metrics

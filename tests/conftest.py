@@ -31,6 +31,27 @@ TINY = [
 ]
 
 
+def pytest_sessionstart(session) -> None:
+    """Fork ddlx's rank server from this process now, after the training imports and before any
+    test computes, as train.py forks its own: the extra ranks of a training job run in this process
+    are then forked from it, sharing those imports, instead of each starting a new interpreter that
+    imports torch, Lightning and MLflow again (about 10 s a rank on 2 cores). The tests that start
+    ranks as new interpreters (a sweep's later job, ranks_as_new_interpreters) set it aside."""
+    from ddlx import rank_worker, run  # noqa: F401 - the imports the forked ranks share
+    from ddlx.parallel import rank_fork
+
+    rank_fork.start_fork_server(needed=True, entry=rank_worker.main)
+
+
+@pytest.fixture
+def ranks_as_new_interpreters(monkeypatch) -> None:
+    """The extra ranks of this test's in-process jobs start as ``python -m ddlx.rank_worker``, as a
+    sweep's later jobs do when its first job started none (no rank server)."""
+    from ddlx.parallel import rank_fork
+
+    monkeypatch.setattr(rank_fork, "_server", None)
+
+
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory) -> Path:
     """One synthetic-data folder for the whole session: each dataset is written once."""

@@ -22,8 +22,8 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ra
 
 @contextlib.contextmanager
 def fork_server():
-    # Made in the test, where capfd holds fd 2. Its ranks here never compute (a process whose
-    # OpenMP threads ran, as pytest's, cannot fork ones that do).
+    # Its ranks here never compute (a process whose OpenMP threads ran, as pytest's, cannot fork
+    # ones that do).
     server = RankForkServer(rank_worker.main)
     try:
         yield server
@@ -39,6 +39,23 @@ def test_a_forked_rank_reports_its_exit_as_a_started_one(capfd):
         assert rank.wait(timeout=30) == 1 and rank.poll() == 1
         assert psutil.Process(server.pid).name() == "ddlx-forker"
     assert "usage: python -m ddlx.rank_worker" in capfd.readouterr().err
+
+
+@pytest.mark.integration
+def test_a_forked_rank_writes_where_its_launcher_writes_when_it_asks(tmp_path):
+    """The server was forked before the launcher's output went elsewhere (pytest's capture, a
+    redirection): its ranks write where a rank started then would, the launcher's descriptors."""
+    with fork_server() as server:
+        saved = os.dup(2)
+        with open(tmp_path / "err", "w") as err:
+            os.dup2(err.fileno(), 2)
+            try:
+                rank = server.spawn(["only-one-argument"], {**os.environ, "LOCAL_RANK": "1"})
+            finally:
+                os.dup2(saved, 2)
+                os.close(saved)
+        assert rank.wait(timeout=30) == 1
+    assert "usage: python -m ddlx.rank_worker" in (tmp_path / "err").read_text()
 
 
 @pytest.mark.integration

@@ -24,6 +24,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -87,9 +88,12 @@ class RankForkServer:
         self._codes: dict[int, int] = {}  # exit codes of ended ranks, as Popen's returncode
 
     def spawn(self, argv: list[str], env: dict[str, str]) -> ForkedRank:
-        """A rank running ``ddlx.rank_worker`` with ``argv`` in ``env`` and this directory."""
+        """A rank running ``ddlx.rank_worker`` with ``argv`` in ``env``, this directory and this
+        process's standard output and error as they are now (where a started rank would write)."""
         with self._lock:
             self._conn.send(("spawn", argv, env, os.getcwd()))
+            with socket.fromfd(self._conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as channel:
+                socket.send_fds(channel, [b"\0"], [1, 2])
             while True:
                 message = self._conn.recv()
                 if message[0] == "pid":
@@ -170,6 +174,8 @@ def _serve(conn, entry: Callable[[list[str]], None]) -> None:
             if not conn.poll(POLL_S):
                 continue
             _, argv, env, cwd = conn.recv()
+            with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as channel:
+                _, outputs, _, _ = socket.recv_fds(channel, 1, 2)
         except (EOFError, OSError):
             return
         sys.stdout.flush()
@@ -177,7 +183,12 @@ def _serve(conn, entry: Callable[[list[str]], None]) -> None:
         pid = os.fork()
         if pid == 0:
             conn.close()
+            for fd, standard in zip(outputs, (1, 2)):
+                os.dup2(fd, standard)
+                os.close(fd)
             _run_rank(argv, env, cwd, entry)
+        for fd in outputs:
+            os.close(fd)
         ranks.add(pid)
         conn.send(("pid", pid))
 

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -36,9 +37,14 @@ class SignalAtStep(pl.Callback):
             signal.raise_signal(self.signum)
 
 
-def _with_signal_at(monkeypatch, step: int, signum: int) -> None:
+def _with_callback(monkeypatch, make: Callable[[], pl.Callback]) -> None:
+    """Each job of this test trains with a new ``make()`` besides ddlx's own callbacks."""
     measured = run_module.measurement_callbacks
-    monkeypatch.setattr(run_module, "measurement_callbacks", lambda cfg: [*measured(cfg), SignalAtStep(step, signum)])
+    monkeypatch.setattr(run_module, "measurement_callbacks", lambda cfg: [*measured(cfg), make()])
+
+
+def _with_signal_at(monkeypatch, step: int, signum: int) -> None:
+    _with_callback(monkeypatch, lambda: SignalAtStep(step, signum))
 
 
 def _weights(checkpoint: Path) -> dict[str, torch.Tensor]:
@@ -155,8 +161,7 @@ def test_a_signal_to_another_rank_in_the_last_step_ends_the_process_as_stopped(t
                 (worker,) = rank_workers(os.getpid())
                 worker.send_signal(signal.SIGTERM)
 
-    measured = run_module.measurement_callbacks
-    monkeypatch.setattr(run_module, "measurement_callbacks", lambda cfg: [*measured(cfg), SignalRankOne()])
+    _with_callback(monkeypatch, SignalRankOne)
     with pytest.raises(Stopped) as stop:
         train(tiny_config("trainer.max_epochs=2", "strategy=ddp_gloo", *FULL), tmp_path / "run")
     assert (stop.value.after_training, stop.value.exit_status) == (True, 143)
@@ -233,8 +238,7 @@ def test_a_second_ctrl_c_stops_at_once_and_names_the_last_checkpoint_which_resum
     """It said "stopped by SIGINT before training; no checkpoint written" and printed no resume
     line, while the last epoch's checkpoint resumes."""
     job = ["model=alexnet", "trainer.max_epochs=2", *FULL]
-    measured = run_module.measurement_callbacks
-    monkeypatch.setattr(run_module, "measurement_callbacks", lambda cfg: [*measured(cfg), TwoCtrlCsInValidation(1)])
+    _with_callback(monkeypatch, lambda: TwoCtrlCsInValidation(1))
     with pytest.raises(Stopped) as stop:
         train(tiny_config(*job), tmp_path / "stopped")
     monkeypatch.undo()
@@ -573,8 +577,7 @@ def test_last_ckpt_is_rewritten_at_every_epoch_end_and_every_n_minutes_within_on
             if not trainer.sanity_checking:
                 self._look("validation", trainer)
 
-    measured = run_module.measurement_callbacks
-    monkeypatch.setattr(run_module, "measurement_callbacks", lambda cfg: [*measured(cfg), Look()])
+    _with_callback(monkeypatch, Look)
     train(tiny_config(*FULL, "checkpoint.background=false", "trainer.max_epochs=3", *validation), tmp_path / "run")
     starts = [(0, None), (steps, steps), (2 * steps, 2 * steps)]
     assert [(g, s) for when, g, s in seen if when == "epoch start"] == starts, seen
@@ -642,8 +645,7 @@ def test_a_stop_signal_at_any_point_ends_the_run_with_its_status_and_no_loader_w
         point, status, step, tiny_config, tracking_uri, tmp_path, monkeypatch):
     from ddlx.checkpoints import AtomicCheckpointIO
 
-    measured = run_module.measurement_callbacks
-    monkeypatch.setattr(run_module, "measurement_callbacks", lambda cfg: [*measured(cfg), SignalAt(point)])
+    _with_callback(monkeypatch, lambda: SignalAt(point))
     if point == "checkpoint write":
         write = AtomicCheckpointIO.save_checkpoint
 
@@ -694,8 +696,7 @@ def test_a_run_that_fails_says_how_to_resume_from_its_last_checkpoint(tiny_confi
             if trainer.global_step == 3:
                 raise RuntimeError("CUDA out of memory (a stand-in)")
 
-    measured = run_module.measurement_callbacks
-    monkeypatch.setattr(run_module, "measurement_callbacks", lambda cfg: [*measured(cfg), FailAtStep()])
+    _with_callback(monkeypatch, FailAtStep)
     job = ["trainer.max_epochs=2", *FULL]
     with pytest.raises(RuntimeError, match="stand-in"):
         train(tiny_config(*job), tmp_path / "run")

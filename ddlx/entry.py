@@ -69,23 +69,40 @@ def hydra_job_tags(project_root: str) -> tuple[str, dict[str, str]]:
     except ValueError:
         sweep_id = str(sweep_dir)
     overrides = " ".join(hydra_cfg.overrides.task)
-    swept = " ".join(swept_overrides(list(hydra_cfg.overrides.task), sys.argv[1:]))
+    swept = " ".join(swept_overrides(list(hydra_cfg.overrides.task), sweep_overrides(sweep_dir)))
     return hydra_cfg.runtime.output_dir, {"sweep_id": sweep_id, "sweep_job": str(hydra_cfg.job.num), "overrides": overrides,
                                           **({"swept": swept} if swept else {})}
 
 
-def swept_overrides(job: list[str], argv: list[str]) -> list[str]:
-    """Of a sweep job's overrides ``job``, those its command line ``argv`` sweeps (``a,b``,
+def sweep_overrides(sweep_dir: Path) -> list[str]:
+    """What a sweep was asked to vary: the overrides its sweeper recorded in ``sweep_dir``'s
+    multirun.yaml before any job started (the command line's and the config's
+    ``hydra.sweeper.params``). A job reads them there because under a launcher plugin (submitit) its
+    process runs with the launcher's command line, not the sweep's; without that file, this
+    process's command line."""
+    try:
+        recorded = OmegaConf.to_container(OmegaConf.load(sweep_dir / "multirun.yaml").hydra, resolve=False)
+        params = recorded["sweeper"].get("params") or {}
+        return [f"{key}={value}" for key, value in params.items()] + list(recorded["overrides"]["task"])
+    except Exception:  # noqa: BLE001 - no such file, or not a sweeper's: the command line's
+        from hydra._internal.utils import get_args_parser
+
+        try:
+            return list(get_args_parser().parse_args(sys.argv[1:]).overrides)
+        except (Exception, SystemExit):  # noqa: BLE001 - not Hydra's command line (a launcher's own)
+            return []
+
+
+def swept_overrides(job: list[str], sweep: list[str]) -> list[str]:
+    """Of a sweep job's overrides ``job``, those the sweep's overrides ``sweep`` vary (``a,b``,
     ``range()``, ``glob()``): what tells the job's run from the sweep's others."""
-    from hydra._internal.utils import get_args_parser
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     parser = OverridesParser.create()
     try:
-        swept = {o.key_or_group for o in parser.parse_overrides(get_args_parser().parse_args(argv).overrides)
-                 if o.is_sweep_override()}
+        swept = {o.key_or_group for o in parser.parse_overrides(sweep) if o.is_sweep_override()}
         return [text for text, o in zip(job, parser.parse_overrides(job)) if o.key_or_group in swept]
-    except Exception:  # noqa: BLE001 - argv not Hydra's (a launcher's own): the name goes without
+    except Exception:  # noqa: BLE001 - not overrides Hydra reads: the name goes without
         return []
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import csv
 import io
+import sys
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -131,15 +132,36 @@ def test_a_sweep_job_is_named_by_the_settings_its_sweep_varies_that_the_name_doe
 
     job = ["model=alexnet", "optim.lr=0.1", "data.image_size=64", "+logger.tags.note=x", "strategy.threads=2",
            "trainer.precision=bf16-mixed", "compile.enable=true"]
-    argv = ["model=alexnet", "optim.lr=0.01,0.1", "data.image_size=range(32,96,32)", "+logger.tags.note=x,y",
-            "strategy.threads=1,2", "trainer.precision=32,bf16-mixed", "compile.enable=true,false", "-m"]
-    swept = swept_overrides(job, argv)
+    sweep = ["model=alexnet", "optim.lr=0.01,0.1", "data.image_size=range(32,96,32)", "+logger.tags.note=x,y",
+             "strategy.threads=1,2", "trainer.precision=32,bf16-mixed", "compile.enable=true,false"]
+    swept = swept_overrides(job, sweep)
     assert swept == job[1:], "model=alexnet is the same in every job"
-    assert swept_overrides(job, ["-m", "optim.lr=0.1"]) == [] and swept_overrides(job, ["/not/hydra's argv"]) == []
+    assert swept_overrides(job, ["optim.lr=0.1"]) == [] and swept_overrides(job, ["/not/hydra's argv"]) == []
     params = {**WORKLOAD, "data.image_size": "64", "compile.enable": "True", "trainer.precision": "bf16-mixed"}
     name = run_name(params, {"strategy": "sequential", "threads": "2", "swept": " ".join(swept)})
     assert name.endswith(" 64px b32 bf16-mixed optim.lr=0.1 logger.tags.note=x"), \
         "what the name shows (threads, image size, precision, compile) is not repeated"
+
+
+def test_a_sweep_job_reads_what_its_sweep_varies_from_the_sweep_folder_not_its_command_line(tmp_path, monkeypatch):
+    """Under a launcher plugin (submitit) a job's process has the launcher's command line: what the
+    sweep varies is read from the multirun.yaml Hydra's sweeper wrote (its command line's overrides
+    and the config's hydra.sweeper.params); without one, from this process's command line."""
+    from omegaconf import OmegaConf
+
+    from ddlx.entry import sweep_overrides
+
+    OmegaConf.save({"hydra": {"sweeper": {"params": {"optim.lr": "0.01,0.1"}},
+                              "overrides": {"task": ["strategy=sequential,threads", "model=alexnet"]}}},
+                   tmp_path / "multirun.yaml")
+    monkeypatch.setattr(sys, "argv", ["/usr/bin/python", "-m", "submitit.core._submit", str(tmp_path)])
+    assert sweep_overrides(tmp_path) == ["optim.lr=0.01,0.1", "strategy=sequential,threads", "model=alexnet"]
+    (tmp_path / "plain").mkdir()  # no params in the config, as Hydra's default sweeper writes it
+    OmegaConf.save({"hydra": {"sweeper": {"params": None}, "overrides": {"task": ["strategy=sequential,threads"]}}},
+                   tmp_path / "plain" / "multirun.yaml")
+    assert sweep_overrides(tmp_path / "plain") == ["strategy=sequential,threads"]
+    monkeypatch.setattr(sys, "argv", ["train.py", "-m", "optim.lr=0.01,0.1"])
+    assert sweep_overrides(tmp_path / "elsewhere") == ["optim.lr=0.01,0.1"]
 
 
 def test_a_run_that_did_not_leave_out_its_start_up_is_listed_not_counted(store):

@@ -268,6 +268,8 @@ def test_a_sweep_through_submitit_is_one_slurm_job_and_one_run_per_job(slurm, tm
     assert sorted(r.data.tags["strategy"] for r in found) == ["sequential", "threads"]
     assert all(r.info.status == "FINISHED" for r in found)
     assert len({r.data.tags["slurm_job_id"] for r in found}) == 2, "each sweep job is its own SLURM job"
+    assert sorted(r.data.tags.get("swept") for r in found) == ["strategy=sequential", "strategy=threads"], \
+        "each run knows what its sweep varies, though its process has submitit's command line"
     # Every job's folder in the one sweep folder the launcher made (each job resolves the config again).
     (sweep_dir,) = (tmp_path / "multirun").glob("*/*")
     assert {r.data.tags["sweep_id"] for r in found} == {str(sweep_dir.relative_to(tmp_path))}

@@ -69,38 +69,54 @@ def hydra_job_tags(project_root: str) -> tuple[str, dict[str, str]]:
     except ValueError:
         sweep_id = str(sweep_dir)
     overrides = " ".join(hydra_cfg.overrides.task)
-    swept = " ".join(swept_overrides(list(hydra_cfg.overrides.task), sweep_overrides(sweep_dir)))
+    job = list(hydra_cfg.overrides.task)
+    params = OmegaConf.to_container(hydra_cfg.sweeper.params) if hydra_cfg.sweeper.get("params") else None
+    swept = " ".join(swept_overrides(job, sweep_overrides(sweep_dir, job, params)))
     return hydra_cfg.runtime.output_dir, {"sweep_id": sweep_id, "sweep_job": str(hydra_cfg.job.num), "overrides": overrides,
                                           **({"swept": swept} if swept else {})}
 
 
-def sweep_overrides(sweep_dir: Path) -> list[str]:
-    """What a sweep was asked to vary: the overrides its sweeper recorded in ``sweep_dir``'s
-    multirun.yaml before any job started (the command line's and the config's
-    ``hydra.sweeper.params``). A job reads them there because under a launcher plugin (submitit) its
-    process runs with the launcher's command line, not the sweep's; without that file, this
-    process's command line."""
-    try:
-        recorded = OmegaConf.to_container(OmegaConf.load(sweep_dir / "multirun.yaml").hydra, resolve=False)
-        params = recorded["sweeper"].get("params") or {}
-        return [f"{key}={value}" for key, value in params.items()] + list(recorded["overrides"]["task"])
-    except Exception:  # noqa: BLE001 - no such file, or not a sweeper's: the command line's
-        from hydra._internal.utils import get_args_parser
+def sweep_overrides(sweep_dir: Path, job: list[str], params: dict | None) -> list[str]:
+    """What a sweep was asked to vary, as the job ``job`` (its overrides) reads it: its sweeper's
+    ``params`` (the job's own config's), then the sweep's command line as Hydra's sweeper recorded
+    it in ``sweep_dir``'s multirun.yaml before any job started. A job reads it there because under a
+    launcher plugin (submitit) its process runs with the launcher's command line, not the sweep's.
+    Where there is no such file, or it is another sweep's (a fixed override the job does not
+    have: a folder reused), this process's command line."""
+    return [f"{key}={value}" for key, value in (params or {}).items()] + _sweep_command_line(sweep_dir, job)
 
-        try:
-            return list(get_args_parser().parse_args(sys.argv[1:]).overrides)
-        except (Exception, SystemExit):  # noqa: BLE001 - not Hydra's command line (a launcher's own)
-            return []
+
+def _sweep_command_line(sweep_dir: Path, job: list[str]) -> list[str]:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    def as_set(overrides):
+        return {(o.key_or_group, o.get_value_element_as_str()) for o in overrides if not o.is_sweep_override()}
+
+    parser = OverridesParser.create()
+    try:
+        recorded = OmegaConf.to_container(OmegaConf.load(sweep_dir / "multirun.yaml").hydra.overrides.task, resolve=False)
+        if as_set(parser.parse_overrides(recorded)) <= as_set(parser.parse_overrides(job)):
+            return [str(text) for text in recorded]
+    except Exception:  # noqa: BLE001 - no such file, or not a sweeper's: the command line's
+        pass
+    from hydra._internal.utils import get_args_parser
+
+    try:
+        return list(get_args_parser().parse_args(sys.argv[1:]).overrides)
+    except (Exception, SystemExit):  # noqa: BLE001 - not Hydra's command line (a launcher's own)
+        return []
 
 
 def swept_overrides(job: list[str], sweep: list[str]) -> list[str]:
     """Of a sweep job's overrides ``job``, those the sweep's overrides ``sweep`` vary (``a,b``,
-    ``range()``, ``glob()``): what tells the job's run from the sweep's others."""
+    ``range()``, ``glob()``): what tells the job's run from the sweep's others. Of two overrides of
+    one key the later counts, as Hydra's sweeper reads them (the command line's over the params)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     parser = OverridesParser.create()
     try:
-        swept = {o.key_or_group for o in parser.parse_overrides(sweep) if o.is_sweep_override()}
+        last = {o.key_or_group: o for o in parser.parse_overrides(sweep)}
+        swept = {key for key, o in last.items() if o.is_sweep_override()}
         return [text for text, o in zip(job, parser.parse_overrides(job)) if o.key_or_group in swept]
     except Exception:  # noqa: BLE001 - not overrides Hydra reads: the name goes without
         return []

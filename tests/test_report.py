@@ -145,23 +145,26 @@ def test_a_sweep_job_is_named_by_the_settings_its_sweep_varies_that_the_name_doe
 
 def test_a_sweep_job_reads_what_its_sweep_varies_from_the_sweep_folder_not_its_command_line(tmp_path, monkeypatch):
     """Under a launcher plugin (submitit) a job's process has the launcher's command line: what the
-    sweep varies is read from the multirun.yaml Hydra's sweeper wrote (its command line's overrides
-    and the config's hydra.sweeper.params); without one, from this process's command line."""
+    sweep varies is read from the multirun.yaml Hydra's sweeper wrote, with the sweeper's params;
+    not from another sweep's file in a reused folder; without one, from this process's command line."""
     from omegaconf import OmegaConf
 
-    from ddlx.entry import sweep_overrides
+    from ddlx.entry import sweep_overrides, swept_overrides
 
-    OmegaConf.save({"hydra": {"sweeper": {"params": {"optim.lr": "0.01,0.1"}},
-                              "overrides": {"task": ["strategy=sequential,threads", "model=alexnet"]}}},
+    OmegaConf.save({"hydra": {"overrides": {"task": ["strategy=sequential,threads", "data.synthetic_size=[40, 64]"]}}},
                    tmp_path / "multirun.yaml")
     monkeypatch.setattr(sys, "argv", ["/usr/bin/python", "-m", "submitit.core._submit", str(tmp_path)])
-    assert sweep_overrides(tmp_path) == ["optim.lr=0.01,0.1", "strategy=sequential,threads", "model=alexnet"]
-    (tmp_path / "plain").mkdir()  # no params in the config, as Hydra's default sweeper writes it
-    OmegaConf.save({"hydra": {"sweeper": {"params": None}, "overrides": {"task": ["strategy=sequential,threads"]}}},
-                   tmp_path / "plain" / "multirun.yaml")
-    assert sweep_overrides(tmp_path / "plain") == ["strategy=sequential,threads"]
+    job = ["strategy=threads", "data.synthetic_size=[40,64]", "optim.lr=0.1"]
+    sweep = sweep_overrides(tmp_path, job, {"optim.lr": "0.01,0.1"})
+    assert sweep == ["optim.lr=0.01,0.1", "strategy=sequential,threads", "data.synthetic_size=[40, 64]"]
+    assert swept_overrides(job, sweep) == ["strategy=threads", "optim.lr=0.1"]
+    other = ["strategy=threads", "data.synthetic_size=[32,32]"]
+    assert swept_overrides(other, sweep_overrides(tmp_path, other, None)) == [], \
+        "another sweep's file (a folder reused): the command line's, here submitit's, with nothing swept"
     monkeypatch.setattr(sys, "argv", ["train.py", "-m", "optim.lr=0.01,0.1"])
-    assert sweep_overrides(tmp_path / "elsewhere") == ["optim.lr=0.01,0.1"]
+    assert sweep_overrides(tmp_path / "elsewhere", job, None) == ["optim.lr=0.01,0.1"]
+    assert swept_overrides(["optim.lr=0.05"], ["optim.lr=0.01,0.1", "optim.lr=0.05"]) == [], \
+        "the command line's value replaces the params' sweep, as Hydra's sweeper reads them"
 
 
 def test_a_run_that_did_not_leave_out_its_start_up_is_listed_not_counted(store):

@@ -38,7 +38,7 @@ def train_py(workdir: Path, *overrides: str, timeout: float = 240, runner: list[
 
 
 def train_here(workdir: Path, *overrides: str) -> None:
-    """Rank 0 in this process (extra ranks start as ``python -m ddlx.rank_worker``, as under train.py)."""
+    """Rank 0 in this process; extra ranks forked by the session's rank server, as train.py forks its own (conftest)."""
     with_made_store(workdir)
     train(compose_config([f"paths.root={workdir}", *overrides]), output_dir=workdir / "run")
 
@@ -347,8 +347,17 @@ def _assert_no_process_left(workdir: Path) -> None:
     time.sleep(1)
     left = [p.pid for p in psutil.process_iter(["cmdline"]) if str(workdir) in " ".join(p.info["cmdline"] or [])]
     # Ranks forked for this process's own jobs keep its command line: known by their names
-    left += [p.pid for p in rank_workers(os.getpid()) if p.status() != psutil.STATUS_ZOMBIE]
+    left += [p.pid for p in rank_workers(os.getpid()) if _alive(p)]
     assert not left, f"processes left behind: {left}"
+
+
+def _alive(process) -> bool:
+    import psutil
+
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 MPI_CASES = {

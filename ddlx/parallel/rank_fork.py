@@ -91,14 +91,22 @@ class RankForkServer:
         """A rank running ``ddlx.rank_worker`` with ``argv`` in ``env``, this directory and this
         process's standard output and error as they are now (where a started rank would write)."""
         with self._lock:
-            self._conn.send(("spawn", argv, env, os.getcwd()))
-            with socket.fromfd(self._conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as channel:
-                socket.send_fds(channel, [b"\0"], [1, 2])
-            while True:
-                message = self._conn.recv()
-                if message[0] == "pid":
-                    return ForkedRank(self, message[1], argv)
-                self._note(message)
+            try:
+                self._conn.send(("spawn", argv, env, os.getcwd()))
+                with socket.fromfd(self._conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as channel:
+                    socket.send_fds(channel, [b"\0"], [1, 2])
+                while True:
+                    message = self._conn.recv()
+                    if message[0] == "pid":
+                        return ForkedRank(self, message[1], argv)
+                    self._note(message)
+            except BaseException:
+                # A request cut short (an interrupt, a closed descriptor) would leave the two ends out
+                # of step: the server is let go (it ends, and any rank it forked with it), and later
+                # jobs start their ranks as new interpreters.
+                self._conn.close()
+                self.pid = None
+                raise
 
     def returncode(self, pid: int, timeout: float | None = 0.0) -> int | None:
         """``pid``'s exit code once the server has seen it end, waiting up to ``timeout`` (None: for ever)."""
@@ -175,8 +183,12 @@ def _serve(conn, entry: Callable[[list[str]], None]) -> None:
                 continue
             _, argv, env, cwd = conn.recv()
             with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as channel:
-                _, outputs, _, _ = socket.recv_fds(channel, 1, 2)
+                marker, outputs, _, _ = socket.recv_fds(channel, 1, 2)
         except (EOFError, OSError):
+            return
+        if marker != b"\0" or len(outputs) != 2:  # not the request's second part: the launcher is gone
+            for fd in outputs:
+                os.close(fd)
             return
         sys.stdout.flush()
         sys.stderr.flush()
@@ -184,8 +196,9 @@ def _serve(conn, entry: Callable[[list[str]], None]) -> None:
         if pid == 0:
             conn.close()
             for fd, standard in zip(outputs, (1, 2)):
-                os.dup2(fd, standard)
-                os.close(fd)
+                if fd != standard:
+                    os.dup2(fd, standard)
+                    os.close(fd)
             _run_rank(argv, env, cwd, entry)
         for fd in outputs:
             os.close(fd)
@@ -206,6 +219,10 @@ def _run_rank(argv: list[str], env: dict[str, str], cwd: str, entry: Callable[[l
         os.environ.clear()
         os.environ.update(env, **{PARENT_ENV: str(os.getppid())})  # the server: the rank ends with it
         os.chdir(cwd)
+        # The interpreter's own error reporting, not the launcher's (pytest's collect thread errors
+        # into a list that a rank, ending with os._exit, would never print)
+        sys.excepthook, sys.unraisablehook, threading.excepthook = \
+            sys.__excepthook__, sys.__unraisablehook__, threading.__excepthook__
         sys.stdout = open(1, "w", buffering=1, closefd=False)  # the descriptors, whatever wrapped them
         sys.stderr = open(2, "w", buffering=1, closefd=False, errors="backslashreplace")
         root = logging.getLogger()

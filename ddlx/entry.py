@@ -68,11 +68,10 @@ def hydra_job_tags(project_root: str) -> tuple[str, dict[str, str]]:
         sweep_id = str(sweep_dir.relative_to(Path(project_root).resolve()))
     except ValueError:
         sweep_id = str(sweep_dir)
-    overrides = " ".join(hydra_cfg.overrides.task)
     job = list(hydra_cfg.overrides.task)
     params = OmegaConf.to_container(hydra_cfg.sweeper.params) if hydra_cfg.sweeper.get("params") else None
     swept = " ".join(swept_overrides(job, sweep_overrides(sweep_dir, job, params)))
-    return hydra_cfg.runtime.output_dir, {"sweep_id": sweep_id, "sweep_job": str(hydra_cfg.job.num), "overrides": overrides,
+    return hydra_cfg.runtime.output_dir, {"sweep_id": sweep_id, "sweep_job": str(hydra_cfg.job.num), "overrides": " ".join(job),
                                           **({"swept": swept} if swept else {})}
 
 

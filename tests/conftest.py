@@ -139,6 +139,19 @@ def rank_workers(pid: int) -> list:
         return []
 
 
+def alive(processes) -> list:
+    """Those of ``processes`` (psutil's) still running: neither ended nor a zombie."""
+    import psutil
+
+    def running(process) -> bool:
+        try:
+            return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    return [p for p in processes if running(p)]
+
+
 def as_a_shell_reads(command: str, cwd: Path | None = None) -> list[str]:
     """The words a pasted ``command`` gives the program, as bash reads them with failglob, which
     (like zsh's default) refuses a glob that matches nothing instead of passing it on."""

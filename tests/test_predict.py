@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import pytest
 import torchvision
-from conftest import CONF_DIR, PROJECT_DIR, as_a_shell_reads, compose_config, subprocess_env
+from conftest import CONF_DIR, PROJECT_DIR, alive, as_a_shell_reads, compose_config, subprocess_env
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
@@ -1250,13 +1250,7 @@ def test_the_step_probe_leaves_no_loader_workers_behind(tiny_config):
     data = typed_config(tiny_config("data.num_workers=1")).data
     before = {c.pid for c in psutil.Process().children(recursive=True)}
     assert len(probe_batches(data, "resnet18")(2)) == 2
-    def alive(child) -> bool:
-        try:
-            return child.status() != psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return False
-
-    left = [c for c in psutil.Process().children(recursive=True) if c.pid not in before and alive(c)]
+    left = alive(c for c in psutil.Process().children(recursive=True) if c.pid not in before)
     assert not left, left
 
 

@@ -10,7 +10,7 @@ import time
 
 import psutil
 import pytest
-from conftest import PROJECT_DIR, TINY, compose_config, rank_workers, subprocess_env
+from conftest import PROJECT_DIR, TINY, alive, compose_config, rank_workers, subprocess_env
 
 from ddlx import rank_worker
 from ddlx.parallel import rank_fork
@@ -95,9 +95,9 @@ def test_train_py_forks_its_ranks_sharing_its_imports(tmp_path):
         proc.kill()
         proc.wait()
     deadline = time.monotonic() + 10
-    while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in [rank, server]) and time.monotonic() < deadline:
+    while alive([rank, server]) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in [rank, server]), \
+    assert not alive([rank, server]), \
         "rank 0 killed: the server and its ranks end with it"
 
 

@@ -17,7 +17,7 @@ import psutil
 import pytest
 import pytorch_lightning as pl
 import torch
-from conftest import PROJECT_DIR, TINY, compose_config, rank_workers, runs, subprocess_env
+from conftest import PROJECT_DIR, TINY, alive, compose_config, rank_workers, runs, subprocess_env
 
 from ddlx import run as run_module
 from ddlx.errors import ConfigError, Stopped
@@ -422,7 +422,7 @@ def _sigterm_to_rank_0_of_a_ddp_run(tmp_path: Path) -> Path:
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 143, err[-3000:]
-    assert not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers), "no rank left behind"
+    assert not alive(workers), "no rank left behind"
     (run,) = runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
     assert run.info.status == "KILLED" and "stopped by SIGTERM after step" in run.data.tags["error"]
     checkpoint = Path(re.search(r"resume with: python train.py .* ckpt_path=(\S+)", err).group(1))
@@ -446,10 +446,6 @@ def test_a_ddp_run_stopped_by_sigterm_resumes_on_every_rank(tmp_path):
     assert run.info.status == "FINISHED" and run.data.metrics["measured_epochs"] == 4
 
 
-def _alive(processes) -> list:
-    return [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-
-
 @pytest.mark.integration
 def test_kill_9_of_rank_0_ends_every_process_closes_the_run_and_it_resumes_from_the_last_epoch_end(tmp_path):
     """kill -9 (the OOM killer, a lost shell) of rank 0 of a DDP run with loader workers: its
@@ -469,10 +465,10 @@ def test_kill_9_of_rank_0_ends_every_process_closes_the_run_and_it_resumes_from_
     assert len(watch) == 1 and len(run_processes) >= 4, [p.name() for p in tree]  # server, rank 1, 2 loaders at least
     proc.kill()
     proc.wait()
-    _wait_for(lambda: not _alive(run_processes), 5, "every process of the run to end within 5 s of rank 0")
+    _wait_for(lambda: not alive(run_processes), 5, "every process of the run to end within 5 s of rank 0")
     (run,) = _wait_for(lambda: [r for r in runs(uri) if r.info.status == "FAILED"], 60, "the watch to close the run")
     assert f"pid {proc.pid}" in run.data.tags["error"] and "ended without closing the run" in run.data.tags["error"]
-    _wait_for(lambda: not _alive(watch), 10, "the watch to end")
+    _wait_for(lambda: not alive(watch), 10, "the watch to end")
 
     saved_epoch = torch.load(checkpoint, map_location="cpu", weights_only=True)["epoch"]
     resume = [*job[:-1], f"trainer.max_epochs={saved_epoch + 2}", f"ckpt_path={checkpoint}"]
@@ -664,7 +660,7 @@ def test_a_stop_signal_at_any_point_ends_the_run_with_its_status_and_no_loader_w
     assert (tmp_path / "run" / "checkpoints" / "last.ckpt").exists() == (point != "setup")
     if point in ("validation", "checkpoint write"):  # a stop within the epoch's end lost them
         assert "train_loss" in run.data.metrics and "train_acc" in run.data.metrics
-    loaders = [c for c in psutil.Process().children() if c.name() == "ddlx-loader" and c.status() != psutil.STATUS_ZOMBIE]
+    loaders = alive(c for c in psutil.Process().children() if c.name() == "ddlx-loader")
     assert not loaders, "the loader workers ended with the run (multiprocessing would wait for them at exit)"
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import PROJECT_DIR, compose_config, rank_workers, runs, subprocess_env, with_made_store
+from conftest import PROJECT_DIR, alive, compose_config, rank_workers, runs, subprocess_env, with_made_store
 
 from ddlx.errors import ConfigError
 from ddlx.run import layered_model_meta, train
@@ -347,17 +347,8 @@ def _assert_no_process_left(workdir: Path) -> None:
     time.sleep(1)
     left = [p.pid for p in psutil.process_iter(["cmdline"]) if str(workdir) in " ".join(p.info["cmdline"] or [])]
     # Ranks forked for this process's own jobs keep its command line: known by their names
-    left += [p.pid for p in rank_workers(os.getpid()) if _alive(p)]
+    left += [p.pid for p in alive(rank_workers(os.getpid()))]
     assert not left, f"processes left behind: {left}"
-
-
-def _alive(process) -> bool:
-    import psutil
-
-    try:
-        return process.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 MPI_CASES = {

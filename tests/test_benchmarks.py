@@ -2,7 +2,9 @@
 without a test noticing): a dry run of each at its smallest (AlexNet at 32 px, a step or two),
 its table row with figures. The figures themselves are the benchmarks' to report, not checked.
 So do the studies written for a GPU sitting, on CPU: the next lent GPU's minutes are too few to
-find them broken there."""
+find them broken there. Those that check no behaviour of ddlx's (a refit, a dry run whose figures
+cannot differ on CPU) are `slow`: `pytest -m slow` before a GPU sitting; the CI's integration
+suite keeps the one that does (every layer compiled)."""
 from __future__ import annotations
 
 import os
@@ -82,6 +84,7 @@ def test_the_strategies_benchmark_runs_into_the_store_it_is_given(tmp_path):
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_the_sync_check_runs_on_cpu_and_compiles_its_compiled_runner():
     """studies/gpu_sync_check.py: ddlx's runner eager and compiled, a line of counts each (on CPU no
     call can wait for a device, and no batch is pinned)."""
@@ -95,6 +98,7 @@ def test_the_sync_check_runs_on_cpu_and_compiles_its_compiled_runner():
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_the_small_image_study_compares_every_measured_step():
     """studies/gpu_small_images.py: a row per step of its measurement file, and both pricings refitted."""
     out = run_benchmark("gpu_small_images.py", folder="studies")
@@ -106,6 +110,7 @@ def test_the_small_image_study_compares_every_measured_step():
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_the_thesis_ratio_study_runs_every_variant():
     """studies/thesis_ratio_checks.py: a row per variant, with the eight ratios and Table 6.1's configs."""
     out = run_benchmark("thesis_ratio_checks.py", folder="studies")

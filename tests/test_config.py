@@ -141,6 +141,19 @@ def test_a_group_or_key_of_the_other_entry_point_is_named_as_its(entry, override
     assert str(err).startswith(said), err
 
 
+@pytest.mark.parametrize("override,meant", [
+    ("strategy=ddp", "strategy=ddp_gloo or strategy=ddp_nccl"),
+    ("model=resnet", "model=resnet152 or model=resnet18 or model=resnet50"),
+    ("strategy=nccl", "strategy=ddp_nccl"),
+    ("model=vgg17", "model=vgg16"),  # a close spelling: that one alone
+])
+def test_a_group_option_named_by_its_family_lists_the_members(override, meant):
+    from ddlx.config_check import _job_errors, check_train_job
+
+    ((_, _, err),) = _job_errors([override], False, CONF_DIR, "train", check_train_job)
+    assert f"did you mean {meant}?" in str(err), err
+
+
 def test_what_each_entry_point_takes_is_not_refused_as_the_others():
     from ddlx.config_check import other_entry_problem
 

@@ -1157,6 +1157,22 @@ def test_the_one_core_baseline_is_calibrated_even_where_more_threads_are_fastest
     assert [c.split("strategy=sequential")[1].strip() for c in commands] == ["strategy.threads=1", "strategy.threads=2"]
 
 
+def test_a_baseline_measured_at_the_jobs_batch_is_not_asked_for_again():
+    """The calibrate commands make the runs the answer lacks: with one-core runs of the job's batch
+    measured, only the recommended setup's; with runs of another batch only, the baseline too."""
+    from ddlx.predict.render import calibration_commands
+
+    one, two = (STRATEGIES["sequential"].setup(threads=t) for t in (1, 2))
+    job = Job("resnet18", "firesmall", 3, 3, 64, 32, 320)
+    asked = {}
+    for batch in ("32", "16"):
+        run = _run(f"b{batch}", one, {**_workload_params("resnet18", 64), "data.batch_size": batch}, 10.0)
+        rec = Predictor(_hw(name="local", host="test-host"), [run]).recommend(job, [one, two])
+        assert rec.best.setup == two and not rec.best.calibrated, rec.best
+        asked[batch] = [c.split("strategy=sequential")[1].strip() for c in calibration_commands(rec, rec.best, [])]
+    assert asked == {"32": ["strategy.threads=2"], "16": ["strategy.threads=1", "strategy.threads=2"]}
+
+
 def test_a_gpu_runs_data_wait_is_the_jobs_loading_only_where_it_loaded_as_the_job_does():
     """A GPU baseline run with data.num_workers=0 waited 1.6 of its 2.0 s for data: a job with
     workers predicts the step without that wait (its own loaders bound it apart), and the answer

@@ -57,6 +57,7 @@ class SequentialTime:
     basis: str
     load_per_sample_s: float = 0.0
     estimated: bool = False  # counted FLOPs over a peak, not a run or a probe on the machine
+    measured: bool = False  # the machine's one-device runs of this very batch: no run need be made to know it
     # A step's compute (no weight traffic) at n samples where it is not n x per_sample_s: on a GPU
     # a small batch leaves its units idle and every kernel costs a launch (:mod:`.gpu_time`).
     step_s: Callable[[int], float] | None = None

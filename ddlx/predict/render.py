@@ -42,9 +42,12 @@ def figure(value: float, calibrated: bool) -> str:
 
 
 def calibration_commands(rec: Recommendation, prediction: Prediction, job_overrides: list[str]) -> list[str]:
-    """What to run on the target to calibrate an estimate: its one-device baseline and the setup
-    itself, tagged with the hardware's name when it is not this machine."""
+    """What to run on the target to calibrate an estimate: its one-device baseline, unless runs of
+    it at this batch are measured there already, and the setup itself, tagged with the hardware's
+    name when it is not this machine."""
     baseline = rec.reference or next((p for p in rec.predictions if is_baseline(p.setup)), None)
+    if baseline is not None and is_baseline(baseline.setup) and rec.sequential.measured:
+        baseline = None
     chosen = [p for p in (baseline, prediction) if p is not None and p.memory.fits]  # never a run that cannot be made
     return list(dict.fromkeys(train_command(rec, p, job_overrides) for p in chosen))
 
@@ -151,8 +154,10 @@ def recommendation_table(rec: Recommendation, note: str, elapsed: float, close_c
             lines += loading_fix_lines(rec, best, loading_fix_command(rec, best, job_overrides))
         lines += compile_lines(rec, best, job_overrides)
         if not best.calibrated:
-            lines.append("  an estimate until runs on this hardware calibrate it; run these there, then ask again:")
-            lines += [f"    {command}" for command in calibration_commands(rec, best, job_overrides)]
+            commands = calibration_commands(rec, best, job_overrides)
+            lines.append(f"  an estimate until runs on this hardware calibrate it; run {'these' if len(commands) > 1 else 'this'} "
+                         f"there, then ask again:")
+            lines += [f"    {command}" for command in commands]
         close = rec.close_calls(close_call)
         if close:
             validated = ", ".join(f"{g} {100 * e:.1f}%" for g, e in sorted(rec.errors.items()))

@@ -78,7 +78,8 @@ def from_runs(job: Job, hw: HardwareSpec, runs: Sequence[MeasuredRun], profile: 
         load = statistics.median(_load_per_sample_s(r) for r in chosen)
         per_sample = statistics.median(step_per_sample) - load
     what = "same batch" if same_batch else f"batch {chosen[0].params['data.batch_size']}, scaled per sample"
-    return SequentialTime(max(per_sample, 1e-9), weights, f"measured ({len(chosen)} run{'s' * (len(chosen) > 1)}, {what})", load)
+    return SequentialTime(max(per_sample, 1e-9), weights, f"measured ({len(chosen)} run{'s' * (len(chosen) > 1)}, {what})", load,
+                          measured=bool(same_batch))
 
 
 def with_measured_shares(seq: SequentialTime, job: Job, hw: HardwareSpec, runs: Sequence[MeasuredRun],

@@ -297,9 +297,11 @@ def _type_words(annotation: Any) -> str:
 
 
 def did_you_mean(word: str, candidates: Sequence[str], prefix: str = "") -> str:
-    """Those that ``word`` begins or is a part of (a family named without its member: ``ddp`` is
-    ddp_gloo or ddp_nccl, ``resnet`` its three depths); failing them, the closest spelling."""
-    close = [c for c in candidates if word and (c.startswith(word) or word in c.split("_"))]
+    """Those that ``word`` begins or whose ``_``-parts include all of its own (a family named
+    without its member: ``ddp`` is ddp_gloo or ddp_nccl, ``resnet`` its three depths, ``a100_8x``
+    both 8-GPU A100s); failing them, the closest spelling."""
+    parts = set(word.split("_"))
+    close = [c for c in candidates if word and (c.startswith(word) or parts <= set(c.split("_")))]
     close = close or difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
     return f"; did you mean {' or '.join(prefix + c for c in close)}?" if close else ""
 

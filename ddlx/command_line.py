@@ -2,8 +2,12 @@
 otherwise, so that bash and zsh give train.py back the words ddlx meant."""
 from __future__ import annotations
 
+import json
 import re
 import shlex
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 
 def shell_words(*words: str) -> str:
@@ -43,3 +47,40 @@ def task_overrides() -> list[str]:
     from hydra.core.hydra_config import HydraConfig
 
     return list(HydraConfig.get().overrides.task)
+
+
+@dataclass(frozen=True)
+class HowToResume:
+    """A FAILED run's last line: the command that resumes it from its last checkpoint, or why
+    there is none. Made while its job runs (Hydra unsets the job's config when it ends) and said
+    at the end by the run's process or, when that was killed, by its watch
+    (:mod:`ddlx.run_watch`, which takes it as :meth:`to_json`'s text)."""
+
+    command: str | None  # resume_command(job's overrides, checkpoint_file); None: no checkpoints
+    checkpoint_file: str | None
+    weights_only: bool
+    not_before: float | None = None  # when a new run started: an older file in its folder (one reused) is another run's
+
+    @classmethod
+    def of(cls, overrides: list[str], checkpoint_file, weights_only: bool, not_before: float | None = None) -> HowToResume:
+        command = None if checkpoint_file is None else resume_command(overrides, checkpoint_file)
+        return cls(command, None if checkpoint_file is None else str(checkpoint_file), weights_only, not_before)
+
+    def say(self) -> None:
+        if self.checkpoint_file is None:
+            said = "checkpoints are off (checkpoint.save=none): the run cannot be resumed"
+        elif self.weights_only:
+            said = "its checkpoints hold the weights only (checkpoint.save=weights): the run cannot be resumed"
+        elif (checkpoint := Path(self.checkpoint_file)).is_file() and (
+                self.not_before is None or checkpoint.stat().st_mtime >= self.not_before):
+            said = f"resume with: {self.command}"
+        else:
+            said = "no checkpoint was written before it"
+        print(f"ddlx: {said}", file=sys.stderr, flush=True)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> HowToResume:
+        return cls(**json.loads(text))

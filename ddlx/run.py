@@ -24,7 +24,7 @@ from pytorch_lightning.utilities.exceptions import MisconfigurationException
 
 from .allocator import apply_allocator, check_allocator, resolve_allocator
 from .allocator import explain as explain_allocator
-from .command_line import resume_command, task_overrides
+from .command_line import HowToResume, task_overrides
 from .checkpoints import (
     LAST,
     RunInCheckpoint,
@@ -210,11 +210,9 @@ class RankDeath:
     follow) or this process failing on the dead rank's connection (:func:`fit`). The second
     waits for the first to finish."""
 
-    def __init__(self, output_dir: Path, checkpoint_file: Path | None, weights_only: bool, not_before: float | None = None) -> None:
-        self.output_dir, self.checkpoint_file, self.weights_only = output_dir, checkpoint_file, weights_only
-        self.not_before = not_before  # as say_how_to_resume's
+    def __init__(self, output_dir: Path, resume: HowToResume) -> None:
+        self.output_dir, self.resume = output_dir, resume
         self._lock, self._said = threading.Lock(), False
-        self.overrides = job_overrides()  # now, in the job: Hydra unsets its config when it ends, and the watchdog may say it later
 
     def __call__(self, logger, reason: str) -> None:
         with self._lock:
@@ -222,7 +220,7 @@ class RankDeath:
                 return
             self._said = True
             print(f"ddlx: run FAILED: {reason}; its folder: {self.output_dir}", file=sys.stderr, flush=True)
-            say_how_to_resume(self.overrides, self.checkpoint_file, self.weights_only, self.not_before)
+            self.resume.say()
             mark_failed(logger, reason)
 
     @property
@@ -236,22 +234,6 @@ def job_overrides() -> list[str]:
         return task_overrides()
     except ValueError:
         return []
-
-
-def say_how_to_resume(overrides: list[str], checkpoint_file: Path | None, weights_only: bool,
-                      not_before: float | None = None) -> None:
-    """After a FAILED run (an error, a dead rank): the command that resumes it from its last
-    checkpoint (``overrides``: its job's), or why there is none. ``not_before``: when a new run
-    started; a file older than that in its folder (one reused) is another run's."""
-    if checkpoint_file is None:
-        said = "checkpoints are off (checkpoint.save=none): the run cannot be resumed"
-    elif weights_only:
-        said = "its checkpoints hold the weights only (checkpoint.save=weights): the run cannot be resumed"
-    elif checkpoint_file.is_file() and (not_before is None or checkpoint_file.stat().st_mtime >= not_before):
-        said = f"resume with: {resume_command(overrides, checkpoint_file)}"
-    else:
-        said = "no checkpoint was written before it"
-    print(f"ddlx: {said}", file=sys.stderr, flush=True)
 
 
 def train(cfg, output_dir: str | os.PathLike, extra_tags: Mapping[str, str] | None = None) -> dict[str, float]:
@@ -305,8 +287,9 @@ def train(cfg, output_dir: str | os.PathLike, extra_tags: Mapping[str, str] | No
         checkpoint_file = None if cfg.checkpoint.save == "none" else checkpoint_dir / LAST
         weights_only = cfg.checkpoint.save == "weights"
         not_before = None if saved is not None else time.time()  # a new run: an older last.ckpt in its folder is another's
+        resume = HowToResume.of(job_overrides(), checkpoint_file, weights_only, not_before)  # said if it FAILS
         if isinstance(strategy, RelaunchingDDPStrategy):  # a dead rank: the run FAILED with the reason
-            strategy.rank_died = RankDeath(output_dir, checkpoint_file, weights_only, not_before)
+            strategy.rank_died = RankDeath(output_dir, resume)
         timer, *others = measurement_callbacks(cfg)
         callbacks = [SameJobOnEveryRank(params), timer, *others, identity,
                      StopAtSignal(signals, checkpoint_file, weights_only)]
@@ -332,7 +315,7 @@ def train(cfg, output_dir: str | os.PathLike, extra_tags: Mapping[str, str] | No
             (lambda: start_run(logger, params, config_file, tags))
         status, run_id, said = "FAILED", None, False
         try:
-            with recorded(logger, open_run) as run_id:
+            with recorded(logger, open_run, resume) as run_id:
                 fit(cfg, trainer, module, datamodule, run_id, identity, timer, logger)
             status = "FINISHED"
         except Stopped:
@@ -349,7 +332,7 @@ def train(cfg, output_dir: str | os.PathLike, extra_tags: Mapping[str, str] | No
                 print("\n".join(summary.lines()), flush=True)
                 said = said or getattr(getattr(trainer.strategy, "rank_died", None), "said", False)  # a dead rank's, with it
                 if status == "FAILED" and not said:  # an error (out of memory, a lost connection): its last checkpoint resumes
-                    say_how_to_resume(job_overrides(), checkpoint_file, weights_only, not_before)
+                    resume.say()
     if signals.stopped_by is not None:  # after training's end: the process says it was stopped all the same
         raise Stopped(signals.stopped_by, checkpoint_file, trainer.global_step, after_training=True)
     return metrics

@@ -1,10 +1,12 @@
 """The watch of one run's process (:class:`ddlx.tracking.ProcessWatch` starts it):
 
-    python -m ddlx.run_watch TRACKING_URI RUN_ID PID
+    python -m ddlx.run_watch TRACKING_URI RUN_ID PID [HOW_TO_RESUME]
 
 Waits for the run's process ``PID`` to end or to say the run is closed (a line on stdin). When
 the process ended first (kill -9, the out-of-memory killer, a crash), the run it left RUNNING is
-marked FAILED with the reason, at once rather than at the next command against the store.
+marked FAILED with the reason, at once rather than at the next command against the store, and
+the console is told how to resume it (``HOW_TO_RESUME``: :class:`ddlx.command_line.HowToResume`
+as JSON), as the process itself would have said.
 """
 from __future__ import annotations
 
@@ -52,6 +54,10 @@ def main(argv: list[str]) -> int:
     reason = close_if_vanished(tracking_uri, run_id)
     if reason is not None:
         print(f"ddlx: MLflow run {run_id} marked FAILED: {reason}", file=sys.stderr, flush=True)
+        if len(argv) > 3:
+            from .command_line import HowToResume
+
+            HowToResume.from_json(argv[3]).say()
     return 0
 
 

@@ -25,6 +25,8 @@ from .records import MeasuredRun, to_measured_run
 if TYPE_CHECKING:  # Lightning is imported where a logger is made, not by every tracking check
     from pytorch_lightning.loggers import MLFlowLogger
 
+    from .command_line import HowToResume
+
 # The paper's two use cases (Lerat et al. 2022, section 3.1).
 USE_CASES = {("vgg16", "firesmall"): "complexsmall", ("alexnet", "firebig"): "simplebig"}
 MAX_PARAM_LENGTH = 6000  # MLflow's limit on a parameter value
@@ -398,11 +400,12 @@ def end_run(client, run_id: str, status: str, error: str | None = None) -> None:
 
 
 @contextmanager
-def recorded(logger: MLFlowLogger | None, open_run: Callable[[], str]) -> Iterator[str | None]:
+def recorded(logger: MLFlowLogger | None, open_run: Callable[[], str], resume: HowToResume | None = None) -> Iterator[str | None]:
     """Open the run (``open_run()``: :func:`start_run` or :func:`reopen_run`) and yield its id.
     From then to the end of the block the run is alive (a heartbeat tag every
     :data:`HEARTBEAT_S`), and every way out ends it: FINISHED, KILLED for a stop signal, FAILED
-    with the error for any other exception. ``logger=None`` (ranks other than 0): nothing."""
+    with the error for any other exception; if this process is killed, its watch marks it FAILED
+    and says ``resume``. ``logger=None`` (ranks other than 0): nothing."""
     if logger is None:
         yield None
         return
@@ -410,7 +413,7 @@ def recorded(logger: MLFlowLogger | None, open_run: Callable[[], str]) -> Iterat
     try:
         run_id = open_run()
         heartbeat = Heartbeat(logger._tracking_uri, run_id)
-        watch = WATCHES[run_id] = ProcessWatch(logger._tracking_uri, run_id)
+        watch = WATCHES[run_id] = ProcessWatch(logger._tracking_uri, run_id, resume)
         yield run_id
         end_run(logger.experiment, run_id, "FINISHED")
     except Stopped as stop:
@@ -467,13 +470,14 @@ class ProcessWatch:
     session of its own, so a signal to the run's process group does not end it, and imports
     MLflow only if it has a run to close; :meth:`stop` (the run closed) ends it."""
 
-    def __init__(self, tracking_uri: str, run_id: str) -> None:
+    def __init__(self, tracking_uri: str, run_id: str, resume: HowToResume | None = None) -> None:
         import subprocess
 
         from .process import ddlx_module_command
 
+        said = [resume.to_json()] if resume is not None else []  # what it says after marking the run FAILED
         try:
-            self._process = subprocess.Popen(ddlx_module_command("ddlx.run_watch", tracking_uri, run_id, str(os.getpid())),
+            self._process = subprocess.Popen(ddlx_module_command("ddlx.run_watch", tracking_uri, run_id, str(os.getpid()), *said),
                                              stdin=subprocess.PIPE, start_new_session=True)
         except OSError as err:
             log.warning("no watch on MLflow run %s (%s): if this process is killed, the next command against the "

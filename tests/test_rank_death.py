@@ -9,6 +9,7 @@ import sys
 import threading
 
 from ddlx.parallel.launch import WorkerLauncher, _RecordingObserver, how_it_ended
+from ddlx.command_line import HowToResume
 from ddlx.run import RankDeath
 
 
@@ -48,7 +49,7 @@ def test_ranks_ended_by_the_job_itself_are_not_reported():
 def test_a_death_is_said_once_with_the_resume_command_then_recorded(tmp_path, capsys):
     checkpoint = tmp_path / "last.ckpt"
     checkpoint.write_bytes(b"")
-    death = RankDeath(tmp_path, checkpoint, weights_only=False)
+    death = RankDeath(tmp_path, HowToResume.of([], checkpoint, weights_only=False))
     threads = [threading.Thread(target=death, args=(None, "rank 1 was killed by SIGKILL")) for _ in range(2)]
     for thread in threads:
         thread.start()
@@ -57,19 +58,17 @@ def test_a_death_is_said_once_with_the_resume_command_then_recorded(tmp_path, ca
     err = capsys.readouterr().err.splitlines()
     assert err == [f"ddlx: run FAILED: rank 1 was killed by SIGKILL; its folder: {tmp_path}",
                    f"ddlx: resume with: python train.py ckpt_path={checkpoint}"]
-    RankDeath(tmp_path, None, weights_only=False)(None, "rank 1 was killed by SIGKILL")
+    RankDeath(tmp_path, HowToResume.of([], None, weights_only=False))(None, "rank 1 was killed by SIGKILL")
     assert "checkpoint.save=none" in capsys.readouterr().err
-    RankDeath(tmp_path, checkpoint, weights_only=True)(None, "rank 1 was killed by SIGKILL")  # a resume would be refused
+    RankDeath(tmp_path, HowToResume.of([], checkpoint, weights_only=True))(None, "rank 1 was killed by SIGKILL")  # a resume would be refused
     assert "checkpoint.save=weights" in capsys.readouterr().err
 
 
 def test_a_checkpoint_older_than_the_run_is_not_offered_to_resume_it(tmp_path, capsys):
     """A new run in a reused folder fails before writing its own: the last.ckpt there is another run's."""
-    from ddlx.run import say_how_to_resume
-
     checkpoint = tmp_path / "last.ckpt"
     checkpoint.write_bytes(b"")
-    say_how_to_resume([], checkpoint, weights_only=False, not_before=checkpoint.stat().st_mtime + 60)
+    HowToResume.of([], checkpoint, weights_only=False, not_before=checkpoint.stat().st_mtime + 60).say()
     assert capsys.readouterr().err == "ddlx: no checkpoint was written before it\n"
-    say_how_to_resume([], checkpoint, weights_only=False, not_before=checkpoint.stat().st_mtime)
+    HowToResume.of([], checkpoint, weights_only=False, not_before=checkpoint.stat().st_mtime).say()
     assert capsys.readouterr().err == f"ddlx: resume with: python train.py ckpt_path={checkpoint}\n"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import shlex
 import signal
 import subprocess
 import sys
@@ -451,11 +452,14 @@ def test_kill_9_of_rank_0_ends_every_process_closes_the_run_and_it_resumes_from_
     """kill -9 (the OOM killer, a lost shell) of rank 0 of a DDP run with loader workers: its
     other processes (the rank fork server, rank 1, every loader worker) end within 5 s; the run is
     FAILED with the reason without another command (its watch process records it, then ends);
-    the checkpoint of the last epoch's end resumes it, into the same run, to FINISHED."""
+    the watch says how to resume, as the process would have, and that command resumes it from the
+    checkpoint of the last epoch's end, into the same run, to FINISHED."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     job = [f"paths.root={tmp_path}", *TINY, *FULL, "strategy=ddp_gloo", "data.num_workers=1", "trainer.max_epochs=50"]
-    proc = subprocess.Popen([sys.executable, str(PROJECT_DIR / "train.py"), *job], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, env=subprocess_env(), cwd=tmp_path)
+    console = tmp_path / "console.txt"  # the terminal the run and its watch write to
+    with console.open("w") as terminal:
+        proc = subprocess.Popen([sys.executable, str(PROJECT_DIR / "train.py"), *job], stdout=subprocess.DEVNULL,
+                                stderr=terminal, env=subprocess_env(), cwd=tmp_path)
     _wait_for(lambda: rank_workers(proc.pid), 120, "rank 1")
     _wait_for(lambda: _an_epoch_done(tmp_path), 120, "the first epoch")
     checkpoint = _wait_for(lambda: next(tmp_path.glob("outputs/*/*/checkpoints/last.ckpt"), None), 60, "last.ckpt")
@@ -469,9 +473,14 @@ def test_kill_9_of_rank_0_ends_every_process_closes_the_run_and_it_resumes_from_
     (run,) = _wait_for(lambda: [r for r in runs(uri) if r.info.status == "FAILED"], 60, "the watch to close the run")
     assert f"pid {proc.pid}" in run.data.tags["error"] and "ended without closing the run" in run.data.tags["error"]
     _wait_for(lambda: not alive(watch), 10, "the watch to end")
+    said = [line for line in console.read_text().splitlines() if line.startswith("ddlx: ")]
+    assert said[-2].startswith(f"ddlx: MLflow run {run.info.run_id} marked FAILED: its process (pid {proc.pid}"), said
+    assert said[-1].startswith("ddlx: resume with: python train.py "), said
 
     saved_epoch = torch.load(checkpoint, map_location="cpu", weights_only=True)["epoch"]
-    resume = [*job[:-1], f"trainer.max_epochs={saved_epoch + 2}", f"ckpt_path={checkpoint}"]
+    printed = shlex.split(said[-1].removeprefix("ddlx: resume with: python train.py "))
+    assert printed == [*job, f"ckpt_path={checkpoint}"], printed  # the job's own words, and its checkpoint
+    resume = [w if w != "trainer.max_epochs=50" else f"trainer.max_epochs={saved_epoch + 2}" for w in printed]
     resumed = subprocess.run([sys.executable, str(PROJECT_DIR / "train.py"), *resume], capture_output=True, text=True,
                              timeout=300, env=subprocess_env(), cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]

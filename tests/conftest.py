@@ -132,10 +132,15 @@ def rank_workers(pid: int) -> list:
     (ddlx.parallel.rank_fork, named ``ddlx-rank-N``) or started as ``python -m ddlx.rank_worker``."""
     import psutil
 
+    def is_rank(child) -> bool:
+        try:
+            return child.name().startswith("ddlx-rank") or "ddlx.rank_worker" in " ".join(child.cmdline())
+        except psutil.Error:  # it ended since the listing (a loader worker): not a rank to find
+            return False
+
     try:
-        return [c for c in psutil.Process(pid).children(recursive=True)
-                if c.name().startswith("ddlx-rank") or "ddlx.rank_worker" in " ".join(c.cmdline())]
-    except psutil.Error:
+        return [c for c in psutil.Process(pid).children(recursive=True) if is_rank(c)]
+    except psutil.Error:  # ``pid`` itself ended
         return []
 
 

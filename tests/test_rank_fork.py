@@ -58,6 +58,39 @@ def test_a_forked_rank_writes_where_its_launcher_writes_when_it_asks(tmp_path):
     assert "usage: python -m ddlx.rank_worker" in (tmp_path / "err").read_text()
 
 
+def _ended(pid: int, timeout: float = 10.0) -> int | None:
+    """The exit code of this process's child ``pid`` once it ends within ``timeout``; None if not."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.1)
+    return None
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("cut", ["interrupted_between_its_parts", "descriptors_missing"])
+def test_a_rank_request_cut_short_lets_the_server_go(cut, monkeypatch):
+    """A request is a message, then the launcher's descriptors 1 and 2. Cut short between the two
+    (a Ctrl-C), or with its second part lacking them, the server ends rather than read the next
+    request's message as this one's descriptors; the launcher lets it go, so no later job asks it."""
+    server = RankForkServer(rank_worker.main)
+    pid = server.pid
+
+    def interrupted(channel, buffers, fds):
+        raise KeyboardInterrupt
+
+    def without_descriptors(channel, buffers, fds):
+        return channel.sendmsg(buffers)
+
+    monkeypatch.setattr(rank_fork.socket, "send_fds", interrupted if cut == "interrupted_between_its_parts" else without_descriptors)
+    with pytest.raises(KeyboardInterrupt if cut == "interrupted_between_its_parts" else EOFError):
+        server.spawn(["only-one-argument"], {**os.environ, "LOCAL_RANK": "1"})
+    assert server.pid is None, "let go"
+    assert _ended(pid) == 0, "the server ended, forking nothing"
+
+
 @pytest.mark.integration
 def test_a_forked_rank_is_waited_for_and_killed_as_a_started_one(tmp_path):
     fifo = tmp_path / "config.yaml"

@@ -786,7 +786,7 @@ def test_recommend_py_answers_as_json_with_no_runs(tmp_path):
     rec = answer["recommended"]
     gpus = "" if "trainer=gpu" in rec["overrides"] else "trainer=gpu "
     assert rec["command"] == (f"python train.py model=vgg16 data=firesmall data.image_size=128 {gpus}{rec['overrides']} "
-                              f"+logger.tags.hw=titanrtx_4x"), \
+                              f"++logger.tags.hw=titanrtx_4x"), \
         "the command trains the job asked about, at its image size, on the GPUs, tagged as that machine's run"
     assert answer["hw"] == "titanrtx_4x" and answer["runs"].startswith("no MLflow store")
     assert answer["allocator_advice"] is None, "GPUs: CUDA's caching allocator keeps freed blocks"
@@ -794,7 +794,7 @@ def test_recommend_py_answers_as_json_with_no_runs(tmp_path):
     assert {"sequential", "ddp_nccl", "split", "pipe", "hybrid"} <= setups
     assert answer["recommended"]["fits"] and answer["recommended"]["predicted_epoch_s"] > 0
     assert answer["recommended"]["basis_kind"] == "estimate" and "not measured" in answer["memory_basis"]
-    assert any("strategy=sequential trainer=gpu +logger.tags.hw=titanrtx_4x" in c for c in answer["calibrate_with"]), \
+    assert any("strategy=sequential trainer=gpu ++logger.tags.hw=titanrtx_4x" in c for c in answer["calibrate_with"]), \
         "an estimate says what to run on the target to calibrate it"
     from ddlx.config_check import check_config
 
@@ -1006,7 +1006,7 @@ def test_recommend_py_reproduces_the_thesis_out_of_memory_case(tmp_path, capsys)
     assert recomputed["fits"] and recomputed["global_batch"] == 128
     best = answer["recommended"]
     assert best["fits"] and best["predicted_epoch_s"] <= gpipe["predicted_epoch_s"]
-    assert best["command"].endswith(f"data=highres trainer=gpu {best['overrides']} +logger.tags.hw=titanrtx_4x"), \
+    assert best["command"].endswith(f"data=highres trainer=gpu {best['overrides']} ++logger.tags.hw=titanrtx_4x"), \
         "the thesis job, on the GPUs, tagged as that machine's run"
     over = answer["speedup_over"]
     assert over != "one device" and by_setup[over]["fits"] and by_setup[over]["speedup"] == 1.0, \
@@ -1155,6 +1155,20 @@ def test_the_one_core_baseline_is_calibrated_even_where_more_threads_are_fastest
     assert rec.best.setup.threads == 2 and rec.reference.setup.threads == 1 and speedup_over(rec) == "one device"
     commands = calibration_commands(rec, rec.best, [])
     assert [c.split("strategy=sequential")[1].strip() for c in commands] == ["strategy.threads=1", "strategy.threads=2"]
+
+
+def test_a_printed_commands_hw_tag_composes_where_the_users_logger_config_sets_it_already():
+    """A logger config of the user's own with ``tags: {hw: ...}``: '+logger.tags.hw' would be
+    refused (an item is already there); the printed tag overrides it."""
+    from types import SimpleNamespace
+
+    from ddlx.config_check import check_config
+    from ddlx.predict.render import hw_tag
+
+    (tag,) = hw_tag(SimpleNamespace(hw=SimpleNamespace(name="titanrtx_4x")))
+    cfg = compose_config(["+logger.tags.hw=their_own_name", tag])  # the first stands for the user's config
+    check_config(cfg)
+    assert cfg.logger.tags.hw == "titanrtx_4x"
 
 
 def test_a_baseline_measured_at_the_jobs_batch_is_not_asked_for_again():
@@ -1548,7 +1562,7 @@ def test_compiling_is_recommended_only_where_it_pays_for_the_epochs_asked():
         rec.epochs = epochs
         measure = compile_lines(rec, best, [f"trainer.max_epochs={epochs}"])[0].split("compile.enable: ")[1]
         assert measure.count("trainer.max_epochs=") == 1 and f"trainer.max_epochs={max(epochs, 3)}" in measure
-        assert measure.endswith(" +logger.tags.hw=test"), "tagged as the described machine's, so the answer counts it"
+        assert measure.endswith(" ++logger.tags.hw=test"), "tagged as the described machine's, so the answer counts it"
         check_config(compose_config(measure.split()[2:]))
     split = replace(best, setup=STRATEGIES["hybrid"].setup(processes=2, local="split"))
     assert compile_lines(rec, split, [])[0].endswith("hybrid with these knobs cannot take compile.enable"), \

@@ -55,7 +55,7 @@ def calibration_commands(rec: Recommendation, prediction: Prediction, job_overri
 def hw_tag(rec: Recommendation) -> list[str]:
     """What tags a run made on a described machine as that machine's (records.on_hardware), so that
     the next answer about it counts the run; nothing for this machine, whose runs carry its host."""
-    return [f"+logger.tags.hw={rec.hw.name}"] if rec.hw.name != "local" else []
+    return [f"++logger.tags.hw={rec.hw.name}"] if rec.hw.name != "local" else []  # ++: also where a logger config sets it
 
 
 MEMORY_BASIS = ("memory/device: counted from the model, not measured: the weights, gradients and optimizer state "

@@ -214,9 +214,11 @@ def _unknown_key(full_key: str, object_type: Any) -> str:
         strategy = next((n for n, config in STRATEGY_CONFIGS.items() if config is object_type), None)
         elsewhere = [n for n, config in STRATEGY_CONFIGS.items() if leaf in {f.name for f in fields(config)}]
         also = f"; {leaf} is a knob of strategy={'|'.join(elsewhere)}" if elsewhere else ""
-        return (f"strategy.{leaf} is not a knob of strategy={strategy}{did_you_mean(leaf, known, 'strategy.')} "
+        return (f"strategy.{leaf} is not a knob of strategy={strategy}{_key_hint(leaf, known, 'strategy.')} "
                 f"(its knobs: {', '.join(k for k in known if k != 'name')}){also}")
-    hint = did_you_mean(leaf, known, f"{parent}." if parent else "") or _elsewhere(leaf, full_key)
+    # A close spelling here, else the same name under another parent (trainer.mode: compile.mode), else a family.
+    here = f"{parent}." if parent else ""
+    hint = _hint(_closest(leaf, known), here) or _elsewhere(leaf, full_key) or _hint(_family(leaf, known), here)
     listing = f" (its keys: {', '.join(known)})" if known else ""  # an untyped node: its keys are not known here
     return f"{full_key} is not a key of {where}{hint}{listing}"
 
@@ -297,13 +299,32 @@ def _type_words(annotation: Any) -> str:
 
 
 def did_you_mean(word: str, candidates: Sequence[str], prefix: str = "") -> str:
-    """Those that ``word`` begins or whose ``_``-parts include all of its own (a family named
-    without its member: ``ddp`` is ddp_gloo or ddp_nccl, ``resnet`` its three depths, ``a100_8x``
-    both 8-GPU A100s); failing them, the closest spelling."""
+    """A group option's hint: its family (:func:`_family`), failing that its closest spelling."""
+    return _hint(_family(word, candidates) or _closest(word, candidates), prefix)
+
+
+def _key_hint(word: str, candidates: Sequence[str], prefix: str) -> str:
+    """A key's hint: its closest spelling, failing that its family."""
+    return _hint(_closest(word, candidates) or _family(word, candidates), prefix)
+
+
+def _family(word: str, candidates: Sequence[str]) -> list[str]:
+    """Those that ``word`` begins or whose ``_``-parts include all of its own: a family named
+    without its member (``ddp`` is ddp_gloo or ddp_nccl, ``resnet`` its three depths, ``a100_8x``
+    both 8-GPU A100s). None for words too short to name one, or where it would list most."""
+    if len(word) < 3:
+        return []
     parts = set(word.split("_"))
-    close = [c for c in candidates if word and (c.startswith(word) or parts <= set(c.split("_")))]
-    close = close or difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
-    return f"; did you mean {' or '.join(prefix + c for c in close)}?" if close else ""
+    members = [c for c in candidates if c.startswith(word) or parts <= set(c.split("_"))]
+    return members if len(members) <= 4 else []
+
+
+def _closest(word: str, candidates: Sequence[str]) -> list[str]:
+    return difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
+
+
+def _hint(names: Sequence[str], prefix: str) -> str:
+    return f"; did you mean {' or '.join(prefix + name for name in names)}?" if names else ""
 
 
 def _first_line(err: BaseException) -> str:

@@ -476,9 +476,16 @@ class ProcessWatch:
         from .process import ddlx_module_command
 
         said = [resume.to_json()] if resume is not None else []  # what it says after marking the run FAILED
+        command = ddlx_module_command("ddlx.run_watch", tracking_uri, run_id, str(os.getpid()))
         try:
-            self._process = subprocess.Popen(ddlx_module_command("ddlx.run_watch", tracking_uri, run_id, str(os.getpid()), *said),
-                                             stdin=subprocess.PIPE, start_new_session=True)
+            try:
+                self._process = subprocess.Popen(command + said, stdin=subprocess.PIPE, start_new_session=True)
+            except OSError:
+                if not said:
+                    raise
+                # A resume line too long for one argument (E2BIG, over 128 KiB of overrides): a watch
+                # that only marks the run FAILED rather than none.
+                self._process = subprocess.Popen(command, stdin=subprocess.PIPE, start_new_session=True)
         except OSError as err:
             log.warning("no watch on MLflow run %s (%s): if this process is killed, the next command against the "
                         "store marks it FAILED", run_id, err)

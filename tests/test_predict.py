@@ -1185,6 +1185,14 @@ def test_a_baseline_measured_at_the_jobs_batch_is_not_asked_for_again():
         assert rec.best.setup == two and not rec.best.calibrated, rec.best
         asked[batch] = [c.split("strategy=sequential")[1].strip() for c in calibration_commands(rec, rec.best, [])]
     assert asked == {"32": ["strategy.threads=2"], "16": ["strategy.threads=1", "strategy.threads=2"]}
+    from ddlx.job import Batches
+
+    measured_32 = _run("b32", one, _workload_params("resnet18", 64), 10.0)
+    own = Predictor(_hw(name="local", host="test-host"), [measured_32]).recommend(
+        job, [one, two], batches=Batches(own=(("sequential", 48),)))  # the baseline asked at a batch of its own
+    assert own.sequential.measured and [p.batch_size for p in own.predictions if p.setup == one] == [48]
+    assert [c.split("strategy=sequential")[1].split() for c in calibration_commands(own, own.best, [])] == \
+        [["strategy.threads=1"], ["strategy.threads=2"]], "the baseline too: not measured at 48"
 
 
 def test_a_gpu_runs_data_wait_is_the_jobs_loading_only_where_it_loaded_as_the_job_does():

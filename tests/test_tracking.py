@@ -275,3 +275,17 @@ def test_a_runs_watch_imports_the_ddlx_its_run_imported_not_the_installed_one(tm
               "ProcessWatch('sqlite:///unused.db', 'run-id').stop()")  # as train.py's folder on its path
     subprocess.run([sys.executable, "-c", parent], cwd=elsewhere, env=dict(os.environ), check=True, timeout=60)
     assert marker.read_text() == f"{clone / 'ddlx' / '__init__.py'} run-id", "the clone's watch, with its arguments"
+
+
+def test_a_resume_line_too_long_for_one_argument_still_leaves_the_run_a_watch():
+    """Overrides past Linux's 128 KiB for one argument: the watch starts without the line (it
+    still marks a killed run FAILED) rather than none."""
+    from ddlx.command_line import HowToResume
+    from ddlx.tracking import ProcessWatch
+
+    watch = ProcessWatch("sqlite:///unused.db", "run-id", HowToResume.of([f"+logger.tags.t{i}={'x' * 1000}" for i in range(200)],
+                                                                         "last.ckpt", weights_only=False))
+    try:
+        assert watch._process is not None and watch._process.poll() is None
+    finally:
+        watch.stop()

@@ -46,7 +46,8 @@ def calibration_commands(rec: Recommendation, prediction: Prediction, job_overri
     it at this batch are measured there already, and the setup itself, tagged with the hardware's
     name when it is not this machine."""
     baseline = rec.reference or next((p for p in rec.predictions if is_baseline(p.setup)), None)
-    if baseline is not None and is_baseline(baseline.setup) and rec.sequential.measured:
+    if baseline is not None and is_baseline(baseline.setup) and baseline.batch_size == rec.job.batch_size \
+            and rec.sequential.measured:  # rec.sequential: the job's batch (a baseline may be asked at its own)
         baseline = None
     chosen = [p for p in (baseline, prediction) if p is not None and p.memory.fits]  # never a run that cannot be made
     return list(dict.fromkeys(train_command(rec, p, job_overrides) for p in chosen))

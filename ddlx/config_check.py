@@ -386,6 +386,9 @@ def _job_errors(overrides: list[str], multirun: bool, config_dir: Path, config_n
             if any(elsewhere):  # Hydra's own words would be "no match in the defaults list", then a missing schema
                 yield job, swept, ConfigError(next(p for p in elsewhere if p))
                 continue
+            if missing := _missing_options(job):
+                yield job, swept, ConfigError("; ".join(missing))
+                continue
             try:
                 check(compose(config_name=config_name, overrides=job, return_hydra_config=True), multirun)
             except ConfigError as err:
@@ -459,9 +462,30 @@ def _missing_option(err) -> str:
     group, _, option = missing.rpartition("/")
     options = [o for o in (getattr(err, "options", None) or []) if not o.startswith("schema")]
     if group and options:
-        return (f"{group}={option} is not an option of {group}{did_you_mean(option, options, f'{group}=')}; "
-                f"expected one of {', '.join(sorted(options))}")
+        return _not_an_option(group, option, options)
     return text
+
+
+def _not_an_option(group: str, option: str, options: Sequence[str]) -> str:
+    return (f"{group}={option} is not an option of {group}{did_you_mean(option, options, f'{group}=')}; "
+            f"expected one of {', '.join(sorted(options))}")
+
+
+def _missing_options(job: list[str]) -> list[str]:
+    """Every ``group=option`` of ``job`` whose option the config tree lacks, each named with its
+    options (Hydra, composing, stops at the first). Inside ``initialize_config_dir``."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    loader = GlobalHydra.instance().config_loader()
+    found = []
+    for override in OverridesParser.create().parse_overrides(job):
+        if override.is_delete() or override.is_sweep_override() or not isinstance(override.value(), str):
+            continue
+        options = loader.get_group_options(override.key_or_group)
+        if options and override.value() not in options:  # hw=schema is one (refused with its own reason)
+            found.append(_not_an_option(override.key_or_group, override.value(), [o for o in options if not o.startswith("schema")]))
+    return found
 
 
 def _hydra_message(err) -> str:

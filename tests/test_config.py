@@ -159,6 +159,17 @@ def test_an_option_or_key_named_by_its_family_lists_the_members(override, meant)
     assert (f"did you mean {meant}?" in str(err)) if meant else "did you mean" not in str(err), err
 
 
+def test_every_wrong_group_option_of_a_command_is_named_at_once():
+    """Hydra stops composing at the first missing option: a user with two would meet the second
+    only at the next try."""
+    from ddlx.config_check import _job_errors, check_recommend_job
+
+    ((_, _, err),) = _job_errors(["hw=a100_8x", "model=resnet", "data=firesmall"], False, CONF_DIR, "recommend",
+                                 lambda cfg, multirun: check_recommend_job(cfg, multirun, CONF_DIR / "hw"))
+    assert str(err).startswith("hw=a100_8x is not an option of hw") and "; model=resnet is not an option of model" in str(err), err
+    assert "data=" not in str(err)
+
+
 def test_what_each_entry_point_takes_is_not_refused_as_the_others():
     from ddlx.config_check import other_entry_problem
 

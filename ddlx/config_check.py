@@ -460,10 +460,15 @@ def _missing_option(err) -> str:
     text = _first_line(err)
     missing = getattr(err, "missing_cfg_file", "") or ""
     group, _, option = missing.rpartition("/")
-    options = [o for o in (getattr(err, "options", None) or []) if not o.startswith("schema")]
+    options = _pickable(getattr(err, "options", None) or [])
     if group and options:
         return _not_an_option(group, option, options)
     return text
+
+
+def _pickable(options: Sequence[str]) -> list[str]:
+    """A group's options a user may choose: its schema is the fields they fill, not one of them."""
+    return [o for o in options if not o.startswith("schema")]
 
 
 def _not_an_option(group: str, option: str, options: Sequence[str]) -> str:
@@ -484,7 +489,7 @@ def _missing_options(job: list[str]) -> list[str]:
             continue
         options = loader.get_group_options(override.key_or_group)
         if options and override.value() not in options:  # hw=schema is one (refused with its own reason)
-            found.append(_not_an_option(override.key_or_group, override.value(), [o for o in options if not o.startswith("schema")]))
+            found.append(_not_an_option(override.key_or_group, override.value(), _pickable(options)))
     return found
 
 

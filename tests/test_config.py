@@ -119,6 +119,16 @@ def test_every_job_of_a_sweep_is_checked_before_the_first_runs(tmp_path):
     assert not (tmp_path / "multirun").exists() and not (tmp_path / "mlflow.db").exists(), "no job ran"
 
 
+def _refusal(entry: str, overrides: list[str]):
+    """The one error ``entry`` (train or recommend) gives a single run of ``overrides``, as its
+    command line check makes it."""
+    from ddlx.config_check import _job_errors, check_recommend_job, check_train_job
+
+    check = check_train_job if entry == "train" else (lambda cfg, multirun: check_recommend_job(cfg, multirun, CONF_DIR / "hw"))
+    ((_, _, err),) = _job_errors(overrides, False, CONF_DIR, entry, check)
+    return err
+
+
 @pytest.mark.parametrize("entry,override,said", [
     ("train", "hw=titanrtx_4x", "hw is recommend.py's, not train.py's"),
     ("train", "+hw=titanrtx_4x", "hw is recommend.py's"),  # Hydra's advice after the first: 'Could not load hw/schema'
@@ -134,10 +144,7 @@ def test_every_job_of_a_sweep_is_checked_before_the_first_runs(tmp_path):
 ])
 def test_a_group_or_key_of_the_other_entry_point_is_named_as_its(entry, override, said):
     """train.py and recommend.py share conf/, so each one's --help lists the other's groups."""
-    from ddlx.config_check import _job_errors, check_recommend_job, check_train_job
-
-    check = check_train_job if entry == "train" else (lambda cfg, multirun: check_recommend_job(cfg, multirun, CONF_DIR / "hw"))
-    ((_, _, err),) = _job_errors([override], False, CONF_DIR, entry, check)
+    err = _refusal(entry, [override])
     assert str(err).startswith(said), err
 
 
@@ -151,21 +158,14 @@ def test_a_group_or_key_of_the_other_entry_point_is_named_as_its(entry, override
     ("trainer.val=1", None),  # too many of trainer's keys start with it to name them all
 ])
 def test_an_option_or_key_named_by_its_family_lists_the_members(override, meant):
-    from ddlx.config_check import _job_errors, check_recommend_job, check_train_job
-
-    entry, check = ("recommend", lambda cfg, multirun: check_recommend_job(cfg, multirun, CONF_DIR / "hw")) \
-        if override.startswith("hw=") else ("train", check_train_job)
-    ((_, _, err),) = _job_errors([override], False, CONF_DIR, entry, check)
+    err = _refusal("recommend" if override.startswith("hw=") else "train", [override])
     assert (f"did you mean {meant}?" in str(err)) if meant else "did you mean" not in str(err), err
 
 
 def test_every_wrong_group_option_of_a_command_is_named_at_once():
     """Hydra stops composing at the first missing option: a user with two would meet the second
     only at the next try."""
-    from ddlx.config_check import _job_errors, check_recommend_job
-
-    ((_, _, err),) = _job_errors(["hw=a100_8x", "model=resnet", "data=firesmall"], False, CONF_DIR, "recommend",
-                                 lambda cfg, multirun: check_recommend_job(cfg, multirun, CONF_DIR / "hw"))
+    err = _refusal("recommend", ["hw=a100_8x", "model=resnet", "data=firesmall"])
     assert str(err).startswith("hw=a100_8x is not an option of hw") and "; model=resnet is not an option of model" in str(err), err
     assert "data=" not in str(err)
 

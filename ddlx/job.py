@@ -49,12 +49,24 @@ def images_of_training_split(train: int, val_fraction: float) -> int:
     return images
 
 
-def split_too_small(train: int, images: int, val_fraction: float, batch_size: int) -> str | None:
-    """Why a training split of ``train`` images cannot give one batch of ``batch_size`` (None: it can)."""
+def split_too_small(train: int, images: int, val_fraction: float, batch_size: int,
+                    folder_holds: int | None = None) -> str | None:
+    """Why a training split of ``train`` images cannot give one batch of ``batch_size`` (None: it can).
+    ``folder_holds``: the images a folder of the user's holds (None: a synthetic set, written at
+    any count), so the fix offers only what can give more: data.num_images where it leaves some
+    unused, a smaller validation split where the images could fill a batch, else more images."""
     if train >= batch_size:
         return None
+    if folder_holds is None:
+        more = "raise data.num_images"
+    elif images < folder_holds:
+        more = f"raise data.num_images (the folder holds {folder_holds})"
+    elif images >= batch_size:
+        more = "lower data.val_fraction"
+    else:
+        more = "add images to the folder"
     return (f"the training split has {train} images ({images} images, data.val_fraction={val_fraction}) but "
-            f"data.batch_size={batch_size}: lower data.batch_size or raise data.num_images")
+            f"data.batch_size={batch_size}: lower data.batch_size to at most {train} or {more}")
 
 
 BATCH_PER = ("global", "worker")

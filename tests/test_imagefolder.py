@@ -4,6 +4,7 @@ as RGB, RGBA, palette and CMYK files beside the grayscale ones."""
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 import numpy as np
@@ -133,6 +134,20 @@ def test_recommend_counts_the_training_images_train_py_would(tmp_path, tiny_conf
     with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
         asked = compose(config_name="recommend", overrides=data)
     assert job_from_config(asked).train_samples == len(module.train_set) == 19
+
+
+@pytest.mark.parametrize("overrides, fix", [
+    (["data.batch_size=32"], "at most 16 or add images to the folder"),  # 20 images: none to add by a knob
+    (["data.batch_size=18"], "at most 16 or lower data.val_fraction"),  # 20 images would fill it
+    (["data.batch_size=18", "data.num_images=10"], "at most 8 or raise data.num_images (the folder holds 20)")])
+def test_a_batch_larger_than_a_folders_split_names_a_fix_the_folder_allows(tmp_path, tiny_config, overrides, fix):
+    """A folder of the user's cannot be made larger by data.num_images (a synthetic set can): the
+    refusal offered that fix for a folder whose images were all in use."""
+    root = write_digits(tmp_path / "few", per_class=2)
+    cfg = typed_config(tiny_config("data=imagefolder", f"data.root={root}", "data.num_images=null", *overrides))
+    complete_data_config(cfg.data)
+    with pytest.raises(ConfigError, match=r"data.batch_size=\d+: lower data.batch_size to " + re.escape(fix) + "$"):
+        build_datamodule(cfg.data).setup()
 
 
 def test_images_in_a_class_folders_sub_folders_are_its_own_as_torchvision_finds_them(tmp_path):

@@ -846,7 +846,7 @@ def test_recommend_py_names_bad_values(tmp_path):
                          ("probe_max_s=0", "probe_max_s=0.0: expected a value > 0"),
                          ("seed=-1", "seed=-1: expected a value in [0, 4294967295]"),
                          ("trainer.max_epochs=0", "trainer.max_epochs=0: expected a value >= 1"),
-                         ("data.batch_size=100000", "but data.batch_size=100000: lower data.batch_size or raise data.num_images")]:
+                         ("data.batch_size=100000", "but data.batch_size=100000: lower data.batch_size to at most 633 or raise data.num_images")]:
         cfg = _compose_recommend("hw=local", bad, f"paths.root={tmp_path}")
         with pytest.raises(ConfigError, match=re.escape(message)):
             run_recommend(cfg, tmp_path / "out", CONF_DIR / "hw")

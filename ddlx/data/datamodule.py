@@ -290,7 +290,8 @@ class ImageFolderDataModule(pl.LightningDataModule):
             check_readable(chosen)
         n_val = validation_images(len(chosen), self.data.val_fraction)
         train, val = chosen[n_val:], chosen[:n_val]
-        if problem := split_too_small(len(train), len(chosen), self.data.val_fraction, self.batch_size):
+        folder_holds = None if self.is_synthetic else len(samples)
+        if problem := split_too_small(len(train), len(chosen), self.data.val_fraction, self.batch_size, folder_holds):
             raise ConfigError(problem)
         mode = "L" if self.data.channels == 1 else "RGB"
         transform = build_transform(self.data.image_size, self.mean, self.std)

@@ -1195,6 +1195,33 @@ def test_a_baseline_measured_at_the_jobs_batch_is_not_asked_for_again():
         [["strategy.threads=1"], ["strategy.threads=2"]], "the baseline too: not measured at 48"
 
 
+@pytest.mark.integration
+def test_the_runs_an_estimate_asks_for_count_once_made_however_few_steps_an_epoch_has(tmp_path, data_dir, tracking_uri,
+                                                                                        capsys):
+    """The user's loop, 'run these there, then ask again', on a job of 5 steps an epoch: the
+    calibrate command's run (train.py's 5 epochs, no warm-up left out, 25 steps) was left out as
+    'not steady state', and the next answer asked for the same run again."""
+    import shlex
+
+    from ddlx.run import train
+
+    store = [f"paths.root={tmp_path}", f"paths.data_dir={data_dir}", f"logger.tracking_uri={tracking_uri}"]
+    job = ["model=resnet18", "data.image_size=32", "data.synthetic_size=[40,64]", "data.num_images=48",
+           "data.batch_size=8", "data.num_workers=0", "cpu_allocator=system"]
+
+    def ask() -> dict:
+        capsys.readouterr()
+        run_recommend(_compose_recommend("hw=local", "output=json", "log=false", "probe=false", "strategies=[sequential]",
+                                         *store, *job), tmp_path / "answer", CONF_DIR / "hw", job)
+        return json.loads(capsys.readouterr().out)
+
+    (baseline,) = [c for c in ask()["calibrate_with"] if "strategy.threads=1" in c]
+    train(compose_config([*store, *shlex.split(baseline)[2:], "checkpoint.save=none"]), tmp_path / "run")
+    again = ask()
+    assert again["sequential_basis"].startswith("measured (1 run, same batch)"), again["runs"]
+    assert not any("strategy.threads=1" in c for c in again["calibrate_with"]), "the baseline is not asked for again"
+
+
 def test_a_gpu_runs_data_wait_is_the_jobs_loading_only_where_it_loaded_as_the_job_does():
     """A GPU baseline run with data.num_workers=0 waited 1.6 of its 2.0 s for data: a job with
     workers predicts the step without that wait (its own loaders bound it apart), and the answer

@@ -50,7 +50,19 @@ def calibration_commands(rec: Recommendation, prediction: Prediction, job_overri
             and rec.sequential.measured:  # rec.sequential: the job's batch (a baseline may be asked at its own)
         baseline = None
     chosen = [p for p in (baseline, prediction) if p is not None and p.memory.fits]  # never a run that cannot be made
-    return list(dict.fromkeys(train_command(rec, p, job_overrides) for p in chosen))
+    return list(dict.fromkeys(measurement_command(rec, p, job_overrides) for p in chosen))
+
+
+def measurement_overrides(rec: Recommendation) -> list[str]:
+    """What makes a run the answer asks for a steady-state measurement (records.not_measured), however
+    few steps an epoch has: a warm-up epoch left out and at least one timed, the user's
+    trainer.max_epochs kept where it leaves one. Without them a small job's run was left out."""
+    return ["measure.warmup_epochs=1", *([] if rec.epochs is not None and rec.epochs >= 2 else ["trainer.max_epochs=3"])]
+
+
+def measurement_command(rec: Recommendation, prediction: Prediction, job_overrides: list[str]) -> str:
+    """The train.py command that measures ``prediction``'s setup on the job, for the answer to count."""
+    return train_command(rec, prediction, [*job_overrides, *measurement_overrides(rec)])
 
 
 def hw_tag(rec: Recommendation) -> list[str]:
@@ -66,13 +78,11 @@ MEMORY_BASIS = ("memory/device: counted from the model, not measured: the weight
 def recommendation_dict(rec: Recommendation, note: str, elapsed: float, close_call: float, job_overrides: list[str]) -> dict:
     best = rec.best
 
-    def with_command(p: Prediction) -> dict:
-        return p.as_dict() | {"command": train_command(rec, p, job_overrides)}
+    def measured_by(p: Prediction) -> dict:
+        return p.as_dict() | {"command": measurement_command(rec, p, job_overrides)}
 
-    recommended = with_command(best) if best else None
-    if recommended is not None:
-        recommended["command"] = recommended_command(rec, best, job_overrides)
-        recommended["command_with_loading_fix"] = loading_fix_command(rec, best, job_overrides)
+    recommended = best.as_dict() | {"command": recommended_command(rec, best, job_overrides),
+                                    "command_with_loading_fix": loading_fix_command(rec, best, job_overrides)} if best else None
 
     def costed(p: Prediction) -> dict:
         choice = Choice(rec, p)
@@ -96,7 +106,7 @@ def recommendation_dict(rec: Recommendation, note: str, elapsed: float, close_ca
         "memory_basis": MEMORY_BASIS,
         "close_call_band": close_call,
         "close_call_errors": {g: round(e, 4) for g, e in sorted(rec.errors.items())},
-        "close_calls": [with_command(p) for p in rec.close_calls(close_call)],
+        "close_calls": [measured_by(p) for p in rec.close_calls(close_call)],
         "allocator_advice": allocator_advice_dict(rec, job_overrides),
         "seconds": round(elapsed, 2),
     }
@@ -167,7 +177,7 @@ def recommendation_table(rec: Recommendation, note: str, elapsed: float, close_c
                          f"{100 * close_call:.0f}% where a group has none), so measure them too before settling:")
             for p in close:
                 lines.append(f"  {p.setup.label} ({100 * (p.epoch_s / best.epoch_s - 1):+.1f}%): "
-                             f"{train_command(rec, p, job_overrides)}")
+                             f"{measurement_command(rec, p, job_overrides)}")
         advice = allocator_advice_dict(rec, job_overrides)
         if advice:
             lines.append(f"allocator: {advice['why']}:")
@@ -212,11 +222,9 @@ def compile_lines(rec: Recommendation, best: Prediction, job_overrides: list[str
         unmeasured = f"torch.compile: no compiled run of {rec.job.model} measured on this hardware, so its gain is not predicted"
         if not compilable(best.setup):
             return [f"{unmeasured}; {best.setup.strategy} with these knobs cannot take compile.enable"]
-        # an epoch to compile in and at least one to time: the user's trainer.max_epochs replaced where fewer
-        epochs = [] if rec.epochs is not None and rec.epochs >= 2 else ["trainer.max_epochs=3"]
-        # with the loaders that keep up: a pair of loader-bound runs would measure no gain
-        measure = train_command(rec, best, [*with_loading_fix(best, job_overrides), "compile.enable=true",
-                                            "measure.warmup_epochs=1", *epochs])
+        # an epoch to compile in and at least one to time; with the loaders that keep up: a pair of
+        # loader-bound runs would measure no gain
+        measure = measurement_command(rec, best, [*with_loading_fix(best, job_overrides), "compile.enable=true"])
         return [f"{unmeasured}; measure it, and the same without compile.enable: {measure}"]
     even = gain.break_even_epochs(best.epoch_s)
     line = f"torch.compile: {gain.basis}: "

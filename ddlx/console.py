@@ -111,12 +111,15 @@ class RunSummary:
     metrics: dict[str, float]  # the trainer's last callback metrics
     checkpoint: Path | None
     output_dir: Path
+    not_counted: str | None = None  # why the report and recommend.py leave its times out (records.not_measured)
 
     def lines(self) -> list[str]:
         out = [f"ddlx: run {self.status} after {self.epochs} epoch(s); its folder: {self.output_dir}"]
         if self.measured:
             out.append(f"  mean epoch {self.measured['mean_epoch_time_s']:.2f} s over {self.measured['measured_epochs']:.0f} "
                        f"measured epoch(s), {self.measured['mean_samples_per_s']:.1f} samples/s")
+        if self.not_counted:
+            out.append(f"  not counted by the report or recommend.py: {self.not_counted}")
         if self.measured.get("compile_s"):
             graphs = (f": {self.measured['compile_cache_misses']:.0f} graph(s) compiled, "
                       f"{self.measured['compile_cache_hits']:.0f} from inductor's cache" if "compile_cache_hits" in self.measured else "")

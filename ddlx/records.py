@@ -4,7 +4,7 @@ Nothing here talks to MLflow (:mod:`ddlx.tracking` does) or imports torch."""
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING
@@ -243,16 +243,24 @@ def not_measured(run: MeasuredRun) -> tuple[str, str] | None:
     m = run.metrics
     if not {"mean_epoch_time_s", "mean_samples_per_s"} <= set(m):
         return "no mean_epoch_time_s", "no mean_epoch_time_s"
-    warmup = int(run.params.get("measure.warmup_epochs", "0") or 0)
-    if warmup >= 1 and m.get("measured_epochs", 0) >= 1:
+    why = short_of_steady_state(int(run.params.get("measure.warmup_epochs", "0") or 0), m,
+                                int(run.params.get("data.batch_size", "0") or 0))
+    return None if why is None else ("not steady state", why)
+
+
+def short_of_steady_state(warmup_epochs: int, measured: Mapping[str, float], batch_size: int) -> str | None:
+    """Why a run's mean is not steady state (None: it is): ``measured`` is its timer's summary
+    (mean_epoch_time_s, mean_samples_per_s, measured_epochs), ``batch_size`` its data.batch_size.
+    Also said at the run's end, so that its user learns it then, not at the report."""
+    if warmup_epochs >= 1 and measured.get("measured_epochs", 0) >= 1:
         return None
-    batch = int(run.params.get("data.batch_size", "0") or 0)
-    steps = m.get("measured_epochs", 1) * m["mean_samples_per_s"] * m["mean_epoch_time_s"] / batch if batch else 0
+    epochs = measured.get("measured_epochs", 1)
+    steps = epochs * measured["mean_samples_per_s"] * measured["mean_epoch_time_s"] / batch_size if batch_size else 0
     if steps >= MIN_STEADY_STEPS:
         return None
-    return "not steady state", (f"not steady state: no warm-up epoch left out (measure.warmup_epochs=0) and {steps:.0f} "
-                                f"measured steps < {MIN_STEADY_STEPS}; measure with measure.warmup_epochs=1 and "
-                                f"trainer.max_epochs=2 or more")
+    return (f"not steady state: no warm-up epoch left out (measure.warmup_epochs=0) and {steps:.0f} "
+            f"measured steps < {MIN_STEADY_STEPS}; measure with measure.warmup_epochs=1 and "
+            f"trainer.max_epochs=2 or more")
 
 
 def not_measured_because(run: MeasuredRun) -> str | None:

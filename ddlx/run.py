@@ -60,7 +60,7 @@ from .parallel.same_job import SameJobOnEveryRank
 from .costmodel.memory import GIB, estimate_training_memory
 from .costmodel.numerics import CPU_FP16
 from .preflight import check_before_torch
-from .records import run_name
+from .records import run_name, short_of_steady_state
 from .single_sample import check_single_sample_batches
 from .slurm import run_tags as slurm_run_tags
 from .stopping import StopAtSignal, StopSignals, disable_lightning_signal_handlers
@@ -327,8 +327,11 @@ def train(cfg, output_dir: str | os.PathLike, extra_tags: Mapping[str, str] | No
         finally:
             metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
             if run_id is not None:  # rank 0, once its run is open: how it went, where it is
+                measured = timer.summary()
+                short = short_of_steady_state(cfg.measure.warmup_epochs, measured, cfg.data.batch_size) \
+                    if status == "FINISHED" and measured else None
                 summary = RunSummary(status, run_id, logger.experiment_id, cfg.logger.tracking_uri, len(timer.epoch_times),
-                                     timer.summary(), metrics, checkpoint_file, output_dir)
+                                     measured, metrics, checkpoint_file, output_dir, short)
                 print("\n".join(summary.lines()), flush=True)
                 said = said or getattr(getattr(trainer.strategy, "rank_died", None), "said", False)  # a dead rank's, with it
                 if status == "FAILED" and not said:  # an error (out of memory, a lost connection): its last checkpoint resumes

@@ -37,6 +37,22 @@ def data_dir_module(tmp_path_factory):
 
 
 @pytest.mark.integration
+def test_a_run_says_at_its_end_when_the_report_and_the_recommender_will_not_count_it(tiny_config, tracking_uri,
+                                                                                      tmp_path, capsys):
+    """A run of few steps and no warm-up epoch was said FINISHED with its mean epoch, and its user
+    learnt only from the report (or recommend.py's 'left out') that its times do not count."""
+    from ddlx.records import not_measured_because
+    from ddlx.tracking import load_runs
+
+    train(tiny_config(), tmp_path / "short")  # one epoch of 2 steps, nothing left out
+    said = [line for line in capsys.readouterr().out.splitlines() if "not counted" in line]
+    (run,) = load_runs(tracking_uri, ["ddlx"])
+    assert said == [f"  not counted by the report or recommend.py: {not_measured_because(run)}"], said
+    train(tiny_config("trainer.max_epochs=2", "measure.warmup_epochs=1"), tmp_path / "steady")
+    assert "not counted" not in capsys.readouterr().out
+
+
+@pytest.mark.integration
 def test_epoch_time_splits_into_data_wait_and_compute(measured_run):
     client, run = measured_run
     history = {name: [m.value for m in client.get_metric_history(run.info.run_id, name)]

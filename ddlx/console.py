@@ -19,9 +19,12 @@ log = logging.getLogger(__name__)
 # (logger, start of a message) that tell a ddlx user nothing: Lightning advertising its cloud logger.
 NOISE_LOGS = (("pytorch_lightning.utilities.rank_zero", "💡 Tip:"),)
 # (message, category): Lightning 2.6's own use of a torch pytree class that torch deprecated; its
-# hint to start with srun wherever srun is installed (ddlx decides who starts the ranks: docs/multi-node.md).
+# hint to start with srun wherever srun is installed (ddlx decides who starts the ranks: docs/multi-node.md);
+# its hint to log steps more often than an epoch of few batches has (ddlx logs once an epoch: a user of a
+# small folder was told to lower log_every_n_steps "to see logs for the training epoch", which are there).
 NOISE_WARNINGS = ((r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning),
-                  (r"The `srun` command is available on your system but is not used", Warning))
+                  (r"The `srun` command is available on your system but is not used", Warning),
+                  (r"The number of training batches \(\d+\) is smaller than the logging interval", Warning))
 # Within a long epoch, a progress line at most this often (seconds).
 PROGRESS_EVERY_S = 60.0
 

@@ -151,10 +151,10 @@ def test_a_profile_is_kept_on_disk_read_back_equal_and_counted_again_when_unread
     profile.profile_model.cache_clear()
 
 
-def test_a_question_counts_its_model_in_a_child_while_it_reads_the_runs(tmp_path, monkeypatch):
+def test_a_question_counts_its_model_in_a_child_while_it_reads_the_runs(tmp_path, monkeypatch, capfd):
     """recommend.py's child fills the profile cache with what this process would count (the
-    answer then reads it instead of counting); a child that fails says nothing and leaves the
-    count to the answer."""
+    answer then reads it instead of counting); a child that fails says why in one line (it once
+    exited 1 in a test run, cause unknown) and leaves the count to the answer."""
     from ddlx.costmodel import kernels, profile
     from ddlx.predict.count_ahead import count_ahead, wait_for
 
@@ -178,8 +178,11 @@ def test_a_question_counts_its_model_in_a_child_while_it_reads_the_runs(tmp_path
     kernels.kernel_profile.cache_clear()
 
     failing = count_ahead(replace(job, model="no_such_net"), gpu=False)
+    capfd.readouterr()
     wait_for(failing)
     assert failing.exitcode == 1
+    (said,) = capfd.readouterr().err.splitlines()
+    assert said.startswith("ddlx: counting no_such_net ahead in a child failed (") and "no_such_net" in said[40:], said
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "stuck"))  # nothing kept: the child must count
     monkeypatch.setattr(profile, "_count_profile", lambda *args: time.sleep(60))
     stuck = count_ahead(job, gpu=False)

@@ -4,8 +4,8 @@ A first question on a model pays its count (its profile and, for a GPU, its kern
 on deep networks, torchvision's import included) and, on every question, MLflow's import and the
 store's read. The two do not depend on each other: a forked child counts while this process reads,
 and the answer then finds the count in the profile cache on disk (:mod:`ddlx.costmodel.profile`).
-The child only fills that cache: where it could not (a read-only home, an error), the answer counts
-as it always did and reports what is wrong itself.
+The child only fills that cache: where it could not (a read-only home, an error), it says why in one
+line on stderr, and the answer counts as it always did and reports what is wrong itself.
 """
 from __future__ import annotations
 
@@ -59,6 +59,11 @@ def _count(arch: str, num_classes: int, channels: int, image_size: int, kernels:
         profile_model(arch, num_classes, channels, image_size)
         if kernels:
             kernel_profile(arch, num_classes, channels, image_size, mixed)
-    except BaseException:  # noqa: BLE001 - the answer counts again and reports it
+    except KeyboardInterrupt:  # Ctrl-C reaches the parent too, which says so
+        os._exit(1)
+    except BaseException as error:  # noqa: BLE001 - the answer counts again; the line makes a child-only failure diagnosable
+        sys.stderr.write(f"ddlx: counting {arch} ahead in a child failed ({type(error).__name__}: {error}); "
+                         f"the answer counts it itself\n")
+        sys.stderr.flush()
         os._exit(1)
     os._exit(0)  # no atexit handlers of the parent's (Hydra's, logging's) in the child

@@ -49,24 +49,30 @@ def images_of_training_split(train: int, val_fraction: float) -> int:
     return images
 
 
-def split_too_small(train: int, images: int, val_fraction: float, batch_size: int,
-                    folder_holds: int | None = None) -> str | None:
-    """Why a training split of ``train`` images cannot give one batch of ``batch_size`` (None: it can).
-    ``folder_holds``: the images a folder of the user's holds (None: a synthetic set, written at
-    any count), so the fix offers only what can give more: data.num_images where it leaves some
-    unused, a smaller validation split where the images could fill a batch, else more images."""
-    if train >= batch_size:
+def split_too_small(images: int, val_fraction: float, batch_size: int, folder_holds: int | None = None,
+                    data_parallel: int = 1) -> str | None:
+    """Why ``images``, split as train.py splits them, cannot give each of ``data_parallel`` processes
+    one batch of its share of the global ``batch_size`` (None: they can). ``folder_holds``: the
+    images a folder of the user's holds (None: a synthetic set, written at any count), so that the
+    fix offers only what gives enough: data.num_images where the folder's split would fill the
+    batch, a smaller validation split where all its images would, else more images."""
+    train = images - validation_images(images, val_fraction)
+    if train * data_parallel >= batch_size:
         return None
+    fixes = [f"lower data.batch_size to at most {train * data_parallel}"] if train else []
     if folder_holds is None:
-        more = "raise data.num_images"
-    elif images < folder_holds:
-        more = f"raise data.num_images (the folder holds {folder_holds})"
-    elif images >= batch_size:
-        more = "lower data.val_fraction"
+        fixes.append("raise data.num_images")
     else:
-        more = "add images to the folder"
+        more = f"raise data.num_images (the folder holds {folder_holds})" if images < folder_holds else ""
+        if more and (folder_holds - validation_images(folder_holds, val_fraction)) * data_parallel >= batch_size:
+            fixes.append(more)
+        elif folder_holds * data_parallel >= batch_size:
+            fixes.append(" and ".join(filter(None, ["lower data.val_fraction", more])))
+        else:
+            fixes.append("add images to the folder")
+    over = f" over {data_parallel} processes" if data_parallel > 1 else ""
     return (f"the training split has {train} images ({images} images, data.val_fraction={val_fraction}) but "
-            f"data.batch_size={batch_size}: lower data.batch_size to at most {train} or {more}")
+            f"data.batch_size={batch_size}{over}: {' or '.join(fixes)}")
 
 
 BATCH_PER = ("global", "worker")

@@ -3,6 +3,7 @@ contract (the params, tags and metrics every run logs) and the record types buil
 Nothing here talks to MLflow (:mod:`ddlx.tracking` does) or imports torch."""
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -61,7 +62,7 @@ class Workload:
             over.append(f"trainer.precision={self.precision}")
         over.append("data.cache=auto" if self.data_cache == "memory" else "data.cache=none")
         over += ["strategy=sequential", "strategy.threads=1"] if device == "cpu" else ["strategy=sequential", "trainer=gpu"]
-        return "python train.py " + shell_words(*over)
+        return "python train.py " + shell_words(*over, *measurement_overrides())
 
 
 @dataclass
@@ -255,12 +256,20 @@ def short_of_steady_state(warmup_epochs: int, measured: Mapping[str, float], bat
     if warmup_epochs >= 1 and measured.get("measured_epochs", 0) >= 1:
         return None
     epochs = measured.get("measured_epochs", 1)
-    steps = epochs * measured["mean_samples_per_s"] * measured["mean_epoch_time_s"] / batch_size if batch_size else 0
+    # An epoch's steps: its samples over the batch, its last batch short (the loaders keep it), so
+    # that train.py's default, 5 epochs of 633 images in batches of 32, is its 100 steps, not 98.9.
+    samples = round(measured["mean_samples_per_s"] * measured["mean_epoch_time_s"])
+    steps = epochs * math.ceil(samples / batch_size) if batch_size else 0
     if steps >= MIN_STEADY_STEPS:
         return None
     return (f"not steady state: no warm-up epoch left out (measure.warmup_epochs=0) and {steps:.0f} "
-            f"measured steps < {MIN_STEADY_STEPS}; measure with measure.warmup_epochs=1 and "
-            f"trainer.max_epochs=2 or more")
+            f"measured steps < {MIN_STEADY_STEPS}; measure with {' and '.join(measurement_overrides())}")
+
+
+def measurement_overrides(max_epochs: int | None = None) -> list[str]:
+    """What makes a train.py run a steady-state measurement however few steps an epoch has: a
+    warm-up epoch left out and at least one timed, ``max_epochs`` (the user's) kept where it leaves one."""
+    return ["measure.warmup_epochs=1", *([] if max_epochs is not None and max_epochs >= 2 else ["trainer.max_epochs=3"])]
 
 
 def not_measured_because(run: MeasuredRun) -> str | None:

@@ -328,8 +328,9 @@ def train(cfg, output_dir: str | os.PathLike, extra_tags: Mapping[str, str] | No
             metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
             if run_id is not None:  # rank 0, once its run is open: how it went, where it is
                 measured = timer.summary()
-                short = short_of_steady_state(cfg.measure.warmup_epochs, measured, cfg.data.batch_size) \
-                    if status == "FINISHED" and measured else None
+                unmeasured = unmeasured_because(trainer, timer)
+                short = None if status != "FINISHED" else f"not a measurement ({unmeasured})" if unmeasured else \
+                    short_of_steady_state(cfg.measure.warmup_epochs, measured, cfg.data.batch_size) if measured else None
                 summary = RunSummary(status, run_id, logger.experiment_id, cfg.logger.tracking_uri, len(timer.epoch_times),
                                      measured, metrics, checkpoint_file, output_dir, short)
                 print("\n".join(summary.lines()), flush=True)
@@ -364,10 +365,17 @@ def fit(cfg: TrainConfig, trainer: pl.Trainer, module: ClassifierModule, datamod
         if datamodule.cached is not None:  # part of the workload: a run's loading cost depends on it
             learnt["data_cache"] = "memory" if datamodule.cached else "none"
         tag_run(logger, learnt)
-    if trainer.fast_dev_run or not timer.epoch_times:
-        record_unmeasured(logger, "trainer.fast_dev_run" if trainer.fast_dev_run else
-                          "no whole epoch timed: trainer.max_steps or max_time stopped the first" if trainer.global_step else
-                          "no training step")
+    if (unmeasured := unmeasured_because(trainer, timer)) is not None:
+        record_unmeasured(logger, unmeasured)
+
+
+def unmeasured_because(trainer: pl.Trainer, timer: EpochTimer) -> str | None:
+    """Why a run trained no step the ddlx way (None: it did); its times are then no measurement."""
+    if not (trainer.fast_dev_run or not timer.epoch_times):
+        return None
+    return ("trainer.fast_dev_run" if trainer.fast_dev_run else
+            "no whole epoch timed: trainer.max_steps or max_time stopped the first" if trainer.global_step else
+            "no training step")
 
 
 def forward_gflops(cfg: TrainConfig) -> float:

@@ -139,15 +139,32 @@ def test_recommend_counts_the_training_images_train_py_would(tmp_path, tiny_conf
 @pytest.mark.parametrize("overrides, fix", [
     (["data.batch_size=32"], "at most 16 or add images to the folder"),  # 20 images: none to add by a knob
     (["data.batch_size=18"], "at most 16 or lower data.val_fraction"),  # 20 images would fill it
-    (["data.batch_size=18", "data.num_images=10"], "at most 8 or raise data.num_images (the folder holds 20)")])
+    (["data.batch_size=12", "data.num_images=10"], "at most 8 or raise data.num_images (the folder holds 20)"),
+    (["data.batch_size=18", "data.num_images=10"],  # the folder's 16 of 20 would not
+     "at most 8 or lower data.val_fraction and raise data.num_images (the folder holds 20)")])
 def test_a_batch_larger_than_a_folders_split_names_a_fix_the_folder_allows(tmp_path, tiny_config, overrides, fix):
     """A folder of the user's cannot be made larger by data.num_images (a synthetic set can): the
-    refusal offered that fix for a folder whose images were all in use."""
+    refusal offered that fix for a folder whose images were all in use. Each fix offered gives a
+    split that fills the batch."""
     root = write_digits(tmp_path / "few", per_class=2)
     cfg = typed_config(tiny_config("data=imagefolder", f"data.root={root}", "data.num_images=null", *overrides))
     complete_data_config(cfg.data)
     with pytest.raises(ConfigError, match=r"data.batch_size=\d+: lower data.batch_size to " + re.escape(fix) + "$"):
         build_datamodule(cfg.data).setup()
+
+
+def test_a_split_too_small_is_said_in_the_global_batch_over_the_data_parallel_processes():
+    """train.py checked a process's share of the batch but named it data.batch_size and, with the
+    largest batch that fits, gave one batch of that process: 4 processes, batch 64, 10 training
+    images were told 'data.batch_size=16: ... at most 10'."""
+    from ddlx.job import split_too_small
+
+    assert split_too_small(13, 0.2, 64, folder_holds=13, data_parallel=4) == (
+        "the training split has 10 images (13 images, data.val_fraction=0.2) but data.batch_size=64 over 4 processes: "
+        "lower data.batch_size to at most 40 or add images to the folder")
+    assert split_too_small(13, 0.2, 40, folder_holds=13, data_parallel=4) is None
+    assert split_too_small(1, 0.5, 8) == ("the training split has 0 images (1 images, data.val_fraction=0.5) but "
+                                          "data.batch_size=8: raise data.num_images"), "no batch of at most 0"
 
 
 def test_images_in_a_class_folders_sub_folders_are_its_own_as_torchvision_finds_them(tmp_path):

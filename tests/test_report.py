@@ -66,6 +66,8 @@ def test_missing_baseline_is_named_with_the_command_that_measures_it(store):
     (missing,) = built.missing_baselines
     assert "vgg16/firesmall 64px b32" in missing and "sequential threads=1" in missing
     assert "python train.py model=vgg16 data=firesmall data.image_size=64 data.batch_size=32" in missing
+    assert missing.endswith("strategy=sequential strategy.threads=1 measure.warmup_epochs=1 trainer.max_epochs=3"), \
+        "a run the report then counts, however few steps an epoch has"
 
 
 def test_failed_runs_are_listed_with_their_error(store):
@@ -179,6 +181,18 @@ def test_a_run_that_did_not_leave_out_its_start_up_is_listed_not_counted(store):
     assert cpu_mp.runs == 3, "the short run is not among the counted ones"
     (note,) = [n for n in report._notes(built) if short in n]
     assert "not steady state" in note and "5 measured steps < 100" in note and "measure.warmup_epochs=1" in note
+
+
+def test_train_pys_default_run_counts_its_steps_with_each_epochs_short_last_batch():
+    """5 epochs of firesmall's 633 training images in batches of 32 are 100 steps (20 an epoch,
+    the last of 25 images); samples over the batch made them 98.9 and left the default run out."""
+    from ddlx.records import short_of_steady_state
+
+    epoch_s = 7.3
+    default = {"mean_epoch_time_s": epoch_s, "mean_samples_per_s": 633 / epoch_s, "measured_epochs": 5.0}
+    assert short_of_steady_state(0, default, 32) is None
+    four = default | {"measured_epochs": 4.0}
+    assert "80 measured steps < 100" in short_of_steady_state(0, four, 32)
 
 
 def test_workloads_sharing_a_short_label_are_named_apart(store):

@@ -342,7 +342,7 @@ def test_a_checkpoint_write_cut_short_leaves_no_file_under_a_valid_name(tiny_con
 
 @pytest.mark.integration
 def test_errors_before_and_after_the_run_opens_and_runs_without_a_step(tiny_config, tracking_uri, tmp_path,
-                                                                          monkeypatch):
+                                                                          monkeypatch, capsys):
     """A value Lightning refuses when the Trainer is built: refused before any run is opened. An
     error once it is open: FAILED with the error. A run without a measured step: not counted."""
     with pytest.raises(ConfigError, match=r"Lightning refused the trainer settings.*not a valid duration"):
@@ -356,11 +356,17 @@ def test_errors_before_and_after_the_run_opens_and_runs_without_a_step(tiny_conf
             train(tiny_config(), tmp_path / "boom")
     (failed,) = runs(tracking_uri)
     assert failed.info.status == "FAILED" and failed.data.tags["error"] == "RuntimeError: boom"
+    capsys.readouterr()
     train(tiny_config("trainer.fast_dev_run=true"), tmp_path / "smoke")
     smoke = next(r for r in runs(tracking_uri) if r.info.run_id != failed.info.run_id)
     assert smoke.info.status == "FINISHED" and smoke.data.tags["measured"] == "false"
     from ddlx.measure.speedup_table import build_report
+    from ddlx.records import not_measured_because
     from ddlx.tracking import load_runs
+
+    (record,) = [r for r in load_runs(tracking_uri, ["ddlx"]) if r.run_id == smoke.info.run_id]
+    said = [line for line in capsys.readouterr().out.splitlines() if "not counted" in line]
+    assert said == [f"  not counted by the report or recommend.py: {not_measured_because(record)}"], "the report's reason"
 
     report = build_report(load_runs(tracking_uri, ["ddlx"]))
     assert not report.rows and [r.run_id for r in report.unmeasured] == [smoke.info.run_id]

@@ -88,10 +88,10 @@ def job_from_config(cfg: RecommendConfig) -> Job:
         count = len(folder.samples)
     elif folder is not None:
         count = min(count, len(folder.samples))  # train.py trains on all of them where fewer are there
-    train = count - validation_images(count, data.val_fraction)  # as train.py splits them
     folder_holds = None if folder is None else len(folder.samples)
-    if problem := split_too_small(train, count, data.val_fraction, data.batch_size, folder_holds):  # as train.py would refuse it
+    if problem := split_too_small(count, data.val_fraction, data.batch_size, folder_holds):  # as train.py refuses it on one device
         raise ConfigError(problem)
+    train = count - validation_images(count, data.val_fraction)  # as train.py splits them
     check_request(cfg.model.name, data.num_classes, data.channels, data.image_size)
     return Job(cfg.model.name, data.name, data.num_classes, data.channels, data.image_size, data.batch_size, train,
                data.num_workers, cfg.cpu_allocator, numerics_of(cfg.trainer.precision).precision)

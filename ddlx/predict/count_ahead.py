@@ -62,7 +62,8 @@ def _count(arch: str, num_classes: int, channels: int, image_size: int, kernels:
     except KeyboardInterrupt:  # Ctrl-C reaches the parent too, which says so
         os._exit(1)
     except BaseException as error:  # noqa: BLE001 - the answer counts again; the line makes a child-only failure diagnosable
-        sys.stderr.write(f"ddlx: counting {arch} ahead in a child failed ({type(error).__name__}: {error}); "
+        said = " ".join(str(error).split())  # one line, as torch's errors are often several
+        sys.stderr.write(f"ddlx: counting {arch} ahead in a child failed ({type(error).__name__}: {said}); "
                          f"the answer counts it itself\n")
         sys.stderr.flush()
         os._exit(1)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..allocator import KEEP_FREED
 from ..command_line import shell_words
+from ..records import measurement_overrides
 from ..strategies import spec_of
 from .machines import Choice, MachineComparison
 from .prediction import Prediction, Recommendation, allocator_advice, compilable
@@ -53,16 +54,10 @@ def calibration_commands(rec: Recommendation, prediction: Prediction, job_overri
     return list(dict.fromkeys(measurement_command(rec, p, job_overrides) for p in chosen))
 
 
-def measurement_overrides(rec: Recommendation) -> list[str]:
-    """What makes a run the answer asks for a steady-state measurement (records.not_measured), however
-    few steps an epoch has: a warm-up epoch left out and at least one timed, the user's
-    trainer.max_epochs kept where it leaves one. Without them a small job's run was left out."""
-    return ["measure.warmup_epochs=1", *([] if rec.epochs is not None and rec.epochs >= 2 else ["trainer.max_epochs=3"])]
-
-
 def measurement_command(rec: Recommendation, prediction: Prediction, job_overrides: list[str]) -> str:
-    """The train.py command that measures ``prediction``'s setup on the job, for the answer to count."""
-    return train_command(rec, prediction, [*job_overrides, *measurement_overrides(rec)])
+    """The train.py command that measures ``prediction``'s setup on the job, for the answer to count
+    (records.measurement_overrides: without them a small job's run was left out as not steady state)."""
+    return train_command(rec, prediction, [*job_overrides, *measurement_overrides(rec.epochs)])
 
 
 def hw_tag(rec: Recommendation) -> list[str]:

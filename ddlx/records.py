@@ -266,10 +266,13 @@ def short_of_steady_state(warmup_epochs: int, measured: Mapping[str, float], bat
             f"measured steps < {MIN_STEADY_STEPS}; measure with {' and '.join(measurement_overrides())}")
 
 
-def measurement_overrides(max_epochs: int | None = None) -> list[str]:
-    """What makes a train.py run a steady-state measurement however few steps an epoch has: a
-    warm-up epoch left out and at least one timed, ``max_epochs`` (the user's) kept where it leaves one."""
-    return ["measure.warmup_epochs=1", *([] if max_epochs is not None and max_epochs >= 2 else ["trainer.max_epochs=3"])]
+def measurement_overrides(steps_per_epoch: float | None = None) -> list[str]:
+    """The shortest train.py run that counts as a steady-state measurement (:func:`not_measured`):
+    one epoch where an epoch has :data:`MIN_STEADY_STEPS` steps or more, else a warm-up epoch left
+    out and two timed (``None``: the epoch's steps unknown)."""
+    if steps_per_epoch is not None and steps_per_epoch >= MIN_STEADY_STEPS:
+        return ["trainer.max_epochs=1"]
+    return ["measure.warmup_epochs=1", "trainer.max_epochs=3"]
 
 
 def not_measured_because(run: MeasuredRun) -> str | None:

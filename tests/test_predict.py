@@ -1226,6 +1226,23 @@ def test_the_runs_an_estimate_asks_for_count_once_made_however_few_steps_an_epoc
     assert not any("strategy.threads=1" in c for c in again["calibrate_with"]), "the baseline is not asked for again"
 
 
+def test_the_runs_asked_for_are_the_shortest_that_count():
+    """A calibrate command is a measurement: on an epoch of 100 steps or more one epoch counts (not
+    train.py's five: ResNet-152 on Highres is 720 s an epoch on 4 GPUs); on a smaller one a warm-up
+    epoch is left out and two are timed."""
+    from ddlx.predict.render import calibration_commands
+
+    one, two = (STRATEGIES["sequential"].setup(threads=t) for t in (1, 2))
+    tails = {}
+    for images in (60000, 320):
+        rec = Predictor(_hw(name="local", host="test-host"), []).recommend(Job("resnet18", "firesmall", 3, 3, 64, 32, images),
+                                                                          [one, two])
+        commands = calibration_commands(rec, rec.best, [])
+        assert len(commands) == 2
+        (tails[images],) = {c.split("firesmall ")[1].split(" strategy=")[0] for c in commands}
+    assert tails == {60000: "trainer.max_epochs=1", 320: "measure.warmup_epochs=1 trainer.max_epochs=3"}
+
+
 def test_a_gpu_runs_data_wait_is_the_jobs_loading_only_where_it_loaded_as_the_job_does():
     """A GPU baseline run with data.num_workers=0 waited 1.6 of its 2.0 s for data: a job with
     workers predicts the step without that wait (its own loaders bound it apart), and the answer

@@ -56,8 +56,10 @@ def calibration_commands(rec: Recommendation, prediction: Prediction, job_overri
 
 def measurement_command(rec: Recommendation, prediction: Prediction, job_overrides: list[str]) -> str:
     """The train.py command that measures ``prediction``'s setup on the job, for the answer to count
-    (records.measurement_overrides: without them a small job's run was left out as not steady state)."""
-    return train_command(rec, prediction, [*job_overrides, *measurement_overrides(rec.epochs)])
+    (records.measurement_overrides: without them a small job's run was left out as not steady state;
+    a large one's is one epoch, not train.py's five)."""
+    steps = math.ceil(rec.job.train_samples / prediction.batch_size) if prediction.batch_size else None
+    return train_command(rec, prediction, [*job_overrides, *measurement_overrides(steps)])
 
 
 def hw_tag(rec: Recommendation) -> list[str]:
@@ -217,9 +219,11 @@ def compile_lines(rec: Recommendation, best: Prediction, job_overrides: list[str
         unmeasured = f"torch.compile: no compiled run of {rec.job.model} measured on this hardware, so its gain is not predicted"
         if not compilable(best.setup):
             return [f"{unmeasured}; {best.setup.strategy} with these knobs cannot take compile.enable"]
-        # an epoch to compile in and at least one to time; with the loaders that keep up: a pair of
-        # loader-bound runs would measure no gain
-        measure = measurement_command(rec, best, [*with_loading_fix(best, job_overrides), "compile.enable=true"])
+        # an epoch to compile in and at least one to time: the user's trainer.max_epochs replaced where fewer
+        epochs = [] if rec.epochs is not None and rec.epochs >= 2 else ["trainer.max_epochs=3"]
+        # with the loaders that keep up: a pair of loader-bound runs would measure no gain
+        measure = train_command(rec, best, [*with_loading_fix(best, job_overrides), "compile.enable=true",
+                                            "measure.warmup_epochs=1", *epochs])
         return [f"{unmeasured}; measure it, and the same without compile.enable: {measure}"]
     even = gain.break_even_epochs(best.epoch_s)
     line = f"torch.compile: {gain.basis}: "

@@ -234,25 +234,31 @@ MIN_STEADY_STEPS = 100
 
 def not_measured(run: MeasuredRun) -> tuple[str, str] | None:
     """Why a run's times are not a steady-state measurement, as (kind, the reason in full); None
-    when they are. The one rule of the report and the recommender: a finished run, measured the
-    ddlx way, whose mean either leaves out a warm-up epoch or spans at least
-    :data:`MIN_STEADY_STEPS` steps."""
-    if run.status != "FINISHED":
-        return f"status {run.status}", f"status {run.status}"
-    if run.tags.get("measured") == "false":
-        return "not a measurement", f"not a measurement ({run.tags.get('not_measured_because', 'no reason recorded')})"
-    m = run.metrics
-    if not {"mean_epoch_time_s", "mean_samples_per_s"} <= set(m):
+    when they are: :func:`not_counted` on what its record holds."""
+    unmeasured = run.tags.get("not_measured_because", "no reason recorded") if run.tags.get("measured") == "false" else None
+    return not_counted(run.status, unmeasured, run.metrics, int(run.params.get("measure.warmup_epochs", "0") or 0),
+                       int(run.params.get("data.batch_size", "0") or 0))
+
+
+def not_counted(status: str, unmeasured: str | None, measured: Mapping[str, float], warmup_epochs: int,
+                batch_size: int) -> tuple[str, str] | None:
+    """The one rule of the report and the recommender, as (kind, the reason in full), None for a run
+    they count: a finished run, measured the ddlx way (``unmeasured``: why not), whose mean either
+    leaves out a warm-up epoch or spans at least :data:`MIN_STEADY_STEPS` steps. ``measured``: its
+    timer's summary. Read from a run's record (:func:`not_measured`) and said at a run's end."""
+    if status != "FINISHED":
+        return f"status {status}", f"status {status}"
+    if unmeasured is not None:
+        return "not a measurement", f"not a measurement ({unmeasured})"
+    if not {"mean_epoch_time_s", "mean_samples_per_s"} <= set(measured):
         return "no mean_epoch_time_s", "no mean_epoch_time_s"
-    why = short_of_steady_state(int(run.params.get("measure.warmup_epochs", "0") or 0), m,
-                                int(run.params.get("data.batch_size", "0") or 0))
+    why = short_of_steady_state(warmup_epochs, measured, batch_size)
     return None if why is None else ("not steady state", why)
 
 
 def short_of_steady_state(warmup_epochs: int, measured: Mapping[str, float], batch_size: int) -> str | None:
     """Why a run's mean is not steady state (None: it is): ``measured`` is its timer's summary
-    (mean_epoch_time_s, mean_samples_per_s, measured_epochs), ``batch_size`` its data.batch_size.
-    Also said at the run's end, so that its user learns it then, not at the report."""
+    (mean_epoch_time_s, mean_samples_per_s, measured_epochs), ``batch_size`` its data.batch_size."""
     if warmup_epochs >= 1 and measured.get("measured_epochs", 0) >= 1:
         return None
     epochs = measured.get("measured_epochs", 1)

@@ -60,7 +60,7 @@ from .parallel.same_job import SameJobOnEveryRank
 from .costmodel.memory import GIB, estimate_training_memory
 from .costmodel.numerics import CPU_FP16
 from .preflight import check_before_torch
-from .records import run_name, short_of_steady_state
+from .records import not_counted, run_name
 from .single_sample import check_single_sample_batches
 from .slurm import run_tags as slurm_run_tags
 from .stopping import StopAtSignal, StopSignals, disable_lightning_signal_handlers
@@ -328,11 +328,11 @@ def train(cfg, output_dir: str | os.PathLike, extra_tags: Mapping[str, str] | No
             metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
             if run_id is not None:  # rank 0, once its run is open: how it went, where it is
                 measured = timer.summary()
-                unmeasured = unmeasured_because(trainer, timer)
-                short = None if status != "FINISHED" else f"not a measurement ({unmeasured})" if unmeasured else \
-                    short_of_steady_state(cfg.measure.warmup_epochs, measured, cfg.data.batch_size) if measured else None
+                # as the report will read the run; a run that did not finish says its status already
+                why = not_counted(status, unmeasured_because(trainer, timer), measured, cfg.measure.warmup_epochs,
+                                  cfg.data.batch_size) if status == "FINISHED" else None
                 summary = RunSummary(status, run_id, logger.experiment_id, cfg.logger.tracking_uri, len(timer.epoch_times),
-                                     measured, metrics, checkpoint_file, output_dir, short)
+                                     measured, metrics, checkpoint_file, output_dir, why[1] if why else None)
                 print("\n".join(summary.lines()), flush=True)
                 said = said or getattr(getattr(trainer.strategy, "rank_died", None), "said", False)  # a dead rank's, with it
                 if status == "FAILED" and not said:  # an error (out of memory, a lost connection): its last checkpoint resumes
@@ -371,11 +371,11 @@ def fit(cfg: TrainConfig, trainer: pl.Trainer, module: ClassifierModule, datamod
 
 def unmeasured_because(trainer: pl.Trainer, timer: EpochTimer) -> str | None:
     """Why a run trained no step the ddlx way (None: it did); its times are then no measurement."""
-    if not (trainer.fast_dev_run or not timer.epoch_times):
+    if trainer.fast_dev_run:
+        return "trainer.fast_dev_run"
+    if timer.epoch_times:
         return None
-    return ("trainer.fast_dev_run" if trainer.fast_dev_run else
-            "no whole epoch timed: trainer.max_steps or max_time stopped the first" if trainer.global_step else
-            "no training step")
+    return "no whole epoch timed: trainer.max_steps or max_time stopped the first" if trainer.global_step else "no training step"
 
 
 def forward_gflops(cfg: TrainConfig) -> float:

@@ -46,7 +46,7 @@ def consistency_problems(cfg: TrainConfig) -> list[str]:
         problems.append(
             f"measure.warmup_epochs={m.warmup_epochs} with trainer.max_epochs={epochs} leaves no epoch to measure; "
             f"use 0 <= warmup_epochs < max_epochs (e.g. trainer.max_epochs={max(1, m.warmup_epochs) + 3} "
-            f"measure.warmup_epochs={m.warmup_epochs} for the thesis' mean of 3)")
+            f"measure.warmup_epochs={max(1, m.warmup_epochs)} for the thesis' mean of 3 after warm-up)")
     for key, value in (("trainer.max_steps", cfg.trainer.max_steps), ("trainer.limit_train_batches", cfg.trainer.limit_train_batches)):
         if value == 0:  # Lightning skips training: the run would end FINISHED with no epoch measured
             problems.append(f"{key}={value} trains no batch, so there is nothing to measure; leave {key} out for every batch")

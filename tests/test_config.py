@@ -217,6 +217,20 @@ def test_max_time_is_taken_in_lightnings_forms_and_a_bare_number_refused(value, 
         check_before_torch(cfg)
 
 
+@pytest.mark.parametrize("warmup,epochs", [(0, 0), (1, 1), (5, 3)])
+def test_a_warm_up_that_leaves_no_epoch_is_answered_with_a_warm_up_and_three_timed_epochs(warmup, epochs):
+    """The fix offered is accepted and is the thesis' measure (with no warm-up it offered 4 epochs, all timed)."""
+    from ddlx.preflight import consistency_problems
+
+    cfg = typed_config(compose_config([f"measure.warmup_epochs={warmup}", f"trainer.max_epochs={epochs}"]))
+    (problem,) = consistency_problems(cfg)
+    assert f"measure.warmup_epochs={warmup} with trainer.max_epochs={epochs}" in problem
+    offered = re.search(r"e\.g\. (trainer\.max_epochs=\d+) (measure\.warmup_epochs=\d+)", problem).groups()
+    fixed = typed_config(compose_config(list(offered)))
+    assert consistency_problems(fixed) == []
+    assert fixed.measure.warmup_epochs >= 1 and fixed.trainer.max_epochs - fixed.measure.warmup_epochs == 3
+
+
 def test_a_config_edited_after_composing_is_checked_again():
     """train() checks what it is given (a rank's config file, an API caller's edits)."""
     from omegaconf import OmegaConf

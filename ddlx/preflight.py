@@ -116,16 +116,22 @@ def checkpoint_path_problem(path) -> str | None:
 
 def run_folder_problem(folder: str, key: str) -> str | None:
     """Why the run folder ``folder`` (set by ``key``) cannot be made, e.g. on a read-only file
-    system or where a file stands; None when it can. Tried for real: a folder made and removed
-    where the first missing part of ``folder`` would go."""
+    system or where a file stands; None when it can."""
+    return folder_problem(folder, key, f"choose another {key} (or paths.root)")
+
+
+def folder_problem(folder, setting: str, fix: str) -> str | None:
+    """Why ``folder`` (given as ``setting``) cannot be made, with ``fix``; None when it can. Tried
+    for real, as permission bits do not tell (root passes them in /proc): a folder made and
+    removed where the first missing part of ``folder`` would go."""
     path = Path(folder).expanduser().absolute()
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir():
-        return f"{key}={folder}: {existing} is a file, not a folder; choose another {key} (or paths.root)"
+        return f"{setting}={folder}: {existing} is a file, not a folder; {fix}"
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".ddlx-check-", dir=existing))
     except OSError as err:
-        return f"{key}={folder}: cannot create a folder in {existing} ({err.strerror}); choose another {key} (or paths.root)"
+        return f"{setting}={folder}: cannot create a folder in {existing} ({err.strerror}); {fix}"
     return None
 
 

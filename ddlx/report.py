@@ -7,7 +7,6 @@ shows its runs side by side in the MLflow UI.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -66,10 +65,11 @@ def main(argv: list[str] | None = None) -> int:
 def check_out(out: Path) -> None:
     """A ValueError, before any run is read, when the report's folder cannot be made (run from a
     folder the user can only read, as a shared results folder)."""
-    there = next(folder for folder in (out, *out.parents) if folder.exists())
-    if not there.is_dir() or not os.access(there, os.W_OK):
-        raise ValueError(f"--out {out}: {there.resolve()} is not a folder this user can write; "
-                         f"pass --out with one (e.g. --out ~/reports)")
+    from .preflight import folder_problem
+
+    problem = folder_problem(out, "--out", "pass --out with a folder you can write (e.g. --out ~/reports)")
+    if problem:
+        raise ValueError(problem)
 
 
 def experiment_ids(tracking_uri: str, names: list[str]) -> list[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import csv
 import io
 import sys
+from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -280,6 +281,16 @@ def test_command_line_errors_name_the_problem(tmp_path, capsys):
     assert "experiment(s) 'ddlx' at" in err and "hold no runs" in err, err
     assert not (tmp_path / "out").exists() and MlflowClient(empty).get_experiment_by_name("reports") is None, \
         "no empty report written or logged"
+
+
+@pytest.mark.parametrize("where", ["under_a_file", "in_proc"])
+def test_an_out_folder_that_cannot_be_made_is_refused_before_any_run_is_read(store, tmp_path, capsys, where):
+    """Permission bits do not tell: root passes them in /proc, where the report failed with a traceback."""
+    (tmp_path / "a_file").write_text("")
+    out = tmp_path / "a_file" / "rep" if where == "under_a_file" else Path("/proc/ddlx-report")
+    assert cli.main(["--tracking-uri", store, "--out", str(out), "--no-log"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--out={out}:" in err and "--out ~/reports" in err, err
 
 
 def overlapping_labels(fig, texts) -> list[tuple[str, str]]:

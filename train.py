@@ -12,8 +12,9 @@ import hydra
 from omegaconf import DictConfig
 
 from ddlx.entry import (
-    exit_if_jobs_refused,
+    end_sweep,
     hydra_job_tags,
+    note_sweep_job,
     register_config,
     resume_requeued_job,
     run_training_job,
@@ -34,6 +35,7 @@ def main(cfg: DictConfig) -> None:
 
     start_fork_server(starts_ranks(cfg.strategy), rank_entry)  # extra ranks forked from this process as it is now, before it computes
     output_dir, tags = hydra_job_tags(cfg.paths.root)
+    note_sweep_job(tags, cfg.logger)  # said at the sweep's end
     requeue = resume_requeued_job(cfg, tags)  # under SLURM: a requeued job resumes where it stopped
     run_training_job(lambda: train(cfg, output_dir, tags), in_sweep="sweep_id" in tags, overrides=task_overrides(),
                      requeue=requeue)
@@ -42,4 +44,4 @@ def main(cfg: DictConfig) -> None:
 if __name__ == "__main__":
     check_command_line(sys.argv[1:], PROJECT_DIR / "conf", "train")  # every job, before Hydra starts one
     main()
-    exit_if_jobs_refused()  # a sweep whose jobs were refused one by one ends saying so, with status 1
+    end_sweep()  # a sweep ends with what its runs came to; one whose jobs were refused, with status 1

@@ -197,6 +197,8 @@ def _end_job_with_error(err: BaseException) -> None:
 
 # The overrides of the sweep jobs this process refused before training (each a FAILED run).
 REFUSED_JOBS: list[str] = []
+# The sweeps whose jobs this process ran, as (sweep_id, tracking_uri, experiment): said at their end.
+SWEEPS_RUN: dict[tuple[str, str, str], None] = {}
 
 
 def jobs_run_in_this_process() -> bool:
@@ -207,9 +209,26 @@ def jobs_run_in_this_process() -> bool:
     return HydraConfig.get().launcher.get("_target_", "").endswith("BasicLauncher")
 
 
-def exit_if_jobs_refused() -> None:
-    """After a sweep: exit 1 when any of its jobs was refused before training (each said why as it
-    came, and has a FAILED run with the reason)."""
+def note_sweep_job(tags: dict[str, str], logger_cfg) -> None:
+    """Keep the sweep of this job (``tags`` from :func:`hydra_job_tags`), when its jobs run in this
+    process and this is the one that speaks for them, for :func:`end_sweep`."""
+    from .parallel.launch import launch_rank
+
+    if "sweep_id" in tags and jobs_run_in_this_process() and launch_rank() == 0:
+        SWEEPS_RUN[(tags["sweep_id"], logger_cfg.tracking_uri, logger_cfg.experiment_name)] = None
+
+
+def end_sweep() -> None:
+    """After a sweep: what its runs came to and the command that compares them; then exit 1 when
+    any of its jobs was refused before training (each said why as it came, and has a FAILED run
+    with the reason)."""
+    from .report import sweep_end
+
+    for sweep_id, tracking_uri, experiment in SWEEPS_RUN:
+        try:
+            print("\n".join(sweep_end(sweep_id, tracking_uri, experiment)), flush=True)
+        except ValueError as err:  # the store unreachable now: each run said where it is
+            print(f"ddlx: sweep {sweep_id} ended; its runs could not be read back ({err})", file=sys.stderr)
     if REFUSED_JOBS:
         print(f"ddlx: {len(REFUSED_JOBS)} job(s) of the sweep refused before training (FAILED runs, with the reason): "
               + "; ".join(REFUSED_JOBS), file=sys.stderr)

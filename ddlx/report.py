@@ -11,14 +11,46 @@ import sys
 import time
 from pathlib import Path
 
+from .command_line import shell_words
 from .measure import speedup_table as report
-from .tracking import check_tracking_uri, load_runs, log_result_run
+from .records import not_measured
+from .tracking import check_tracking_uri, load_runs, log_result_run, sqlite_path
 from .ui import compare_page, open_command, run_page
+
+
+DEFAULT_STORE = "sqlite:///mlflow.db"
+DEFAULT_EXPERIMENT = "ddlx"
+
+
+def command(sweep_id: str, tracking_uri: str, experiment: str) -> str:
+    """The command that reports on sweep ``sweep_id`` of ``experiment`` at ``tracking_uri``, run
+    from the current folder: the options at their defaults left out."""
+    words = ["python", "-m", "ddlx.report", "--sweep-id", sweep_id]
+    path = sqlite_path(tracking_uri)
+    if path is None or path.resolve() != sqlite_path(DEFAULT_STORE).resolve():
+        words += ["--tracking-uri", tracking_uri]
+    if experiment != DEFAULT_EXPERIMENT:
+        words += ["--experiment", experiment]
+    return shell_words(*words)
+
+
+def sweep_end(sweep_id: str, tracking_uri: str, experiment: str) -> list[str]:
+    """What sweep ``sweep_id``'s runs came to, as the report will count them, and the command
+    that reports on them: said at the end of a sweep."""
+    runs = load_runs(tracking_uri, [experiment], sweep_id)
+    left_out: dict[str, int] = {}
+    for run in runs:
+        if (why := not_measured(run)) is not None:
+            left_out[why[0]] = left_out.get(why[0], 0) + 1
+    counted = len(runs) - sum(left_out.values())
+    reasons = f" (left out: {', '.join(f'{n} {why}' for why, n in left_out.items())})" if left_out else ""
+    return [f"ddlx: sweep {sweep_id} ended: {len(runs)} run(s); the report counts {counted}{reasons}",
+            f"  compare them: {command(sweep_id, tracking_uri, experiment)}"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m ddlx.report", description=__doc__.splitlines()[0])
-    parser.add_argument("--tracking-uri", default="sqlite:///mlflow.db",
+    parser.add_argument("--tracking-uri", default=DEFAULT_STORE,
                         help="MLflow store holding the runs (default: sqlite:///mlflow.db, train.py's default store when run from the project folder)")
     parser.add_argument("--experiment", action="append", default=None,
                         help="experiment(s) to read (repeatable; default: ddlx)")
@@ -31,7 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    experiments = args.experiment or ["ddlx"]
+    experiments = args.experiment or [DEFAULT_EXPERIMENT]
     out = args.out or Path("reports") / time.strftime("%Y-%m-%d_%H-%M-%S")
     try:
         check_tracking_uri(args.tracking_uri, setting="--tracking-uri", write=not args.no_log, read_only_option="--no-log")

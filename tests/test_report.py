@@ -293,6 +293,14 @@ def test_an_out_folder_that_cannot_be_made_is_refused_before_any_run_is_read(sto
     assert err.count("\n") == 1 and f"--out={out}:" in err and "--out ~/reports" in err, err
 
 
+def test_the_report_command_of_a_sweep_names_the_store_and_experiment_unless_they_are_its_defaults(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert cli.command("multirun/a", f"sqlite:///{tmp_path}/mlflow.db", "ddlx") == "python -m ddlx.report --sweep-id multirun/a"
+    assert cli.command("multirun/a", f"sqlite:///{tmp_path}/my runs/mlflow.db", "mine") == \
+        f"python -m ddlx.report --sweep-id multirun/a --tracking-uri 'sqlite:///{tmp_path}/my runs/mlflow.db' --experiment mine"
+    assert cli.command("m/b", "http://host:5000", "ddlx") == "python -m ddlx.report --sweep-id m/b --tracking-uri http://host:5000"
+
+
 def overlapping_labels(fig, texts) -> list[tuple[str, str]]:
     """Pairs of the given texts whose drawn boxes overlap (matplotlib's text extents)."""
     fig.canvas.draw()

@@ -423,6 +423,8 @@ def test_sweep_with_ddp_gives_one_run_per_job_and_records_a_refused_job(tmp_path
     assert "ddlx: error: " in proc.stderr and "GiB" in proc.stderr, proc.stderr[-4000:]
     assert "Traceback" not in proc.stderr and "1 job(s) of the sweep refused before training" in proc.stderr, \
         "the refusal is said in a line, not a traceback"
+    assert "ddlx: sweep multirun ended: 3 run(s); the report counts " in proc.stdout and "1 status FAILED" in proc.stdout, \
+        proc.stdout[-2000:]
     got = {r.data.params["data.batch_size"]: r for r in runs(f"sqlite:///{tmp_path / 'mlflow.db'}")}
     assert set(got) == {"8", "1000000", "16"}, "one run per job"
     assert got["8"].info.status == got["16"].info.status == "FINISHED"

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import ctypes.util
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -116,15 +117,27 @@ def test_a_sweep_stops_at_the_first_job_the_store_refuses(tmp_path):
 
 
 @pytest.mark.integration
-def test_the_runs_of_a_sweep_are_named_apart_by_what_it_varies(tmp_path):
+def test_the_runs_of_a_sweep_are_named_apart_and_its_end_says_how_to_compare_them(tmp_path, monkeypatch, capsys):
     """MLflow's runs table shows names: a sweep over a setting the name does not show (the
-    learning rate) adds it to each job's name; one the name shows already (the batch) is not repeated."""
+    learning rate) adds it to each job's name; one the name shows already (the batch) is not repeated.
+    The sweep ends saying what the report will count of it and the command that reports on it
+    (it ended with the last job's own lines)."""
+    from ddlx import report
+
     proc = run_train_py(tmp_path, "model=alexnet", "optim.lr=0.01,0.02", "data.batch_size=8,16",
                         "trainer.limit_train_batches=1", multirun=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    names = sorted(r.info.run_name for r in runs(f"sqlite:///{tmp_path / 'mlflow.db'}"))
+    found = runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    names = sorted(r.info.run_name for r in found)
     assert names == sorted(f"sequential threads=1 alexnet/firesmall 32px b{b} optim.lr={lr}"
                            for lr in ("0.01", "0.02") for b in (8, 16)), names
+    (sweep_id,) = {r.data.tags["sweep_id"] for r in found}
+    ended, compare = proc.stdout.rstrip().splitlines()[-2:]
+    assert ended == f"ddlx: sweep {sweep_id} ended: 4 run(s); the report counts 0 (left out: 4 not steady state)", ended
+    assert compare == f"  compare them: python -m ddlx.report --sweep-id {sweep_id}", compare  # the store at its default here
+    monkeypatch.chdir(tmp_path)  # where the sweep ran
+    assert report.main(shlex.split(compare.split(": ", 1)[1])[3:] + ["--no-log"]) == 0
+    assert capsys.readouterr().out.count("not counted: alexnet/firesmall") == 4
 
 
 @pytest.mark.integration

@@ -115,6 +115,7 @@ class RunSummary:
     checkpoint: Path | None
     output_dir: Path
     not_counted: str | None = None  # why the report and recommend.py leave its times out (records.not_measured)
+    diverged: str | None = None  # where its train_loss stopped being finite, and the fix (run.diverged_line)
 
     def lines(self) -> list[str]:
         out = [f"ddlx: run {self.status} after {self.epochs} epoch(s); its folder: {self.output_dir}"]
@@ -130,6 +131,8 @@ class RunSummary:
         scores = ", ".join(f"{k} {self.metrics[k]:.3f}" for k in ("val_acc", "val_loss", "train_loss") if k in self.metrics)
         if scores:
             out.append(f"  final {scores}")
+        if self.diverged:
+            out.append(f"  {self.diverged}")
         if self.checkpoint is not None and self.checkpoint.exists():
             out.append(f"  checkpoint: {self.checkpoint}")
         if self.run_id:

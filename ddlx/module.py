@@ -37,6 +37,7 @@ class ClassifierModule(pl.LightningModule):
         self.train_loss, self.val_loss = MeanMetric(nan_strategy="disable"), MeanMetric(nan_strategy="disable")
         self.train_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
         self.val_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
+        self.diverged: tuple[int, float] | None = None  # (the first epoch whose train_loss was not finite, that loss)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.channels_last and x.dim() == 4:
@@ -56,7 +57,12 @@ class ClassifierModule(pl.LightningModule):
         self._add(self.val_loss, self.val_acc, self.loss(logits, labels), logits, labels)
 
     def on_train_epoch_end(self) -> None:
-        self._log_epoch("train", self.train_loss, self.train_acc)
+        loss = self._log_epoch("train", self.train_loss, self.train_acc)
+        if loss is not None and not torch.isfinite(loss) and self.diverged is None:
+            # The weights are NaN or inf: every further epoch would train nothing. The loss is the
+            # same on every rank (gathered), so all of them stop at this epoch's end.
+            self.diverged = (self.current_epoch + 1, float(loss))
+            self.trainer.should_stop = True
 
     def on_validation_epoch_end(self) -> None:
         self._log_epoch("val", self.val_loss, self.val_acc)
@@ -71,14 +77,18 @@ class ClassifierModule(pl.LightningModule):
         loss_mean.update(loss.to(loss_mean.mean_value.device).expand(len(labels)))
         accuracy.update(logits.to(accuracy.tp.device), labels.to(accuracy.tp.device))
 
-    def _log_epoch(self, stage: str, loss_mean: MeanMetric, accuracy: MulticlassAccuracy) -> None:
+    def _log_epoch(self, stage: str, loss_mean: MeanMetric, accuracy: MulticlassAccuracy) -> torch.Tensor | None:
         """The epoch's mean loss and accuracy over every rank (torchmetrics gathers them: every rank
-        calls this at the same point), then a fresh start for the next epoch."""
+        calls this at the same point), then a fresh start for the next epoch; the mean loss (None:
+        no batch)."""
+        loss = None
         if loss_mean.update_count:  # sync_dist: the same value on every rank, and no warning that it is not synced
-            self.log(f"{stage}_loss", loss_mean.compute(), prog_bar=True, sync_dist=True)
+            loss = loss_mean.compute()
+            self.log(f"{stage}_loss", loss, prog_bar=True, sync_dist=True)
             self.log(f"{stage}_acc", accuracy.compute(), prog_bar=True, sync_dist=True)
         loss_mean.reset()
         accuracy.reset()
+        return loss
 
     # A checkpoint written within an epoch holds the epoch's running sums so far, every rank's
     # added up, so that a run resumed from it logs the whole epoch's train_loss and train_acc, not

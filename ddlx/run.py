@@ -331,8 +331,9 @@ def train(cfg, output_dir: str | os.PathLike, extra_tags: Mapping[str, str] | No
                 # as the report will read the run; a run that did not finish says its status already
                 why = not_counted(status, unmeasured_because(trainer, timer), measured, cfg.measure.warmup_epochs,
                                   cfg.data.batch_size) if status == "FINISHED" else None
+                diverged = diverged_line(cfg, *module.diverged) if module.diverged is not None else None
                 summary = RunSummary(status, run_id, logger.experiment_id, cfg.logger.tracking_uri, len(timer.epoch_times),
-                                     measured, metrics, checkpoint_file, output_dir, why[1] if why else None)
+                                     measured, metrics, checkpoint_file, output_dir, why[1] if why else None, diverged)
                 print("\n".join(summary.lines()), flush=True)
                 said = said or getattr(getattr(trainer.strategy, "rank_died", None), "said", False)  # a dead rank's, with it
                 if status == "FAILED" and not said:  # an error (out of memory, a lost connection): its last checkpoint resumes
@@ -362,11 +363,19 @@ def fit(cfg: TrainConfig, trainer: pl.Trainer, module: ClassifierModule, datamod
         datamodule.end_workers()
         end_distributed_job(trainer.strategy)
         learnt = {"stage_layers": stages_run(module)}  # strategy.balance=auto's cut: what the run's time is of
+        if module.diverged is not None:
+            learnt["diverged"] = diverged_line(cfg, *module.diverged)
         if datamodule.cached is not None:  # part of the workload: a run's loading cost depends on it
             learnt["data_cache"] = "memory" if datamodule.cached else "none"
         tag_run(logger, learnt)
     if (unmeasured := unmeasured_because(trainer, timer)) is not None:
         record_unmeasured(logger, unmeasured)
+
+
+def diverged_line(cfg: TrainConfig, epoch: int, loss: float) -> str:
+    """What a run whose train_loss stopped being finite says of it (its tag ``diverged``, its end)."""
+    return (f"train_loss {loss} in epoch {epoch}: the weights diverged, so training stopped after it; "
+            f"start a new run (this one's checkpoint holds those weights) with a lower optim.lr (now {cfg.optim.lr:g})")
 
 
 def unmeasured_because(trainer: pl.Trainer, timer: EpochTimer) -> str | None:

@@ -341,6 +341,18 @@ def test_ddp_gradient_compression_hooks(hook, tmp_path, shared_data, sequential_
     assert run.data.tags["comm_hook"] == hook
 
 
+def test_data_parallel_ranks_stop_together_when_the_loss_diverges(tmp_path, shared_data):
+    """Each rank decides on the epoch's loss gathered from all of them: none goes on alone (a hang)."""
+    maths = [o for o in SAME_MATHS if not o.startswith(("optim.lr=", "trainer.max_epochs="))]
+    train_here(tmp_path, "strategy=ddp_gloo", "strategy.processes=2", f"paths.data_dir={shared_data}", *maths,
+               "optim.lr=1000", "trainer.max_epochs=5")
+    (run,) = runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    epoch = re.match(r"train_loss (nan|inf) in epoch (\d)", run.data.tags["diverged"])
+    assert epoch and int(epoch[2]) < 5, run.data.tags["diverged"]
+    assert run.data.metrics["measured_epochs"] == int(epoch[2])
+    _assert_no_process_left(tmp_path)
+
+
 def _assert_no_process_left(workdir: Path) -> None:
     import psutil
 

@@ -190,6 +190,24 @@ def test_oversized_pair_is_refused_before_training(tiny_config, monkeypatch, tmp
 
 
 @pytest.mark.integration
+def test_a_run_whose_loss_diverges_stops_there_and_says_to_lower_the_learning_rate(tiny_config, tracking_uri, capsys):
+    """NaN weights train nothing: the default run (AlexNet, lr 0.01) ended its 5 epochs at train_loss
+    nan on a machine where its loss blew up in epoch 4, and said nothing of it."""
+    from mlflow.tracking import MlflowClient
+
+    cfg = tiny_config("optim.lr=1000", "trainer.max_epochs=5")
+    train(cfg, output_dir=cfg.paths.root)
+    (run,) = runs(tracking_uri)
+    diverged = run.data.tags["diverged"]
+    epoch = re.match(r"train_loss (nan|inf) in epoch (\d): the weights diverged", diverged)
+    assert epoch and int(epoch[2]) < 5, diverged
+    assert "a lower optim.lr (now 1000)" in diverged
+    assert run.info.status == "FINISHED"
+    assert len(MlflowClient(tracking_uri).get_metric_history(run.info.run_id, "epoch_time_s")) == int(epoch[2]), "stopped there"
+    assert f"  {diverged}\n" in capsys.readouterr().out
+
+
+@pytest.mark.integration
 def test_learns_the_synthetic_classes(tiny_config):
     """On a small synthetic fire set, validation accuracy ends well above chance (1/3)."""
     cfg = tiny_config(

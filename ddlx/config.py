@@ -141,7 +141,7 @@ class PathsConfig:
 class OptimConfig:
     """SGD with momentum (conf/optim/sgd.yaml; Lerat et al. 2022, section 3.2, used lr 0.001)."""
 
-    lr: float = knob(0.01, low=0, low_open=True)
+    lr: float = knob(0.005, low=0, low_open=True)  # docs/configuration.md says why
     momentum: float = knob(0.9, low=0, high=1, high_open=True)
     weight_decay: float = knob(0.0, low=0)
     # The step's implementation (torch.optim.SGD's foreach/fused): auto is torch's own choice

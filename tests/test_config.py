@@ -30,7 +30,7 @@ def train_py(*overrides: str, multirun: bool = False, script: str = "train.py") 
     ("seed=-1", r"seed=-1", r"a value in \[0, 4294967295\], e.g. seed=42"),
     ("data.image_size=abc", r"data.image_size=abc", r"an integer"),
     ("data.batch_size=0", r"data.batch_size=0", r">= 1"),
-    ("optim.lr=-1", r"optim.lr=-1.0", r"> 0, e.g. optim.lr=0.01"),
+    ("optim.lr=-1", r"optim.lr=-1.0", r"> 0, e.g. optim.lr=0.005"),
     ("data.val_fraction=1", r"data.val_fraction=1.0", r"in \[0, 1\)"),
     ("data.num_workers=-1", r"data.num_workers=-1", r">= 0"),
     ("data.batchsize=8", r"data.batchsize is not a key of data", r"did you mean data.batch_size\?"),

@@ -269,8 +269,8 @@ def test_a_checkpoint_resumes_only_the_run_it_belongs_to(tiny_config, tracking_u
     job = ["model=resnet18", *FULL]
     train(tiny_config(*job), tmp_path / "a")
     checkpoint = tmp_path / "a" / "checkpoints" / "last.ckpt"
-    with pytest.raises(ConfigError, match=r"ckpt_path=.*was written by a run with optim.lr=0.01 \(now 0.05\).*"
-                                          r"resume with optim.lr=0.01"):
+    with pytest.raises(ConfigError, match=r"ckpt_path=.*was written by a run with optim.lr=0.005 \(now 0.05\).*"
+                                          r"resume with optim.lr=0.005"):
         train(tiny_config(*job, "optim.lr=0.05", f"ckpt_path={checkpoint}"), tmp_path / "b")
     with pytest.raises(ConfigError, match=r"ckpt_path=.*nope.ckpt does not exist"):
         train(tiny_config(*job, f"ckpt_path={tmp_path}/nope.ckpt"), tmp_path / "c")

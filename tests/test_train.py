@@ -191,8 +191,8 @@ def test_oversized_pair_is_refused_before_training(tiny_config, monkeypatch, tmp
 
 @pytest.mark.integration
 def test_a_run_whose_loss_diverges_stops_there_and_says_to_lower_the_learning_rate(tiny_config, tracking_uri, capsys):
-    """NaN weights train nothing: the default run (AlexNet, lr 0.01) ended its 5 epochs at train_loss
-    nan on a machine where its loss blew up in epoch 4, and said nothing of it."""
+    """NaN weights train nothing: train.py's default run (AlexNet, then at lr 0.01) ended its 5
+    epochs at train_loss nan where its loss blew up in epoch 4, and said nothing of it."""
     from mlflow.tracking import MlflowClient
 
     cfg = tiny_config("optim.lr=1000", "trainer.max_epochs=5")

@@ -43,5 +43,9 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     check_command_line(sys.argv[1:], PROJECT_DIR / "conf", "train")  # every job, before Hydra starts one
-    main()
+    try:
+        main()
+    except BaseException:  # a job that failed (Hydra exits 1 after the last job), a stop signal
+        end_sweep(failed=True)  # what the runs came to; the failure's own exit status stands
+        raise
     end_sweep()  # a sweep ends with what its runs came to; one whose jobs were refused, with status 1

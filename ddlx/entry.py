@@ -157,7 +157,7 @@ def run_training_job(fn: Callable[[], Any], in_sweep: bool, overrides: list[str]
     except SweepJobRefused:
         if not jobs_run_in_this_process():
             raise  # the launcher counts the job failed by its exception (refused on every rank alike)
-        REFUSED_JOBS.append(shell_words(*overrides))  # said once, and the sweep's exit status: exit_if_jobs_refused
+        REFUSED_JOBS.append(shell_words(*overrides))  # said once, and the sweep's exit status: end_sweep
         return None
     except CheckpointNotWritten as err:
         _end_job_with_error(err)
@@ -218,18 +218,20 @@ def note_sweep_job(tags: dict[str, str], logger_cfg) -> None:
         SWEEPS_RUN[(tags["sweep_id"], logger_cfg.tracking_uri, logger_cfg.experiment_name)] = None
 
 
-def end_sweep() -> None:
-    """After a sweep: what its runs came to and the command that compares them; then exit 1 when
-    any of its jobs was refused before training (each said why as it came, and has a FAILED run
-    with the reason)."""
+def end_sweep(failed: bool = False) -> None:
+    """After a sweep: what its runs came to and the command that compares them; then, unless it
+    ``failed`` (its own exit status stands), exit 1 when any of its jobs was refused before
+    training (each said why as it came, and has a FAILED run with the reason)."""
     from .report import sweep_end
 
     for sweep_id, tracking_uri, experiment in SWEEPS_RUN:
         try:
             print("\n".join(sweep_end(sweep_id, tracking_uri, experiment)), flush=True)
-        except ValueError as err:  # the store unreachable now: each run said where it is
-            print(f"ddlx: sweep {sweep_id} ended; its runs could not be read back ({err})", file=sys.stderr)
-    if REFUSED_JOBS:
+        except Exception as err:  # noqa: BLE001 (a summary: the store unreachable now, each run said where it is)
+            if not failed:  # a failed sweep said why already (a store that refused is one)
+                print(f"ddlx: sweep {sweep_id} ended; its runs could not be read back ({type(err).__name__}: {err})",
+                      file=sys.stderr)
+    if REFUSED_JOBS and not failed:
         print(f"ddlx: {len(REFUSED_JOBS)} job(s) of the sweep refused before training (FAILED runs, with the reason): "
               + "; ".join(REFUSED_JOBS), file=sys.stderr)
         raise SystemExit(1)

@@ -59,8 +59,8 @@ class ClassifierModule(pl.LightningModule):
     def on_train_epoch_end(self) -> None:
         loss = self._log_epoch("train", self.train_loss, self.train_acc)
         if loss is not None and not torch.isfinite(loss) and self.diverged is None:
-            # The weights are NaN or inf: every further epoch would train nothing. The loss is the
-            # same on every rank (gathered), so all of them stop at this epoch's end.
+            # The weights diverged (their logits overflow): every further epoch would train nothing.
+            # The loss is the same on every rank (gathered), so all of them stop at this epoch's end.
             self.diverged = (self.current_epoch + 1, float(loss))
             self.trainer.should_stop = True
 

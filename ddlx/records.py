@@ -237,19 +237,22 @@ def not_measured(run: MeasuredRun) -> tuple[str, str] | None:
     when they are: :func:`not_counted` on what its record holds."""
     unmeasured = run.tags.get("not_measured_because", "no reason recorded") if run.tags.get("measured") == "false" else None
     return not_counted(run.status, unmeasured, run.metrics, int(run.params.get("measure.warmup_epochs", "0") or 0),
-                       int(run.params.get("data.batch_size", "0") or 0))
+                       int(run.params.get("data.batch_size", "0") or 0), diverged="diverged" in run.tags)
 
 
 def not_counted(status: str, unmeasured: str | None, measured: Mapping[str, float], warmup_epochs: int,
-                batch_size: int) -> tuple[str, str] | None:
+                batch_size: int, diverged: bool = False) -> tuple[str, str] | None:
     """The one rule of the report and the recommender, as (kind, the reason in full), None for a run
-    they count: a finished run, measured the ddlx way (``unmeasured``: why not), whose mean either
-    leaves out a warm-up epoch or spans at least :data:`MIN_STEADY_STEPS` steps. ``measured``: its
-    timer's summary. Read from a run's record (:func:`not_measured`) and said at a run's end."""
+    they count: a finished run, measured the ddlx way (``unmeasured``: why not), whose loss stayed
+    finite (``diverged``: it did not), whose mean either leaves out a warm-up epoch or spans at least
+    :data:`MIN_STEADY_STEPS` steps. ``measured``: its timer's summary. Read from a run's record
+    (:func:`not_measured`) and said at a run's end."""
     if status != "FINISHED":
         return f"status {status}", f"status {status}"
     if unmeasured is not None:
         return "not a measurement", f"not a measurement ({unmeasured})"
+    if diverged:  # near a blow-up, values run into denormals, which CPUs compute several times slower
+        return "diverged", "diverged: its train_loss went to NaN or inf, and the epochs before may be slowed by denormal values"
     if not {"mean_epoch_time_s", "mean_samples_per_s"} <= set(measured):
         return "no mean_epoch_time_s", "no mean_epoch_time_s"
     why = short_of_steady_state(warmup_epochs, measured, batch_size)

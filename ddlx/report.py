@@ -51,9 +51,9 @@ def sweep_end(sweep_id: str, tracking_uri: str, experiment: str) -> list[str]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m ddlx.report", description=__doc__.splitlines()[0])
     parser.add_argument("--tracking-uri", default=DEFAULT_STORE,
-                        help="MLflow store holding the runs (default: sqlite:///mlflow.db, train.py's default store when run from the project folder)")
+                        help=f"MLflow store holding the runs (default: {DEFAULT_STORE}, train.py's default store when run from the project folder)")
     parser.add_argument("--experiment", action="append", default=None,
-                        help="experiment(s) to read (repeatable; default: ddlx)")
+                        help=f"experiment(s) to read (repeatable; default: {DEFAULT_EXPERIMENT})")
     parser.add_argument("--sweep-id", default=None,
                         help="only runs of this sweep (their sweep_id tag, e.g. multirun/2026-11-21/10-00-00); 'latest' = the newest sweep")
     parser.add_argument("--out", type=Path, default=None, help="folder for the files (default: reports/<time>)")

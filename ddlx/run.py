@@ -330,8 +330,8 @@ def train(cfg, output_dir: str | os.PathLike, extra_tags: Mapping[str, str] | No
                 measured = timer.summary()
                 # as the report will read the run; a run that did not finish says its status already
                 why = not_counted(status, unmeasured_because(trainer, timer), measured, cfg.measure.warmup_epochs,
-                                  cfg.data.batch_size) if status == "FINISHED" else None
-                diverged = diverged_line(cfg, *module.diverged) if module.diverged is not None else None
+                                  cfg.data.batch_size, module.diverged is not None) if status == "FINISHED" else None
+                diverged = diverged_line(cfg, *module.diverged, trainer.current_epoch) if module.diverged is not None else None
                 summary = RunSummary(status, run_id, logger.experiment_id, cfg.logger.tracking_uri, len(timer.epoch_times),
                                      measured, metrics, checkpoint_file, output_dir, why[1] if why else None, diverged)
                 print("\n".join(summary.lines()), flush=True)
@@ -364,7 +364,7 @@ def fit(cfg: TrainConfig, trainer: pl.Trainer, module: ClassifierModule, datamod
         end_distributed_job(trainer.strategy)
         learnt = {"stage_layers": stages_run(module)}  # strategy.balance=auto's cut: what the run's time is of
         if module.diverged is not None:
-            learnt["diverged"] = diverged_line(cfg, *module.diverged)
+            learnt["diverged"] = diverged_line(cfg, *module.diverged, trainer.current_epoch)
         if datamodule.cached is not None:  # part of the workload: a run's loading cost depends on it
             learnt["data_cache"] = "memory" if datamodule.cached else "none"
         tag_run(logger, learnt)
@@ -372,10 +372,14 @@ def fit(cfg: TrainConfig, trainer: pl.Trainer, module: ClassifierModule, datamod
         record_unmeasured(logger, unmeasured)
 
 
-def diverged_line(cfg: TrainConfig, epoch: int, loss: float) -> str:
-    """What a run whose train_loss stopped being finite says of it (its tag ``diverged``, its end)."""
-    return (f"train_loss {loss} in epoch {epoch}: the weights diverged, so training stopped after it; "
-            f"start a new run (this one's checkpoint holds those weights) with a lower optim.lr (now {cfg.optim.lr:g})")
+def diverged_line(cfg: TrainConfig, epoch: int, loss: float, trained: int) -> str:
+    """What a run whose train_loss stopped being finite in ``epoch`` says of it (its tag
+    ``diverged``, its end); ``trained``: the epochs it ended after."""
+    went_on = f"trainer.min_epochs={cfg.trainer.min_epochs} kept it training to epoch {trained}" if trained > epoch \
+        else "training stopped after it"
+    held = " (its last.ckpt holds the diverged weights)" if cfg.checkpoint.save != "none" else ""
+    return (f"train_loss {loss} in epoch {epoch}: the weights diverged, and {went_on}; start a new run{held} "
+            f"with a lower optim.lr (now {cfg.optim.lr:g})")
 
 
 def unmeasured_because(trainer: pl.Trainer, timer: EpochTimer) -> str | None:

@@ -16,7 +16,9 @@ from ddlx import run as run_module
 from ddlx.errors import ConfigError
 from ddlx.models import ARCHITECTURES
 from ddlx.costmodel.memory import GIB
+from ddlx.records import not_measured
 from ddlx.run import check_memory, train
+from ddlx.tracking import load_runs
 
 EPOCH_METRICS = {"train_loss", "train_acc", "val_loss", "val_acc", "epoch_time_s", "samples_per_s",
                  "data_wait_s", "compute_s", "step_time_s"}
@@ -204,7 +206,11 @@ def test_a_run_whose_loss_diverges_stops_there_and_says_to_lower_the_learning_ra
     assert "a lower optim.lr (now 1000)" in diverged
     assert run.info.status == "FINISHED"
     assert len(MlflowClient(tracking_uri).get_metric_history(run.info.run_id, "epoch_time_s")) == int(epoch[2]), "stopped there"
-    assert f"  {diverged}\n" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"  {diverged}\n" in out
+    assert "not counted by the report or recommend.py: diverged" in out, "its last epochs ran on diverging values"
+    (measured,) = load_runs(tracking_uri, ["ddlx"])
+    assert not_measured(measured)[0] == "diverged", "the report leaves it out, as the run said"
 
 
 @pytest.mark.integration

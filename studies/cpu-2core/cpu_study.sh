@@ -37,7 +37,7 @@ cd "$(dirname "$0")/../.."
 rounds=${1:-1}
 set_name=${2:-new}
 allocator=${3:-auto}
-# optim.lr=0.001 (Lerat et al.'s; the sets above were measured with it): at train.py's default 0.01
+# optim.lr=0.001 (Lerat et al.'s; the sets above were measured with it): at train.py's then-default 0.01
 # VGG11 at 64 px went to NaN in one sequential epoch and to a zero loss in the data-parallel ones,
 # whose denormal gradients then made epochs 3x slower: the timings measured the dynamics, not the setup.
 common=(data=firesmall data.num_images=400 "data.synthetic_size=[128,192]" data.num_workers=0

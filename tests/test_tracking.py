@@ -236,7 +236,7 @@ def test_a_store_this_user_can_only_read_is_reported_and_recommended_from_withou
         refused = run("-m", "ddlx.report", "--tracking-uri", uri)
         assert refused.returncode == 2 and "is not writable" in refused.stderr and "--no-log" in refused.stderr
         from_there = run("-m", "ddlx.report", "--tracking-uri", "sqlite:///mlflow.db", "--no-log", cwd=shared)
-        assert from_there.returncode == 2 and "--out reports/" in from_there.stderr, "its files' default folder: refused first"
+        assert from_there.returncode == 2 and "--out=reports/" in from_there.stderr, "its files' default folder: refused first"
         other = run("-m", "ddlx.report", "--tracking-uri", f"sqlite:///{shared}/notes.db", "--no-log")
         assert other.returncode == 2 and "no MLflow store" in other.stderr and "Traceback" not in other.stderr
 

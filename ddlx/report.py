@@ -7,6 +7,7 @@ shows its runs side by side in the MLflow UI.
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 import sys
 import time
 from pathlib import Path
@@ -38,10 +39,7 @@ def sweep_end(sweep_id: str, tracking_uri: str, experiment: str) -> list[str]:
     """What sweep ``sweep_id``'s runs came to, as the report will count them, and the command
     that reports on them: said at the end of a sweep."""
     runs = load_runs(tracking_uri, [experiment], sweep_id)
-    left_out: dict[str, int] = {}
-    for run in runs:
-        if (why := not_measured(run)) is not None:
-            left_out[why[0]] = left_out.get(why[0], 0) + 1
+    left_out = Counter(why[0] for why in map(not_measured, runs) if why is not None)
     counted = len(runs) - sum(left_out.values())
     reasons = f" (left out: {', '.join(f'{n} {why}' for why, n in left_out.items())})" if left_out else ""
     return [f"ddlx: sweep {sweep_id} ended: {len(runs)} run(s); the report counts {counted}{reasons}",

@@ -331,7 +331,7 @@ def train(cfg, output_dir: str | os.PathLike, extra_tags: Mapping[str, str] | No
                 # as the report will read the run; a run that did not finish says its status already
                 why = not_counted(status, unmeasured_because(trainer, timer), measured, cfg.measure.warmup_epochs,
                                   cfg.data.batch_size, module.diverged is not None) if status == "FINISHED" else None
-                diverged = diverged_line(cfg, *module.diverged, trainer.current_epoch) if module.diverged is not None else None
+                diverged = diverged_line(cfg, module.diverged, trainer.current_epoch)
                 summary = RunSummary(status, run_id, logger.experiment_id, cfg.logger.tracking_uri, len(timer.epoch_times),
                                      measured, metrics, checkpoint_file, output_dir, why[1] if why else None, diverged)
                 print("\n".join(summary.lines()), flush=True)
@@ -363,8 +363,8 @@ def fit(cfg: TrainConfig, trainer: pl.Trainer, module: ClassifierModule, datamod
         datamodule.end_workers()
         end_distributed_job(trainer.strategy)
         learnt = {"stage_layers": stages_run(module)}  # strategy.balance=auto's cut: what the run's time is of
-        if module.diverged is not None:
-            learnt["diverged"] = diverged_line(cfg, *module.diverged, trainer.current_epoch)
+        if (diverged := diverged_line(cfg, module.diverged, trainer.current_epoch)) is not None:
+            learnt["diverged"] = diverged
         if datamodule.cached is not None:  # part of the workload: a run's loading cost depends on it
             learnt["data_cache"] = "memory" if datamodule.cached else "none"
         tag_run(logger, learnt)
@@ -372,9 +372,12 @@ def fit(cfg: TrainConfig, trainer: pl.Trainer, module: ClassifierModule, datamod
         record_unmeasured(logger, unmeasured)
 
 
-def diverged_line(cfg: TrainConfig, epoch: int, loss: float, trained: int) -> str:
-    """What a run whose train_loss stopped being finite in ``epoch`` says of it (its tag
-    ``diverged``, its end); ``trained``: the epochs it ended after."""
+def diverged_line(cfg: TrainConfig, diverged: tuple[int, float] | None, trained: int) -> str | None:
+    """What a run whose train_loss stopped being finite (``diverged``: the module's epoch and loss;
+    None: it did not) says of it (its tag ``diverged``, its end); ``trained``: the epochs it ended after."""
+    if diverged is None:
+        return None
+    epoch, loss = diverged
     went_on = f"trainer.min_epochs={cfg.trainer.min_epochs} kept it training to epoch {trained}" if trained > epoch \
         else "training stopped after it"
     held = " (its last.ckpt holds the diverged weights)" if cfg.checkpoint.save != "none" else ""

@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 from ddlx.entry import register_config, report_config_errors
 from ddlx.config_check import check_command_line, check_recommend_job
 from ddlx.costmodel.hardware import HardwareSpec
+from ddlx.process import exit_without_collecting
 
 ROOT = Path(__file__).resolve().parent
 register_config(ROOT)
@@ -42,6 +43,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    exit_without_collecting()
     hw_options = functools.partial(check_recommend_job, hw_dir=ROOT / "conf" / "hw")
     check_command_line(sys.argv[1:], ROOT / "conf", "recommend", hw_options)  # before Hydra starts the job
     main()

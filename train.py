@@ -22,6 +22,7 @@ from ddlx.entry import (
 from ddlx.command_line import task_overrides
 from ddlx.config_check import check_command_line
 from ddlx.parallel.rank_fork import start_fork_server
+from ddlx.process import exit_without_collecting
 from ddlx.rank_worker import main as rank_entry
 
 PROJECT_DIR = Path(__file__).resolve().parent
@@ -42,6 +43,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    exit_without_collecting()
     check_command_line(sys.argv[1:], PROJECT_DIR / "conf", "train")  # every job, before Hydra starts one
     try:
         main()

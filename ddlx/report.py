@@ -111,4 +111,7 @@ def experiment_ids(tracking_uri: str, names: list[str]) -> list[str]:
 
 
 if __name__ == "__main__":
+    from .process import exit_without_collecting
+
+    exit_without_collecting()
     raise SystemExit(main())

@@ -53,7 +53,7 @@ SMALLEST = {
                        "--threads", "1"], r"\| 0 \| none \| "),
     "epoch_start.py": (["--image-size", "32", "--batch-size", "4", "--num-images", "40", "--workers", "1", "--step-ms", "20",
                         "--epochs", "2", "--rounds", "1"], r"\| plain DataLoader \| [\d.]+ \| [\d.]+ \| "),  # its epoch s
-    "exit_time.py": (["--imports", "torch", "--rounds", "1"], r"\| (?:collected|frozen) \(.+\) \| "),
+    "exit_time.py": (["--imports", "json", "--rounds", "1"], r"\| (?:collected|frozen) \(.+\) \| "),
     "pipeline_stages.py": (["--model", "alexnet", "--image-size", "32", "--batch-size", "8", "--chunks", "2", "--rounds", "1",
                             "--steps", "1", "--schedules"], r"\| 2 \| \[\d+, \d+\] \| "),  # its cut, then stage 1's time
     "step_overhead.py": (["--steps", "5", "--rounds", "1"], r"\| "),

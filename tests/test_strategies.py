@@ -32,7 +32,9 @@ SAME_MATHS = [
 
 
 def train_py(workdir: Path, *overrides: str, timeout: float = 240, runner: list[str] | None = None) -> subprocess.CompletedProcess:
-    """``python train.py`` as a user runs it: for what only the entry point shows (sweeps, mpirun, kills)."""
+    """``python train.py`` as a user runs it: for what only the entry point shows (sweeps, mpirun, kills).
+    Its store is a copy of the session's, its schema made (conftest.with_made_store)."""
+    with_made_store(workdir)
     cmd = [*(runner or []), sys.executable, str(PROJECT_DIR / "train.py"), f"paths.root={workdir}", f"hydra.run.dir={workdir}/run", *overrides]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=subprocess_env(), cwd=workdir)
 

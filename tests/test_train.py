@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import PROJECT_DIR, TINY, compose_config, runs, subprocess_env
+from conftest import PROJECT_DIR, TINY, compose_config, runs, subprocess_env, with_made_store
 
 from ddlx import run as run_module
 from ddlx.errors import ConfigError
@@ -28,7 +28,9 @@ DATASETS = ["firesmall", "firebig", "mnist", "cifar10", "imagenet", "highres"]
 
 
 def run_train_py(tmp_path, *overrides, timeout=300, multirun=False, env=None):
-    """``env``: variables to add to the environment train.py starts in."""
+    """``env``: variables to add to the environment train.py starts in. Its store (paths.root's
+    mlflow.db) is a copy of the session's, its schema made (conftest.with_made_store)."""
+    with_made_store(tmp_path)
     cmd = [sys.executable, str(PROJECT_DIR / "train.py"), *(["-m"] if multirun else []), f"paths.root={tmp_path}", *TINY, *overrides]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=subprocess_env() | (env or {}), cwd=tmp_path)
 

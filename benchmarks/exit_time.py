@@ -8,7 +8,7 @@ and the report call).
 
 Each round starts one child per way, alternating: it imports ``--imports`` (and with ``--train``
 trains a few steps of AlexNet at 32 px, as a job leaves its objects), writes the time, and exits;
-the exit is from that time until its parent sees it end. Medians over the rounds, seconds.
+the exit is from that time until its parent sees it end. Medians over the rounds, milliseconds.
 """
 from __future__ import annotations
 
@@ -62,10 +62,11 @@ def main() -> None:
         for way, freeze in ways.items():
             seconds[way].append(exit_seconds(args.imports, args.train, freeze))
     print(f"imports: {args.imports}{'; trained 3 steps' if args.train else ''}; {args.rounds} round(s)")
-    print("| exit | median s | min s | max s |")
+    print("| exit | median ms | min ms | max ms |")
     print("|---|---|---|---|")
     for way, times in seconds.items():
-        print(f"| {way} | {statistics.median(times):.2f} | {min(times):.2f} | {max(times):.2f} |")
+        ms = [1e3 * t for t in times]
+        print(f"| {way} | {statistics.median(ms):.1f} | {min(ms):.1f} | {max(ms):.1f} |")
 
 
 if __name__ == "__main__":

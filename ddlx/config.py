@@ -34,7 +34,7 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    """The keys of :class:`ddlx.data.datamodule.ImageFolderDataModule` (the datamodule is built from them)."""
+    """The keys of :class:`ddlx.data.image_data.ImageFolderData` (train.py's datamodule is built from them)."""
 
     # null (data=imagefolder): read from the folder at root (ddlx.data.folder)
     name: Optional[str] = None

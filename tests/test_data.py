@@ -126,7 +126,7 @@ def test_transform_follows_the_paper():
 
 
 def test_a_training_sample_flips_by_seed_epoch_and_index(tmp_path):
-    from ddlx.data.datamodule import ImageFileDataset
+    from ddlx.data.image_data import ImageFileDataset
 
     dm = fire_module(tmp_path, num_images=30)
     dm.prepare_data()
@@ -241,7 +241,7 @@ WORKER_KEEPS_FREED_HEAP = textwrap.dedent("""
     import torch
     from torch.utils.data import DataLoader
     from ddlx.allocator import apply_allocator
-    from ddlx.data.datamodule import ForkingLoader
+    from ddlx.data.image_data import ForkingLoader
 
     class Pid(torch.utils.data.Dataset):
         def __len__(self): return 4
@@ -273,3 +273,22 @@ def test_loader_workers_do_not_keep_the_training_process_freed_heap():
     plain, forking = held_mb("plain"), held_mb("forking")
     # Half the freed 256 MB: the PSS of the pages the two processes share swings by tens of MB from run to run.
     assert forking < plain - 128, f"parent and worker hold {forking} MB, with a plain loader {plain} MB (256 MB freed)"
+
+
+def test_the_loading_probe_times_the_loaders_without_importing_lightning(tmp_path):
+    """recommend.py's first call on a machine times loading in its own process, which trains
+    nothing: the probe's loaders are train.py's, without Lightning (3 s of that call to import)."""
+    program = f"""
+import sys
+from ddlx.config import DataConfig
+from ddlx.data.transforms import IMAGENET_MEAN, IMAGENET_STD
+from ddlx.predict.sequential_time import probe_loading
+data = DataConfig(name="firesmall", num_classes=3, channels=3, image_size=32, batch_size=8, num_images=40,
+                  classes={FIRE!r}, num_workers=2, synthetic_dir={str(tmp_path)!r}, synthetic_size=[40, 90],
+                  mean=list(IMAGENET_MEAN), std=list(IMAGENET_STD))
+per_sample = probe_loading(data)()
+print(per_sample > 0, sorted(m for m in ("pytorch_lightning", "lightning_fabric", "torchmetrics") if m in sys.modules))
+"""
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300, env=subprocess_env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines()[-1] == "True []", done.stdout

@@ -81,7 +81,7 @@ def test_grayscale_rgba_palette_and_cmyk_files_all_load(tmp_path, tiny_config):
 def test_a_subset_says_how_many_of_how_many(digits_dir, tiny_config, caplog):
     cfg = typed_config(tiny_config("data=imagefolder", f"data.root={digits_dir}", "data.num_images=100"))
     complete_data_config(cfg.data)
-    with caplog.at_level(logging.INFO, logger="ddlx.data.datamodule"):
+    with caplog.at_level(logging.INFO, logger="ddlx.data.image_data"):
         build_datamodule(cfg.data).setup()
     assert "100 of the 1797 images" in caplog.text
 

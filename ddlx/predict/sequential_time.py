@@ -311,10 +311,10 @@ def probe_loading(cfg_data, max_seconds: float = 30.0) -> Callable[[], float]:
     first. What a loader worker process does per sample, on this machine's core."""
 
     def run() -> float:
-        from ..data.datamodule import build_datamodule
+        from ..data.image_data import ImageFolderData  # not Lightning's datamodule: its import is no part of loading
 
-        dm = build_datamodule(dataclasses.replace(probe_data(cfg_data, 6, min(cfg_data.batch_size, LOADING_PROBE_BATCH)),
-                                                  num_workers=0))
+        dm = ImageFolderData.of_process(dataclasses.replace(
+            probe_data(cfg_data, 6, min(cfg_data.batch_size, LOADING_PROBE_BATCH)), num_workers=0))
         dm.prepare_data()
         dm.setup("fit")
         per_sample, start, spent = [], time.perf_counter(), time.perf_counter()

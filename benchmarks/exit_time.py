@@ -37,15 +37,18 @@ if {train}:
 if {freeze}:
     from ddlx.process import exit_without_collecting
     exit_without_collecting()
-sys.stdout.write(f"{{time.time():.6f}}\\n")
+sys.stdout.write(f"{{time.monotonic():.6f}}\\n")
 sys.stdout.flush()
 """
 
 
 def exit_seconds(imports: str, train: bool, freeze: bool) -> float:
     child = CHILD.format(root=str(ROOT), imports=imports, train=train, freeze=freeze)
-    proc = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, check=True)
-    ended = time.time()
+    proc = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True)
+    ended = time.monotonic()  # (one clock for every process of the machine, on Linux)
+    if proc.returncode != 0:
+        said = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+        sys.exit(f"exit_time.py: the child importing {imports} failed ({said}); give --imports modules that import")
     return ended - float(proc.stdout.strip().splitlines()[-1])
 
 
@@ -56,6 +59,8 @@ def main() -> None:
     parser.add_argument("--train", action="store_true", help="also train a few steps before exiting")
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: expected at least 1")
     ways = {"collected (Python's default)": False, "frozen (exit_without_collecting)": True}
     seconds: dict[str, list[float]] = {way: [] for way in ways}
     for _ in range(args.rounds):

@@ -55,11 +55,12 @@ def name_process(name: str) -> None:
 
 def exit_without_collecting() -> None:
     """At this process's exit, leave its objects to the operating system rather than to Python's
-    last garbage collections, which walk every object torch, torchvision and Lightning made: about
-    2 s of a train.py or recommend.py call's end on the build machine, 0.4 s without them
-    (``benchmarks/exit_time.py``). Registered as the entry point starts, it runs after the exit
-    handlers the job registers (MLflow's, Lightning's); every handler still runs and closes what
-    it owns: frozen objects are only left out of the collections."""
+    last garbage collections, which walk every object torch, torchvision, Lightning and MLflow made
+    (seconds of a train.py call's end: docs/measuring.md, ``benchmarks/exit_time.py``). Registered
+    as the entry point starts, it runs after the exit handlers the job registers (MLflow's,
+    Lightning's); every atexit handler still runs and closes what it owns. What no longer runs at
+    exit is ``__del__`` (and weakref callbacks) of objects left in reference cycles: close files,
+    connections and workers explicitly, not by garbage collection (ddlx does)."""
     import atexit
     import gc
 

@@ -162,7 +162,7 @@ def test_a_question_counts_its_model_in_a_child_while_it_reads_the_runs(tmp_path
     job = Job("resnet18", "firesmall", 3, 3, 32, 16, 64, precision="bf16-mixed")
     child = count_ahead(job, gpu=True)
     wait_for(child)
-    assert child.exitcode == 0
+    assert child.exitcode == 0, f"the child's line: {capfd.readouterr().err[-2000:]}"
     kept = sorted(path.name for path in (tmp_path / "ddlx" / "profiles").iterdir())
     assert len(kept) == 2 and kept[1].endswith(".kernels-1.json"), kept
     calls = []

@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from conftest import PROJECT_DIR
 
 
@@ -24,3 +25,20 @@ raise SystemExit(3)
     assert proc.returncode == 3, proc.stderr
     assert (tmp_path / "later").read_text() == "0", "a handler the job registers runs, before the freeze"
     assert int((tmp_path / "earlier").read_text()) > 0, "one registered before it runs too, the objects frozen by then"
+
+
+@pytest.mark.parametrize("entry", [["train.py"], ["recommend.py"], ["-m", "ddlx.report"]])
+def test_every_entry_point_exits_without_collecting(entry, tmp_path):
+    """train.py, recommend.py and the report each register the freeze (a handler registered
+    before the entry runs sees its objects frozen), whatever their job; ``--help`` is the least."""
+    child = f"""
+import atexit, gc, runpy, sys
+from pathlib import Path
+atexit.register(lambda: Path({str(tmp_path / 'frozen')!r}).write_text(str(gc.get_freeze_count())))
+entry = {entry!r}
+sys.argv = [entry[-1], "--help"]
+runpy.run_module(entry[1], run_name="__main__", alter_sys=True) if entry[0] == "-m" else runpy.run_path(entry[0], run_name="__main__")
+"""
+    proc = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120, cwd=PROJECT_DIR)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert int((tmp_path / "frozen").read_text()) > 0, f"{' '.join(entry)} ends without Python's last collections"

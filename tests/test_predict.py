@@ -151,6 +151,24 @@ def test_a_profile_is_kept_on_disk_read_back_equal_and_counted_again_when_unread
     profile.profile_model.cache_clear()
 
 
+@pytest.mark.parametrize("log", [True, False])
+def test_a_first_question_imports_the_stores_client_while_its_child_counts(tmp_path, monkeypatch, capsys, log):
+    """With no store to read, MLflow's import (seconds) is made while the child counts, not after
+    the answer, where logging the answer needs it; with log=false, not at all."""
+    from ddlx.predict import cli
+
+    said = []
+    monkeypatch.setattr(cli, "count_ahead", lambda job, gpu: said.append("counting") or "child")
+    monkeypatch.setattr(cli, "wait_for", lambda child: said.append(f"waited for the {child}"))
+    monkeypatch.setattr(cli, "import_store_client", lambda uri: said.append(f"imported for {uri}"))
+    uri = f"sqlite:///{tmp_path / 'new.db'}"
+    cfg = _compose_recommend("hw=titanrtx_4x", "probe=false", "output=json", f"paths.root={tmp_path}", f"log={log}",
+                             f"logger.tracking_uri={uri}", "cpu_allocator=system")
+    run_recommend(cfg, tmp_path / "out", CONF_DIR / "hw")
+    assert json.loads(capsys.readouterr().out)["runs"].startswith("no MLflow store")
+    assert said == ["counting", *([f"imported for {uri}"] if log else []), "waited for the child"]
+
+
 def test_a_question_counts_its_model_in_a_child_while_it_reads_the_runs(tmp_path, monkeypatch, capfd):
     """recommend.py's child fills the profile cache with what this process would count (the
     answer then reads it instead of counting); a child that fails says why in one line (it once

@@ -19,7 +19,7 @@ from ..job import Batches, Job, cache_outcome, images_of_training_split, split_t
 from ..models import check_request
 from ..records import left_out
 from ..strategies import BASELINE
-from ..tracking import check_tracking_uri, load_runs, log_result_run, store_exists
+from ..tracking import check_tracking_uri, import_store_client, load_runs, log_result_run, store_exists
 from ..ui import is_server
 from ..costmodel.hardware import GB, HardwareSpec, detect_local, machine_identity, validate
 from .count_ahead import count_ahead, wait_for
@@ -184,6 +184,8 @@ def run(composed: DictConfig, out_dir: Path, hw_dir: Path, job_overrides: list[s
     apply_allocator(cfg.cpu_allocator)  # the probes train as the job would
     counting = count_ahead(job, target.device_kind == "gpu") if job is not None else None
     runs, note = measured_runs(cfg)
+    if counting is not None and cfg.mode == "recommend" and cfg.log:
+        import_store_client(cfg.logger.tracking_uri)  # with no store to read, MLflow's import was not made yet
     wait_for(counting)
     probe = loading = None
     if cfg.probe:

@@ -74,7 +74,7 @@ def decoded_bytes(images: int, channels: int, image_size: int) -> int:
 
 
 def keep_decoded(datasets: Sequence, choice: str, channels: int, image_size: int) -> bool:
-    """Decode every image of ``datasets`` (:class:`.datamodule.ImageFileDataset`) into memory
+    """Decode every image of ``datasets`` (:class:`.image_data.ImageFileDataset`) into memory
     this machine's processes share and have each dataset read its images from there, when
     ``choice`` and the RAM allow it on every machine; returns whether it did. Collective: every
     process of the job calls it with the same datasets (the processes of one machine each decode

@@ -8,7 +8,7 @@ sampler never ends: it hands the workers the next epoch's batches as soon as thi
 ones are handed out, so they are loaded while this epoch trains and validates, as timm's
 ``MultiEpochsDataLoader`` does. The loader still yields one epoch per ``iter()``, the same
 batches in the same order: an epoch's permutation and flips follow from the seed and the epoch
-number alone (:class:`.datamodule.ResumableSampler`), whenever they are drawn.
+number alone (:class:`.image_data.ResumableSampler`), whenever they are drawn.
 """
 from __future__ import annotations
 

@@ -195,7 +195,7 @@ def build_trainer(cfg: TrainConfig, plan, logger, output_dir: Path, callbacks: l
             enable_checkpointing=bool(saving),
             plugins=[checkpoint_writer(cfg.checkpoint.background), *cluster_environment_plugins(arguments.get("strategy"))],
             default_root_dir=str(output_dir),
-            use_distributed_sampler=False,  # the datamodule shards (see ImageFolderDataModule._loader)
+            use_distributed_sampler=False,  # the datamodule shards (see ddlx/data/image_data.py, ImageFolderData._loader)
         )
     except (MisconfigurationException, ValueError, TypeError) as err:
         raise ConfigError(f"Lightning refused the trainer settings: {err}; check the trainer.* values") from err

@@ -282,7 +282,8 @@ def store_lock(tracking_uri: str) -> Iterator[None]:
 def import_store_client(tracking_uri: str) -> None:
     """Import what writing to ``tracking_uri`` takes (MLflow's client and, for an SQLite store, its
     SQLAlchemy store: about 1.7 s on the build machine), ahead of the write: recommend.py does it
-    while its child counts, where no store was there to read."""
+    while its child counts, where no store was there to read (reading one imports them: other
+    database stores, a server, are read before)."""
     import mlflow.tracking  # noqa: F401
 
     if sqlite_path(tracking_uri) is not None:

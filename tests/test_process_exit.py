@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import PROJECT_DIR
+from conftest import PROJECT_DIR, subprocess_env
 
 
 def test_an_exit_without_collecting_still_runs_every_handler_and_keeps_its_status(tmp_path):
@@ -39,6 +39,7 @@ entry = {entry!r}
 sys.argv = [entry[-1], "--help"]
 runpy.run_module(entry[1], run_name="__main__", alter_sys=True) if entry[0] == "-m" else runpy.run_path(entry[0], run_name="__main__")
 """
-    proc = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120, cwd=PROJECT_DIR)
+    proc = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120, cwd=PROJECT_DIR,
+                          env=subprocess_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert int((tmp_path / "frozen").read_text()) > 0, f"{' '.join(entry)} ends without Python's last collections"

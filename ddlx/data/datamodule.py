@@ -1,5 +1,5 @@
-"""The LightningDataModule train.py trains from: :class:`~.image_data.ImageFolderData` with
-Lightning's hooks (its trainer, checkpointed loader state)."""
+"""The LightningDataModule train.py trains from: :class:`~.image_data.ImageFolderData` (whose
+loaders follow ``self.trainer`` where Lightning sets one) with LightningDataModule's hook machinery."""
 from __future__ import annotations
 
 import pytorch_lightning as pl
@@ -13,6 +13,5 @@ class ImageFolderDataModule(ImageFolderData, pl.LightningDataModule):
 
 
 def build_datamodule(data, data_parallel: int = 1) -> ImageFolderDataModule:
-    """The datamodule for one process from the typed ``data`` config: ``data.batch_size`` is the
-    global batch, split evenly."""
+    """The datamodule for one process (:meth:`ImageFolderData.of_process`)."""
     return ImageFolderDataModule.of_process(data, data_parallel)

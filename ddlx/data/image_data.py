@@ -303,7 +303,7 @@ class ImageFolderData:
         n_val = validation_images(len(chosen), self.data.val_fraction)
         train, val = chosen[n_val:], chosen[:n_val]
         folder_holds = None if self.is_synthetic else len(samples)
-        data_parallel = self.data.batch_size // self.batch_size  # build_datamodule: this process's share
+        data_parallel = self.data.batch_size // self.batch_size  # of_process: this process's share
         if problem := split_too_small(len(chosen), self.data.val_fraction, self.data.batch_size, folder_holds, data_parallel):
             raise ConfigError(problem)
         mode = "L" if self.data.channels == 1 else "RGB"

@@ -184,8 +184,8 @@ def run(composed: DictConfig, out_dir: Path, hw_dir: Path, job_overrides: list[s
     apply_allocator(cfg.cpu_allocator)  # the probes train as the job would
     counting = count_ahead(job, target.device_kind == "gpu") if job is not None else None
     runs, note = measured_runs(cfg)
-    if counting is not None and cfg.mode == "recommend" and cfg.log:
-        import_store_client(cfg.logger.tracking_uri)  # with no store to read, MLflow's import was not made yet
+    if counting is not None and cfg.log and not store_exists(cfg.logger.tracking_uri):
+        import_store_client(cfg.logger.tracking_uri)  # no store was read: MLflow's import, while the child counts
     wait_for(counting)
     probe = loading = None
     if cfg.probe:

@@ -154,6 +154,23 @@ def test_a_deleted_experiment_is_refused_with_the_ways_out(tmp_path):
     assert experiment_id(client, "here", uri, None) == client.get_experiment_by_name("here").experiment_id
 
 
+
+@pytest.mark.parametrize("scheme", ["sqlite", "http"])
+def test_importing_a_stores_client_ahead_imports_what_its_write_needs_and_writes_nothing(tmp_path, scheme):
+    """recommend.py imports MLflow's client while its child counts (import_store_client): in a
+    fresh process, the modules the store's write imports (the SQLAlchemy store for an SQLite path)
+    are imported, no store is made, and a module MLflow moved fails here rather than in a user's answer."""
+    uri = f"sqlite:///{tmp_path / 'new.db'}" if scheme == "sqlite" else "http://127.0.0.1:9"
+    script = ("import sys; from ddlx.tracking import import_store_client; import_store_client(sys.argv[1]); "
+              "print(' '.join(m for m in ('mlflow.tracking', 'mlflow.store.tracking.sqlalchemy_store') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", script, uri], env=subprocess_env(), capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    imported = done.stdout.split()
+    assert "mlflow.tracking" in imported
+    assert ("mlflow.store.tracking.sqlalchemy_store" in imported) == (scheme == "sqlite")
+    assert list(tmp_path.iterdir()) == [], "nothing written: the store is made only when the answer is logged"
+
 WRITER = """
 import sys
 from ddlx.tracking import prepare_store

@@ -11,7 +11,7 @@ import os
 import random
 import shlex
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -287,20 +287,42 @@ def _as_override(text: str | None) -> str:
     return shlex.quote(text)
 
 
-def _fix_words(refused: Mapping[str, str], flat_then: Mapping[str, str]) -> list[str]:
-    """The overrides that give back the checkpoint's run its settings ``refused``; another strategy
-    as its group and every knob it had (the strategy now may not have those knobs)."""
-    keys = sorted(refused)
-    if "strategy.name" not in refused:
-        return [f"{k}={_as_override(flat_then.get(k))}" for k in keys]
-    knobs = sorted(k for k in flat_then if k.startswith("strategy.") and k != "strategy.name")
-    return [f"strategy={flat_then['strategy.name']}", *(f"{k}={_as_override(flat_then[k])}" for k in knobs),
-            *(f"{k}={_as_override(flat_then.get(k))}" for k in keys if not k.startswith("strategy."))]
+# Groups whose option the config names as <group>.name: another option is given back as the option.
+NAMED_GROUPS = ("strategy", "model", "data")
 
 
-def check_resumable(saved: SavedRun, flat_now: Mapping[str, str], flatten) -> dict[str, str]:
+def _fix_words(refused: Mapping[str, str], flat_then: Mapping[str, str], flat_now: Mapping[str, str],
+               option_params: Callable[[str], Mapping[str, str] | None] | None) -> tuple[list[str], list[str]]:
+    """(the differences as said, the overrides that give the checkpoint's run back its settings
+    ``refused``). Another option of a group (``data=cifar10`` for ``firesmall``) is said and given
+    back as the option, with those of its keys that the run had set otherwise or this command sets
+    (``option_params``: the values an option sets, None where they cannot be composed: then every
+    key of the group is given); other keys as they were."""
+    said, words = [], []
+    switched = [g for g in NAMED_GROUPS if f"{g}.name" in refused]
+    for group in switched:
+        then, now = flat_then[f"{group}.name"], refused[f"{group}.name"]
+        of_then = option_params(f"{group}={then}") if option_params else None
+        of_now = option_params(f"{group}={now}") if option_params and now != "(unset)" else None
+        said.append(f"{group}={then} (now {now})")
+        words.append(f"{group}={then}")
+        for key in sorted(k for k in flat_then if k.startswith(f"{group}.") and k != f"{group}.name"):
+            set_then = of_then is None or of_then.get(key) != flat_then[key]
+            set_now = key in refused and (of_now is None or of_now.get(key) != flat_now.get(key))
+            if set_then and not key.startswith(MAY_CHANGE_ON_RESUME) or set_now:
+                words.append(f"{key}={_as_override(flat_then[key])}")
+            if key in refused and (set_then or set_now):
+                said.append(f"{key}={flat_then[key]} (now {refused[key]})")
+    others = sorted(k for k in refused if not k.startswith(tuple(f"{g}." for g in switched)))
+    said += [f"{k}={flat_then.get(k)} (now {refused[k]})" for k in others]
+    words += [f"{k}={_as_override(flat_then.get(k))}" for k in others]
+    return said, words
+
+
+def check_resumable(saved: SavedRun, flat_now: Mapping[str, str], flatten, option_params=None) -> dict[str, str]:
     """The settings a resumed run changes (``MAY_CHANGE_ON_RESUME``); any other difference from
-    the checkpoint's run is a :class:`ConfigError` naming it."""
+    the checkpoint's run is a :class:`ConfigError` naming it and the overrides that undo it
+    (``option_params``: see :func:`_fix_words`)."""
     if not saved.config:
         return {}
     flat_then = flatten(saved.config)
@@ -316,8 +338,7 @@ def check_resumable(saved: SavedRun, flat_now: Mapping[str, str], flatten) -> di
         raise ConfigError(f"ckpt_path={saved.path} was written by a run on {then}, and this one would train on {now}: "
                           f"one run of two datasets; resume on the same data, or start a new run without ckpt_path")
     if refused:
-        was = ", ".join(f"{k}={flat_then.get(k)} (now {v})" for k, v in sorted(refused.items()))
-        fix = " ".join(_fix_words(refused, flat_then))
-        raise ConfigError(f"ckpt_path={saved.path} was written by a run with {was}: a resumed run keeps its "
-                          f"settings; resume with {fix}, or start a new run without ckpt_path")
+        said, words = _fix_words(refused, flat_then, flat_now, option_params)
+        raise ConfigError(f"ckpt_path={saved.path} was written by a run with {', '.join(said)}: a resumed run keeps its "
+                          f"settings; resume with {' '.join(words)}, or start a new run without ckpt_path")
     return {k: v for k, v in changed.items() if k != "ckpt_path"}

@@ -91,6 +91,30 @@ def typed_config(cfg: DictConfig):
         raise explain(err) from None
 
 
+
+def option_params(option: str) -> dict[str, str] | None:
+    """The params (flattened as a run's) of train.py's config given only ``option`` (``data=firesmall``):
+    its group's values as that option sets them. None where it cannot be composed (the option is
+    gone, no config folder): the caller then names every value itself."""
+    from dataclasses import asdict
+
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from .tracking import flatten_config
+
+    def params() -> dict[str, str]:
+        return flatten_config(asdict(typed_config(compose(config_name="train", overrides=[option]))))
+
+    try:
+        if GlobalHydra.instance().is_initialized():  # in train.py's job: the config folder it composed from
+            return params()
+        conf = Path(OmegaConf.create({"project": "${project_dir:}"}).project) / "conf"
+        with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+            return params()
+    except Exception:  # noqa: BLE001 - (another launcher's process, a moved folder): the caller's longer words stand
+        return None
+
 def typed_recommend_config(cfg: DictConfig):
     """recommend.py's config but ``hw`` as a :class:`~ddlx.config.RecommendConfig`; a key it does
     not have, a value of the wrong type or out of its range is a :class:`ConfigError` naming it."""

@@ -34,7 +34,7 @@ from .checkpoints import (
     read_saved_run,
 )
 from .config import TrainConfig, TrainerConfig
-from .config_check import typed_config
+from .config_check import option_params, typed_config
 from .console import EpochLines, RunSummary, is_terminal, silence_known_noise
 from .data.datamodule import build_datamodule
 from .data.folder import complete_data_config
@@ -438,7 +438,7 @@ def prepare_job(cfg: TrainConfig, tags: dict, rank0: bool):
         if cut:
             raise ConfigError(cut)
         tags["resume_changes"] = " ".join(f"{k}={v}" for k, v in check_resumable(
-            saved, flatten_config(asdict(cfg)), flatten_config).items()) or None
+            saved, flatten_config(asdict(cfg)), flatten_config, option_params).items()) or None
         tags["resumed_from"] = str(saved.path)
     datamodule = build_datamodule(cfg.data, plan.data_parallel)
     if cfg.memory_check:

@@ -772,6 +772,37 @@ def test_local_rates_are_timed_once_per_machine(tmp_path, monkeypatch):
     assert hardware(_compose_hw("hw=local"), tmp_path).memory_bandwidth_gb_s == 3.0
 
 
+
+def test_a_question_times_this_machines_rates_only_for_a_machine_of_its_kind(tmp_path, monkeypatch, capsys):
+    """On a CPU machine, a GPU question (its first on the machine) leaves this machine's rates
+    untimed (a second): nothing in its answer reads them. Compared with a CPU machine, they are
+    timed, and the GPU answer is the same with rates a thousand times off."""
+    from ddlx.costmodel import hardware as hw_module
+
+    if hardware(_compose_hw("hw=local"), None, timed=False).device_kind != "cpu":
+        pytest.skip("this machine has a GPU: a GPU question prices it")
+    timed = []
+
+    def rates(spec):
+        timed.append(spec.name)
+        return {"peak_tflops": 1e-3, "peak_tflops_by_type": {"bf16": 1e-3}, "memory_bandwidth_gb_s": 1e-2,
+                "node_memory_bandwidth_gb_s": 1e-2}
+
+    monkeypatch.setattr(hw_module, "_measure_rates", rates)
+
+    def answer(*overrides):
+        cfg = _compose_recommend("hw=titanrtx_4x", "probe=false", "output=json", "log=false", f"paths.root={tmp_path}",
+                                 f"detected_dir={tmp_path / 'hw'}", "cpu_allocator=system", *overrides)
+        run_recommend(cfg, tmp_path / "out", CONF_DIR / "hw")
+        return json.loads(capsys.readouterr().out)
+
+    alone = answer()
+    assert timed == [] and not (tmp_path / "hw").exists(), "no rate timed, none kept"
+    compared = answer("compare=[cpu_2core_cluster]")
+    assert timed == ["local"], "timed for the CPU machine compared"
+    gpu_only = {k: v for k, v in compared.items() if k not in ("compared", "comparison", "seconds")}
+    assert gpu_only == {k: v for k, v in alone.items() if k != "seconds"}
+
 def test_bad_hw_configs_are_clear_errors():
     with pytest.raises(Exception, match="Could not override 'hw.bogus'"):
         _compose_hw("hw=titanrtx_4x", "hw.bogus=1")

@@ -178,12 +178,13 @@ TIMED_RATES = {"cpu": ("peak_tflops", "peak_tflops_by_type", "memory_bandwidth_g
                "gpu": ("memory_bandwidth_gb_s",)}
 
 
-def detect_local(spec: HardwareSpec, cache_dir: Path | None = None, refresh: bool = False) -> HardwareSpec:
+def detect_local(spec: HardwareSpec, cache_dir: Path | None = None, refresh: bool = False, timed: bool = True) -> HardwareSpec:
     """hw=local: this machine's cores, memory and GPUs (link figures come from the file / probe).
 
     The timed rates (GEMM rate, copy bandwidths) are read from ``cache_dir/detected_<host>.json``
     when it was written for this same machine (host, device, core and device counts), else
-    measured and written there; ``refresh`` measures them again (``mode=probe`` does)."""
+    measured and written there; ``refresh`` measures them again (``mode=probe`` does). Not
+    ``timed``: the file's rates are left, for a caller that needs only which machine this is."""
     import psutil
     import torch
 
@@ -205,6 +206,8 @@ def detect_local(spec: HardwareSpec, cache_dir: Path | None = None, refresh: boo
         spec.device_kind, spec.device_name = "cpu", cpu_model()
         spec.devices_per_node = spec.cores_per_node
         spec.memory_per_device_gb = spec.ram_per_node_gb
+    if not timed:
+        return spec
     machine = machine_identity(spec)
     path = cache_dir / f"detected_{spec.host}.json" if cache_dir is not None else None
     rates = None if refresh or path is None else _cached_rates(path, machine, TIMED_RATES[spec.device_kind])

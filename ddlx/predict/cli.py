@@ -45,7 +45,7 @@ MODES = ("recommend", "validate", "probe")
 OUTPUTS = ("table", "json")
 
 
-def hardware(cfg_hw: DictConfig, detected_dir: Path | None = None, refresh: bool = False) -> HardwareSpec:
+def hardware(cfg_hw: DictConfig, detected_dir: Path | None = None, refresh: bool = False, timed: bool = True) -> HardwareSpec:
     """The typed, checked description: unknown keys and missing values are named. ``detected_dir``
     keeps hw=local's timed rates per machine (:func:`~ddlx.costmodel.hardware.detect_local`)."""
     from dataclasses import fields
@@ -64,18 +64,20 @@ def hardware(cfg_hw: DictConfig, detected_dir: Path | None = None, refresh: bool
         raise ConfigError(f"hw={name}: hw.{err.full_key.removeprefix('hw.')} is missing; every machine description "
                           f"needs it (see conf/hw/titanrtx_4x.yaml)") from None
     if spec.detect:
-        detect_local(spec, detected_dir, refresh)
+        detect_local(spec, detected_dir, refresh, timed)
     return validate(spec)
 
 
-def local_hardware(target: HardwareSpec, hw_dir: Path, detected_dir: Path | None = None, refresh: bool = False) -> HardwareSpec:
-    """This machine: the target itself when it is this machine, else detected from local.yaml."""
+def local_hardware(target: HardwareSpec, hw_dir: Path, detected_dir: Path | None = None, refresh: bool = False,
+                   timed: bool = True) -> HardwareSpec:
+    """This machine: the target itself when it is this machine, else detected from local.yaml
+    (``timed=False``: its host, cores and devices only, local.yaml's placeholder rates left as they are)."""
     if target.detect or target.host:
         import socket
 
         if target.host == socket.gethostname():
             return target
-    return hardware(load_hw_file(hw_dir / "local.yaml"), detected_dir, refresh)
+    return hardware(load_hw_file(hw_dir / "local.yaml"), detected_dir, refresh, timed)
 
 
 def job_from_config(cfg: RecommendConfig) -> Job:
@@ -180,7 +182,15 @@ def run(composed: DictConfig, out_dir: Path, hw_dir: Path, job_overrides: list[s
         print(json.dumps(doc, indent=2) if cfg.output == "json" else f"wrote {path}: {doc['intra_node']}, "
               f"memory {doc['memory_bandwidth_gb_s']} GB/s per core; use it with hw={doc['name']}")
         return
-    local = local_hardware(target, hw_dir, detected_dir)
+    hw_overrides = tuple(hw_overrides or ())
+    # Each machine once, hw= first; hw=X changed by overrides and compare=[X]: the two of them.
+    named = dict.fromkeys(name for name in cfg.compare or [] if name != target.name or hw_overrides)
+    others = [hardware(load_hw_file(hw_dir / f"{name}.yaml"), detected_dir) for name in named] if job is not None else []
+    identity = local_hardware(target, hw_dir, detected_dir, timed=False)  # what this machine's kept probes are kept under
+    # This machine's timed rates (a second, once per machine) price only machines of its kind: a CPU's
+    # count for no GPU target, whose loading probe needs no rate.
+    same_kind = cfg.mode == "validate" or any(m.device_kind == identity.device_kind for m in [target, *others])
+    local = local_hardware(target, hw_dir, detected_dir) if same_kind else None
     apply_allocator(cfg.cpu_allocator)  # the probes train as the job would
     counting = count_ahead(job, target.device_kind == "gpu") if job is not None else None
     runs, note = measured_runs(cfg)
@@ -189,16 +199,12 @@ def run(composed: DictConfig, out_dir: Path, hw_dir: Path, job_overrides: list[s
     wait_for(counting)
     probe = loading = None
     if cfg.probe:
-        probe, loading = kept_probes(cfg, runs, local, detected_dir)
+        probe, loading = kept_probes(cfg, runs, identity, detected_dir)
     if cfg.mode == "validate":
         report_validation(cfg, Predictor(target, runs, local, probe, loading), note, out_dir, started)
         return
     tries, own = check_tries(cfg.candidates)
     batches = Batches(cfg.data.batch_per, tuple(own))
-    hw_overrides = tuple(hw_overrides or ())
-    # Each machine once, hw= first; hw=X changed by overrides and compare=[X]: the two of them.
-    named = dict.fromkeys(name for name in cfg.compare or [] if name != target.name or hw_overrides)
-    others = [hardware(load_hw_file(hw_dir / f"{name}.yaml"), detected_dir) for name in named]
     recs = []
     for machine in [target, *others]:  # the same question on each machine, the runs and probes of this one shared
         on_it = job if machine is target else dataclasses.replace(job, data_cache=cache_of(job, cfg, machine))

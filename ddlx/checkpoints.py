@@ -292,12 +292,15 @@ NAMED_GROUPS = ("strategy", "model", "data")
 
 
 def _fix_words(refused: Mapping[str, str], flat_then: Mapping[str, str], flat_now: Mapping[str, str],
-               option_params: Callable[[str], Mapping[str, str] | None] | None) -> tuple[list[str], list[str]]:
+               option_params: Callable[[str], Mapping[str, str] | None] | None,
+               command_keys: frozenset[str] | None) -> tuple[list[str], list[str]]:
     """(the differences as said, the overrides that give the checkpoint's run back its settings
-    ``refused``). Another option of a group (``data=cifar10`` for ``firesmall``) is said and given
-    back as the option, with those of its keys that the run had set otherwise or this command sets
-    (``option_params``: the values an option sets, None where they cannot be composed: then every
-    key of the group is given); other keys as they were."""
+    ``refused``, in place of the command's own option of each group). Another option of a group
+    (``data=cifar10`` for ``firesmall``) is said and given back as the option, with those of its
+    keys that the run had set otherwise or this command sets (``command_keys``: the keys its
+    overrides name; None: those that differ from the option's). ``option_params``: the values an
+    option sets; where they cannot be composed (None, or the option is gone), every key of the
+    group is given, with ``model.name``/``data.name`` for the option. Other keys as they were."""
     said, words = [], []
     switched = [g for g in NAMED_GROUPS if f"{g}.name" in refused]
     for group in switched:
@@ -305,10 +308,12 @@ def _fix_words(refused: Mapping[str, str], flat_then: Mapping[str, str], flat_no
         of_then = option_params(f"{group}={then}") if option_params else None
         of_now = option_params(f"{group}={now}") if option_params and now != "(unset)" else None
         said.append(f"{group}={then} (now {now})")
-        words.append(f"{group}={then}")
+        # strategy=: each strategy has its own keys; models and datasets share theirs.
+        words.append(f"{group}={then}" if of_then is not None or group == "strategy" else f"{group}.name={then}")
         for key in sorted(k for k in flat_then if k.startswith(f"{group}.") and k != f"{group}.name"):
             set_then = of_then is None or of_then.get(key) != flat_then[key]
-            set_now = key in refused and (of_now is None or of_now.get(key) != flat_now.get(key))
+            set_now = key in refused and (key in command_keys if command_keys is not None
+                                          else of_now is None or of_now.get(key) != flat_now.get(key))
             if set_then and not key.startswith(MAY_CHANGE_ON_RESUME) or set_now:
                 words.append(f"{key}={_as_override(flat_then[key])}")
             if key in refused and (set_then or set_now):
@@ -319,10 +324,11 @@ def _fix_words(refused: Mapping[str, str], flat_then: Mapping[str, str], flat_no
     return said, words
 
 
-def check_resumable(saved: SavedRun, flat_now: Mapping[str, str], flatten, option_params=None) -> dict[str, str]:
+def check_resumable(saved: SavedRun, flat_now: Mapping[str, str], flatten, option_params=None,
+                    command_keys: frozenset[str] | None = None) -> dict[str, str]:
     """The settings a resumed run changes (``MAY_CHANGE_ON_RESUME``); any other difference from
     the checkpoint's run is a :class:`ConfigError` naming it and the overrides that undo it
-    (``option_params``: see :func:`_fix_words`)."""
+    (``option_params``, ``command_keys``: see :func:`_fix_words`)."""
     if not saved.config:
         return {}
     flat_then = flatten(saved.config)
@@ -338,7 +344,7 @@ def check_resumable(saved: SavedRun, flat_now: Mapping[str, str], flatten, optio
         raise ConfigError(f"ckpt_path={saved.path} was written by a run on {then}, and this one would train on {now}: "
                           f"one run of two datasets; resume on the same data, or start a new run without ckpt_path")
     if refused:
-        said, words = _fix_words(refused, flat_then, flat_now, option_params)
+        said, words = _fix_words(refused, flat_then, flat_now, option_params, command_keys)
         raise ConfigError(f"ckpt_path={saved.path} was written by a run with {', '.join(said)}: a resumed run keeps its "
                           f"settings; resume with {' '.join(words)}, or start a new run without ckpt_path")
     return {k: v for k, v in changed.items() if k != "ckpt_path"}

@@ -49,6 +49,16 @@ def task_overrides() -> list[str]:
     return list(HydraConfig.get().overrides.task)
 
 
+def task_override_keys() -> frozenset[str] | None:
+    """The keys this Hydra job's overrides name (``data.batch_size`` of ``+data.batch_size=8``, ``data``
+    of ``data=cifar10``); None outside a Hydra job."""
+    try:
+        overrides = task_overrides()
+    except ValueError:
+        return None
+    return frozenset(o.split("=", 1)[0].lstrip("+~") for o in overrides)
+
+
 @dataclass(frozen=True)
 class HowToResume:
     """A FAILED run's last line: the command that resumes it from its last checkpoint, or why

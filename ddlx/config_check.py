@@ -91,7 +91,6 @@ def typed_config(cfg: DictConfig):
         raise explain(err) from None
 
 
-
 def option_params(option: str) -> dict[str, str] | None:
     """The params (flattened as a run's) of train.py's config given only ``option`` (``data=firesmall``):
     its group's values as that option sets them. None where it cannot be composed (the option is
@@ -114,6 +113,7 @@ def option_params(option: str) -> dict[str, str] | None:
             return params()
     except Exception:  # noqa: BLE001 - (another launcher's process, a moved folder): the caller's longer words stand
         return None
+
 
 def typed_recommend_config(cfg: DictConfig):
     """recommend.py's config but ``hw`` as a :class:`~ddlx.config.RecommendConfig`; a key it does

@@ -24,7 +24,7 @@ from pytorch_lightning.utilities.exceptions import MisconfigurationException
 
 from .allocator import apply_allocator, check_allocator, resolve_allocator
 from .allocator import explain as explain_allocator
-from .command_line import HowToResume, task_overrides
+from .command_line import HowToResume, task_override_keys, task_overrides
 from .checkpoints import (
     LAST,
     RunInCheckpoint,
@@ -438,7 +438,7 @@ def prepare_job(cfg: TrainConfig, tags: dict, rank0: bool):
         if cut:
             raise ConfigError(cut)
         tags["resume_changes"] = " ".join(f"{k}={v}" for k, v in check_resumable(
-            saved, flatten_config(asdict(cfg)), flatten_config, option_params).items()) or None
+            saved, flatten_config(asdict(cfg)), flatten_config, option_params, task_override_keys()).items()) or None
         tags["resumed_from"] = str(saved.path)
     datamodule = build_datamodule(cfg.data, plan.data_parallel)
     if cfg.memory_check:

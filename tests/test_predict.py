@@ -772,7 +772,6 @@ def test_local_rates_are_timed_once_per_machine(tmp_path, monkeypatch):
     assert hardware(_compose_hw("hw=local"), tmp_path).memory_bandwidth_gb_s == 3.0
 
 
-
 def test_a_question_times_this_machines_rates_only_for_a_machine_of_its_kind(tmp_path, monkeypatch, capsys):
     """On a CPU machine, a GPU question (its first on the machine) leaves this machine's rates
     untimed (a second): nothing in its answer reads them. Compared with a CPU machine, they are
@@ -802,6 +801,7 @@ def test_a_question_times_this_machines_rates_only_for_a_machine_of_its_kind(tmp
     assert timed == ["local"], "timed for the CPU machine compared"
     gpu_only = {k: v for k, v in compared.items() if k not in ("compared", "comparison", "seconds")}
     assert gpu_only == {k: v for k, v in alone.items() if k != "seconds"}
+
 
 def test_bad_hw_configs_are_clear_errors():
     with pytest.raises(Exception, match="Could not override 'hw.bogus'"):

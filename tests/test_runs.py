@@ -265,7 +265,6 @@ def test_sigusr1_slurms_preemption_warning_checkpoints_and_stops(tiny_config, tr
     assert run.info.status == "KILLED" and "SIGUSR1" in run.data.tags["error"]
 
 
-
 def _params(*overrides: str) -> dict[str, str]:
     """A run's params (as a checkpoint keeps its config) of train.py's config with ``overrides``."""
     from dataclasses import asdict
@@ -276,27 +275,30 @@ def _params(*overrides: str) -> dict[str, str]:
     return flatten_config(asdict(typed_config(compose_config([*TINY, *overrides]))))
 
 
-@pytest.mark.parametrize("composed", [True, False], ids=["options composed", "options not composed"])
-def test_a_resume_on_another_option_of_a_group_names_that_option(tmp_path, composed):
+@pytest.mark.parametrize("composed, keys_known, val_fraction", [(True, True, "0"), (True, False, "0.3"), (False, False, "0")],
+                         ids=["in a Hydra job", "outside one", "options not composed"])
+def test_a_resume_on_another_option_of_a_group_names_that_option(tmp_path, composed, keys_known, val_fraction):
     """Resumed with data=cifar10 for a run of firesmall (ten values differ), the refusal says
-    data=firesmall, the values the run set otherwise (TINY's) and those this command set; the
-    words, in place of the command's own group options, resume the run. Where options cannot be
-    composed, every value of the group is given."""
+    data=firesmall, the values the run set otherwise (TINY's) and those this command sets
+    (data.val_fraction, to cifar10's own 0 where the job's overrides are known); the words, in
+    place of the command's group options, resume the run. Where options cannot be composed, every
+    value of the group is given, the dataset by data.name."""
     from ddlx.checkpoints import SavedRun, check_resumable
     from ddlx.config_check import option_params
 
     saved = SavedRun(tmp_path / "last.ckpt", None, None, None, {"params": _params("model=resnet18")}, 1, 6, 1)
     params = operator.itemgetter("params")  # (as flatten_config flattens a checkpoint's config)
-    command = ["model=resnet18", "data.val_fraction=0.3"]  # (firesmall's own is 0.2)
+    command = ["model=resnet18", f"data.val_fraction={val_fraction}"]  # (firesmall's own is 0.2)
     groups = ["data=cifar10", "strategy=cpu_mp", "strategy.processes=2"]
-
+    keys = frozenset(o.split("=")[0] for o in [*command, *groups]) if keys_known else None
     with pytest.raises(ConfigError) as refused:
-        check_resumable(saved, _params(*command, *groups), params, option_params if composed else None)
+        check_resumable(saved, _params(*command, *groups), params, option_params if composed else None, keys)
     said = str(refused.value)
     assert "written by a run with strategy=sequential (now cpu_mp), " in said and "data=firesmall (now cifar10)" in said, said
-    assert "data.val_fraction=0.2 (now 0.3)" in said
+    assert f"data.val_fraction=0.2 (now {float(val_fraction)})" in said
     fix = re.search(r"resume with (.*), or start a new run", said).group(1).split()
-    assert fix[0] == "strategy=sequential" and {"data=firesmall", "data.val_fraction=0.2"} <= set(fix), fix
+    dataset = "data=firesmall" if composed else "data.name=firesmall"
+    assert fix[0] == "strategy=sequential" and {dataset, "data.val_fraction=0.2"} <= set(fix), fix
     if composed:  # what data=firesmall and strategy=sequential give back is not listed
         assert "data.classes" not in said and not any(w.startswith(("data.classes", "data.mean", "strategy.threads"))
                                                       for w in fix), fix

@@ -154,7 +154,6 @@ def test_a_deleted_experiment_is_refused_with_the_ways_out(tmp_path):
     assert experiment_id(client, "here", uri, None) == client.get_experiment_by_name("here").experiment_id
 
 
-
 @pytest.mark.parametrize("scheme", ["sqlite", "http"])
 def test_importing_a_stores_client_ahead_imports_what_its_write_needs_and_writes_nothing(tmp_path, scheme):
     """recommend.py imports MLflow's client while its child counts (import_store_client): in a

@@ -47,7 +47,8 @@ OUTPUTS = ("table", "json")
 
 def hardware(cfg_hw: DictConfig, detected_dir: Path | None = None, refresh: bool = False, timed: bool = True) -> HardwareSpec:
     """The typed, checked description: unknown keys and missing values are named. ``detected_dir``
-    keeps hw=local's timed rates per machine (:func:`~ddlx.costmodel.hardware.detect_local`)."""
+    keeps hw=local's timed rates per machine (:func:`~ddlx.costmodel.hardware.detect_local`;
+    ``timed=False``: hw=local's host, cores and devices only)."""
     from dataclasses import fields
 
     from omegaconf.errors import MissingMandatoryValue

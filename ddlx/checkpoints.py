@@ -345,6 +345,8 @@ def check_resumable(saved: SavedRun, flat_now: Mapping[str, str], flatten, optio
                           f"one run of two datasets; resume on the same data, or start a new run without ckpt_path")
     if refused:
         said, words = _fix_words(refused, flat_then, flat_now, option_params, command_keys)
+        options = [f"{g}={refused[f'{g}.name']}" for g in NAMED_GROUPS if refused.get(f"{g}.name", "(unset)") != "(unset)"]
+        instead = f"in place of {' '.join(options)}, " if options else ""
         raise ConfigError(f"ckpt_path={saved.path} was written by a run with {', '.join(said)}: a resumed run keeps its "
-                          f"settings; resume with {' '.join(words)}, or start a new run without ckpt_path")
+                          f"settings; {instead}resume with {' '.join(words)}, or start a new run without ckpt_path")
     return {k: v for k, v in changed.items() if k != "ckpt_path"}

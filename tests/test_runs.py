@@ -296,6 +296,7 @@ def test_a_resume_on_another_option_of_a_group_names_that_option(tmp_path, compo
     said = str(refused.value)
     assert "written by a run with strategy=sequential (now cpu_mp), " in said and "data=firesmall (now cifar10)" in said, said
     assert f"data.val_fraction=0.2 (now {float(val_fraction)})" in said
+    assert "settings; in place of strategy=cpu_mp data=cifar10, resume with " in said, said
     fix = re.search(r"resume with (.*), or start a new run", said).group(1).split()
     dataset = "data=firesmall" if composed else "data.name=firesmall"
     assert fix[0] == "strategy=sequential" and {dataset, "data.val_fraction=0.2"} <= set(fix), fix

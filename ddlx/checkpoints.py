@@ -293,21 +293,24 @@ NAMED_GROUPS = ("strategy", "model", "data")
 
 def _fix_words(refused: Mapping[str, str], flat_then: Mapping[str, str], flat_now: Mapping[str, str],
                option_params: Callable[[str], Mapping[str, str] | None] | None,
-               command_keys: frozenset[str] | None) -> tuple[list[str], list[str]]:
-    """(the differences as said, the overrides that give the checkpoint's run back its settings
-    ``refused``, in place of the command's own option of each group). Another option of a group
+               command_keys: frozenset[str] | None) -> tuple[list[str], list[str], list[str]]:
+    """(the differences as said, the command's options the words replace, the overrides that give
+    the checkpoint's run back its settings ``refused``). Another option of a group
     (``data=cifar10`` for ``firesmall``) is said and given back as the option, with those of its
     keys that the run had set otherwise or this command sets (``command_keys``: the keys its
     overrides name; None: those that differ from the option's). ``option_params``: the values an
     option sets; where they cannot be composed (None, or the option is gone), every key of the
     group is given, with ``model.name``/``data.name`` for the option. Other keys as they were."""
-    said, words = [], []
+    said, replaced, words = [], [], []
     switched = [g for g in NAMED_GROUPS if f"{g}.name" in refused]
     for group in switched:
         then, now = flat_then[f"{group}.name"], refused[f"{group}.name"]
         of_then = option_params(f"{group}={then}") if option_params else None
-        of_now = option_params(f"{group}={now}") if option_params and now != "(unset)" else None
+        # (the command's own keys, where known, say what it set: no second composition then)
+        of_now = option_params(f"{group}={now}") if option_params and command_keys is None and now != "(unset)" else None
         said.append(f"{group}={then} (now {now})")
+        if now != "(unset)":
+            replaced.append(f"{group}={now}")
         # strategy=: each strategy has its own keys; models and datasets share theirs.
         words.append(f"{group}={then}" if of_then is not None or group == "strategy" else f"{group}.name={then}")
         for key in sorted(k for k in flat_then if k.startswith(f"{group}.") and k != f"{group}.name"):
@@ -321,7 +324,7 @@ def _fix_words(refused: Mapping[str, str], flat_then: Mapping[str, str], flat_no
     others = sorted(k for k in refused if not k.startswith(tuple(f"{g}." for g in switched)))
     said += [f"{k}={flat_then.get(k)} (now {refused[k]})" for k in others]
     words += [f"{k}={_as_override(flat_then.get(k))}" for k in others]
-    return said, words
+    return said, replaced, words
 
 
 def check_resumable(saved: SavedRun, flat_now: Mapping[str, str], flatten, option_params=None,
@@ -344,9 +347,8 @@ def check_resumable(saved: SavedRun, flat_now: Mapping[str, str], flatten, optio
         raise ConfigError(f"ckpt_path={saved.path} was written by a run on {then}, and this one would train on {now}: "
                           f"one run of two datasets; resume on the same data, or start a new run without ckpt_path")
     if refused:
-        said, words = _fix_words(refused, flat_then, flat_now, option_params, command_keys)
-        options = [f"{g}={refused[f'{g}.name']}" for g in NAMED_GROUPS if refused.get(f"{g}.name", "(unset)") != "(unset)"]
-        instead = f"in place of {' '.join(options)}, " if options else ""
+        said, replaced, words = _fix_words(refused, flat_then, flat_now, option_params, command_keys)
+        instead = f"in place of {' '.join(replaced)}, " if replaced else ""
         raise ConfigError(f"ckpt_path={saved.path} was written by a run with {', '.join(said)}: a resumed run keeps its "
                           f"settings; {instead}resume with {' '.join(words)}, or start a new run without ckpt_path")
     return {k: v for k, v in changed.items() if k != "ckpt_path"}

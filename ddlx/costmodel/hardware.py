@@ -206,8 +206,11 @@ def detect_local(spec: HardwareSpec, cache_dir: Path | None = None, refresh: boo
         spec.device_kind, spec.device_name = "cpu", cpu_model()
         spec.devices_per_node = spec.cores_per_node
         spec.memory_per_device_gb = spec.ram_per_node_gb
-    if not timed:
-        return spec
+    return time_local_rates(spec, cache_dir, refresh) if timed else spec
+
+
+def time_local_rates(spec: HardwareSpec, cache_dir: Path | None = None, refresh: bool = False) -> HardwareSpec:
+    """``spec`` (this machine, detected) with its timed rates, kept or measured (:func:`detect_local`)."""
     machine = machine_identity(spec)
     path = cache_dir / f"detected_{spec.host}.json" if cache_dir is not None else None
     rates = None if refresh or path is None else _cached_rates(path, machine, TIMED_RATES[spec.device_kind])

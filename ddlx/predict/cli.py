@@ -21,7 +21,7 @@ from ..records import left_out
 from ..strategies import BASELINE
 from ..tracking import check_tracking_uri, import_store_client, load_runs, log_result_run, store_exists
 from ..ui import is_server
-from ..costmodel.hardware import GB, HardwareSpec, detect_local, machine_identity, validate
+from ..costmodel.hardware import GB, HardwareSpec, detect_local, machine_identity, time_local_rates, validate
 from .count_ahead import count_ahead, wait_for
 from .kept_probes import forget, kept
 from .machines import compare
@@ -191,7 +191,9 @@ def run(composed: DictConfig, out_dir: Path, hw_dir: Path, job_overrides: list[s
     # This machine's timed rates (a second, once per machine) price only machines of its kind: a CPU's
     # count for no GPU target, whose loading probe needs no rate.
     same_kind = cfg.mode == "validate" or any(m.device_kind == identity.device_kind for m in [target, *others])
-    local = local_hardware(target, hw_dir, detected_dir) if same_kind else None
+    local = None
+    if same_kind:  # (the target, where it is this machine, has its rates as the target)
+        local = identity if identity is target else validate(time_local_rates(identity, detected_dir))
     apply_allocator(cfg.cpu_allocator)  # the probes train as the job would
     counting = count_ahead(job, target.device_kind == "gpu") if job is not None else None
     runs, note = measured_runs(cfg)

@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 
 from .command_line import resume_command, shell_words
 from .errors import CheckpointNotWritten, ConfigError, RankDied, RanksDisagree, Stopped, StoreError
+from .process import launch_rank
 
 
 class SweepJobRefused(Exception):
@@ -150,8 +151,6 @@ def run_training_job(fn: Callable[[], Any], in_sweep: bool, overrides: list[str]
     checkpoint is and the command that resumes from it (``overrides``: the job's own). Under
     SLURM (``requeue``: the job's :class:`ddlx.slurm.RequeueMarker`), a stopped job is left for
     its requeued start to resume, and requeued when SLURM warned it of its end."""
-    from .parallel.launch import launch_rank
-
     try:
         result = report_config_errors(fn, in_sweep)
     except SweepJobRefused:
@@ -212,8 +211,6 @@ def jobs_run_in_this_process() -> bool:
 def note_sweep_job(tags: dict[str, str], logger_cfg) -> None:
     """Keep the sweep of this job (``tags`` from :func:`hydra_job_tags`), when its jobs run in this
     process and this is the one that speaks for them, for :func:`end_sweep`."""
-    from .parallel.launch import launch_rank
-
     if "sweep_id" in tags and jobs_run_in_this_process() and launch_rank() == 0:
         SWEEPS_RUN[(tags["sweep_id"], logger_cfg.tracking_uri, logger_cfg.experiment_name)] = None
 

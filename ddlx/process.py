@@ -18,6 +18,17 @@ def is_rank_worker() -> bool:
     return os.environ.get(WORKER_ENV) == "1"
 
 
+def launch_rank() -> int:
+    """This process's global rank as its launcher tells it, known before Lightning sets ranks up
+    (Lightning's own guess at import time cannot see MPI ranks)."""
+    if is_rank_worker():
+        return int(os.environ.get("NODE_RANK", 0)) * 1000 + int(os.environ["LOCAL_RANK"])  # any non-zero
+    for name in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
+        if name in os.environ:
+            return int(os.environ[name])
+    return 0
+
+
 def end_with_parent(expected_parent: int | None = None) -> bool:
     """Have the kernel kill this process when its parent ends. False when the parent has already
     gone (the process was reparented before the call), or is not ``expected_parent``."""

@@ -52,7 +52,6 @@ from .parallel.launch import (
     WorkerLauncher,
     cluster_environment_plugins,
     end_distributed_job,
-    launch_rank,
     settle_cluster_environment,
 )
 from .parallel.network import stages_run
@@ -60,6 +59,7 @@ from .parallel.same_job import SameJobOnEveryRank
 from .costmodel.memory import GIB, estimate_training_memory
 from .costmodel.numerics import CPU_FP16
 from .preflight import check_before_torch
+from .process import launch_rank
 from .records import not_counted, run_name
 from .single_sample import check_single_sample_batches
 from .slurm import run_tags as slurm_run_tags

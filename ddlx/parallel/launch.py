@@ -36,17 +36,6 @@ log = logging.getLogger(__name__)
 DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
 
 
-def launch_rank() -> int:
-    """This process's global rank as its launcher tells it, known before Lightning sets ranks up
-    (Lightning's own guess at import time cannot see MPI ranks)."""
-    if is_rank_worker():
-        return int(os.environ.get("NODE_RANK", 0)) * 1000 + int(os.environ["LOCAL_RANK"])  # any non-zero
-    for name in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
-        if name in os.environ:
-            return int(os.environ[name])
-    return 0
-
-
 @dataclass(frozen=True)
 class StartedRanks:
     """The ranks a cluster launcher started, this process one of them."""

@@ -605,11 +605,17 @@ def test_indivisible_batches(tiny_config):
         train(cfg, output_dir=cfg.paths.root)
 
 
-def test_more_processes_than_cores_warns(caplog):
+def test_more_processes_than_cores_warns_once(caplog, monkeypatch):
+    """Said by rank 0: every rank plans the job, and each said it (three times for three ranks)."""
     cores = len(os.sched_getaffinity(0))
+    for name in ("DDLX_RANK_WORKER", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
     with caplog.at_level(logging.WARNING):
         _plan("strategy=cpu_mp", f"strategy.processes={cores + 1}")
-    assert f"asks for {cores + 1} processes but only {cores} cores" in caplog.text
+        monkeypatch.setenv("RANK", "1")
+        _plan("strategy=cpu_mp", f"strategy.processes={cores + 1}")
+    said = [r.getMessage() for r in caplog.records if "oversubscribe" in r.getMessage()]
+    assert len(said) == 1 and f"asks for {cores + 1} processes but only {cores} cores" in said[0], said
 
 
 def test_a_balance_by_profiled_time_leaves_the_runs_random_numbers_alone():

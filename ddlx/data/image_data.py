@@ -3,6 +3,7 @@ Lightning: train.py's datamodule (:mod:`.datamodule`) adds Lightning's hooks to 
 recommend.py's loading probe times them in a process that need not import Lightning (3 s here)."""
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -20,6 +21,7 @@ from ..errors import ConfigError
 from ..epoch_batches import epoch_trained
 from ..job import batch_split_problems, split_too_small, validation_images
 from ..parallel.data_replicas import data_replicas
+from ..process import launch_rank
 from .folder import scan_imagefolder
 from .synthetic import SyntheticSpec, ensure_synthetic_imagefolder
 from .cache import keep_decoded
@@ -147,6 +149,10 @@ class ForkingLoader(DataLoader):
             release_free_heap()
         return super()._get_iterator()
 
+    def check_worker_number_rationality(self) -> None:
+        # torch's warning, twice in every rank (the loader made, then iterated): said once instead
+        say_workers_beyond_cores(self.num_workers)
+
 
 class ResumableLoader(ForkingLoader):
     """The training loader, stateful in Lightning's sense: its state in a checkpoint is the epoch
@@ -169,6 +175,19 @@ class ResumableLoader(ForkingLoader):
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.batch_sampler.sampler.resume_at(int(state["epoch"]), int(state["batches_done"]))
+
+
+@functools.cache
+def say_workers_beyond_cores(workers: int) -> None:
+    """Once a process, on rank 0: more loader workers than the cores this process may use (a
+    rank pinned to its share of them: cpu_mp, fsdp and pipe engine=torch on CPU) share those
+    cores with its training."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if workers > cores and launch_rank() == 0:
+        log.info("data.num_workers=%d loader workers per training process, which may use %d core(s): they take their "
+                 "time from its training there; data.num_workers=0 loads between steps in the training process, "
+                 "which can be faster when data.cache holds the decoded images (docs/strategies.md, loader workers)",
+                 workers, cores)
 
 
 def _quiet_worker(worker_id: int) -> None:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..compiling import WHOLE_MODEL
 from ..errors import ConfigError
+from ..process import launch_rank
 
 if TYPE_CHECKING:
     from ..job import Job
@@ -344,7 +345,7 @@ def require_cpu(name: str, accelerator: str) -> None:
 
 
 def warn_oversubscription(name: str, workers: int, what: str) -> None:
-    if workers > cores():
+    if workers > cores() and launch_rank() == 0:  # every rank plans the job: said once
         log.warning(
             "strategy=%s asks for %d %s but only %d cores are available: they will oversubscribe and run slower",
             name, workers, what, cores(),

@@ -52,11 +52,13 @@ def task_overrides() -> list[str]:
 def task_override_keys() -> frozenset[str] | None:
     """The keys this Hydra job's overrides name (``data.batch_size`` of ``+data.batch_size=8``, ``data``
     of ``data=cifar10``); None outside a Hydra job."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
     try:
         overrides = task_overrides()
     except ValueError:
         return None
-    return frozenset(o.split("=", 1)[0].lstrip("+~") for o in overrides)
+    return frozenset(o.key_or_group for o in OverridesParser.create().parse_overrides(overrides))
 
 
 @dataclass(frozen=True)

@@ -300,3 +300,19 @@ def test_a_printed_resume_command_gives_hydra_the_checkpoint_path_meant(tmp_path
     words = as_a_shell_reads(resume_command(["model=vgg11", "ckpt_path=old.ckpt"], checkpoint), cwd=tmp_path)
     assert words[:3] == ["python", "train.py", "model=vgg11"] and not any(w.startswith("ckpt_path=old") for w in words)
     assert compose_config(words[2:]).ckpt_path == str(checkpoint)
+
+
+def test_the_keys_a_jobs_overrides_name_are_hydras_own(monkeypatch):
+    """What the resume check takes as set by the command: each override's key or group, as Hydra
+    parses it (a group's package, an append, a delete, a forced add, a value with '=' in it)."""
+    from ddlx import command_line
+
+    overrides = ["data@data=cifar10", "+trainer.x=1", "~trainer.gradient_clip_val", "++seed=3", "data.root='/a=b'"]
+    monkeypatch.setattr(command_line, "task_overrides", lambda: overrides)
+    assert command_line.task_override_keys() == {"data", "trainer.x", "trainer.gradient_clip_val", "seed", "data.root"}
+
+    def outside_a_job():
+        raise ValueError("HydraConfig was not set")
+
+    monkeypatch.setattr(command_line, "task_overrides", outside_a_job)
+    assert command_line.task_override_keys() is None

@@ -61,6 +61,22 @@ class Stopped(BaseException):
         return f"stopped by {self.signal_name}{where}{kept}"
 
 
+# The data keys data=imagefolder leaves null for the folder at data.root to fill (classes and
+# num_images may stay null without one: a named synthetic set names its classes, counts its images).
+FROM_THE_FOLDER = ("name", "classes", "num_classes", "num_images", "channels", "mean", "std")
+
+
+def unset_data_root(data) -> str | None:
+    """Why ``data`` (a data config) cannot be trained without a folder: keys it leaves to be read
+    from one, and no ``data.root``; None where it can."""
+    open_keys = [key for key in FROM_THE_FOLDER if getattr(data, key) is None and key not in ("classes", "num_images")]
+    if data.root is not None or not open_keys:
+        return None
+    return (f"data.root is not set, but data.{open_keys[0]} is to be read from the folder there (data=imagefolder): "
+            f"give data.root=DIR (an ImageFolder: one sub-folder of images per class), or train on a named dataset "
+            f"(data=firesmall)")
+
+
 def missing_data_root(root) -> str:
     shown = root if str(root).strip() else repr(root)
     return (f"data.root={shown} does not exist. Point data.root at an ImageFolder (one sub-folder per class with "

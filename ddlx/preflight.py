@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from .config import TrainConfig
-from .errors import ConfigError, missing_data_root
+from .errors import ConfigError, missing_data_root, unset_data_root
 from .job import batch_split_problems
 from .strategies import STRATEGIES
 
@@ -92,6 +92,8 @@ def path_problems(cfg: TrainConfig) -> list[str]:
     root = cfg.data.root
     if root is not None and (not str(root).strip() or not Path(root).expanduser().is_dir()):  # "": not the current folder
         problems.append(missing_data_root(root))
+    if problem := unset_data_root(cfg.data):
+        problems.append(problem)
     if cfg.ckpt_path is not None:
         problem = checkpoint_path_problem(cfg.ckpt_path)
         if problem:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from PIL import Image, UnidentifiedImageError
 
-from ..errors import ConfigError, missing_data_root
+from ..errors import ConfigError, missing_data_root, unset_data_root
 from .transforms import IMAGENET_MEAN, IMAGENET_STD
 
 log = logging.getLogger(__name__)
@@ -22,7 +22,6 @@ GRAYSCALE_MODES = frozenset({"1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "F"}
 CHANNEL_SAMPLE = 256
 # Grayscale statistics: ImageNet's, averaged over its channels.
 GRAY_MEAN, GRAY_STD = (0.449,), (0.226,)
-FROM_THE_FOLDER = ("name", "classes", "num_classes", "num_images", "channels", "mean", "std")
 
 
 @dataclass(frozen=True)
@@ -80,13 +79,9 @@ def complete_data_config(data) -> FolderContents | None:
     for a named dataset given a folder, check that the folder holds that dataset's classes.
     ``data`` is the composed (typed) ``data`` config; it is changed in place. Returns what the
     folder holds (None without ``data.root``)."""
-    # Left null, these can only come from a folder (classes may stay null: synthetic sets name them).
-    open_keys = [key for key in FROM_THE_FOLDER if getattr(data, key) is None and key not in ("classes", "num_images")]
     if data.root is None:
-        if open_keys:
-            raise ConfigError(f"data.root is not set, but data.{open_keys[0]} is to be read from the folder there "
-                              f"(data=imagefolder): give data.root=DIR (an ImageFolder: one sub-folder of images per "
-                              f"class), or train on a named dataset (data=firesmall)")
+        if problem := unset_data_root(data):
+            raise ConfigError(problem)
         return None
     folder = read_folder(data.root)
     if data.name is not None:

@@ -16,7 +16,7 @@ from .command_line import shell_words
 from .measure import speedup_table as report
 from .records import not_measured
 from .tracking import check_tracking_uri, load_runs, log_result_run, sqlite_path
-from .ui import compare_page, open_command, run_page
+from .ui import compare_page, logged_as, open_command
 
 
 DEFAULT_STORE = "sqlite:///mlflow.db"
@@ -85,10 +85,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"the sweep's {len(runs)} runs side by side: {open_command(args.tracking_uri, compare)}")
     if not args.no_log:
         sweep = args.sweep_id if args.sweep_id != "latest" else next((r.sweep_id for r in runs), "")
-        run_id = log_result_run(args.tracking_uri, "reports", "speedup-report", files=files,
+        logged = log_result_run(args.tracking_uri, "reports", "speedup-report", files=files,
                                 tags={"experiments": ",".join(experiments), "sweep_id": sweep})
-        (reports,) = experiment_ids(args.tracking_uri, ["reports"])
-        print(f"logged as MLflow run {run_id} in experiment 'reports': {open_command(args.tracking_uri, run_page(reports, run_id))}")
+        print(logged_as(args.tracking_uri, "reports", *logged))
     return 0
 
 

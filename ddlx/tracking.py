@@ -651,9 +651,9 @@ def load_runs(tracking_uri: str, experiments: list[str], sweep_id: str | None = 
 
 def log_result_run(tracking_uri: str, experiment: str, run_name: str, *, artifact_location: str | None = None,
                    tags: Mapping[str, str] | None = None, params: Mapping[str, object] | None = None,
-                   metrics: Mapping[str, float] | None = None, files: list[Path] = ()) -> str:
+                   metrics: Mapping[str, float] | None = None, files: list[Path] = ()) -> tuple[str, str]:
     """One FINISHED run recording a result (a report, a recommendation): its inputs as params,
-    its answer as tags and metrics, its files as artifacts. Its id."""
+    its answer as tags and metrics, its files as artifacts. Its experiment's id and its own."""
     from mlflow.entities import Metric, Param
 
     client = prepare_store(tracking_uri, experiment, artifact_location or artifacts_beside_store(tracking_uri))
@@ -665,7 +665,7 @@ def log_result_run(tracking_uri: str, experiment: str, run_name: str, *, artifac
     for path in files:
         client.log_artifact(run.info.run_id, str(path))
     client.set_terminated(run.info.run_id, "FINISHED")
-    return run.info.run_id
+    return exp_id, run.info.run_id
 
 
 def log_series(logger, metrics: list[tuple[str, float, int]], summary: Mapping[str, float], summary_ms: int,

@@ -68,6 +68,11 @@ def open_command(tracking_uri: str, link: str) -> str:
     return f"mlflow ui --backend-store-uri {shlex.quote(tracking_uri)}, then {LOCAL_UI}/{link}"
 
 
+def logged_as(tracking_uri: str, experiment: str, experiment_id: str, run_id: str) -> str:
+    """The line that says where a result was recorded (a report, a recommendation) and how to open it."""
+    return f"logged as MLflow run {run_id} in experiment '{experiment}': {open_command(tracking_uri, run_page(experiment_id, run_id))}"
+
+
 # ---- serving a store ----------------------------------------------------------------------
 
 

@@ -1048,7 +1048,13 @@ def test_recommend_py_reproduces_the_thesis_out_of_memory_case(tmp_path, capsys)
         "cpu_allocator=system")  # the process's allocator: keep_freed would stay for every later test (compose_config)
     capsys.readouterr()
     run_recommend(cfg, tmp_path / "out", CONF_DIR / "hw", job)
-    answer = json.loads(capsys.readouterr().out)
+    said = capsys.readouterr()
+    answer = json.loads(said.out)
+    from conftest import runs
+
+    (logged,) = runs(cfg.logger.tracking_uri, "recommendations")
+    assert f"logged as MLflow run {logged.info.run_id} in experiment 'recommendations': mlflow ui" in said.err, \
+        "where the answer was kept, as the report says it, beside the JSON (stdout holds the JSON alone)"
     by_setup = {p["setup"]: p for p in answer["predictions"]}
     assert answer["job"]["train_samples"] == 60000, "an epoch is the whole of Highres, as the thesis timed it"
     ddp = by_setup["ddp_nccl processes=4"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -20,7 +21,7 @@ from ..models import check_request
 from ..records import left_out
 from ..strategies import BASELINE
 from ..tracking import check_tracking_uri, import_store_client, load_runs, log_result_run, store_exists
-from ..ui import is_server
+from ..ui import is_server, logged_as
 from ..costmodel.hardware import GB, HardwareSpec, detect_local, machine_identity, time_local_rates, validate
 from .count_ahead import count_ahead, wait_for
 from .kept_probes import forget, kept
@@ -233,7 +234,8 @@ def run(composed: DictConfig, out_dir: Path, hw_dir: Path, job_overrides: list[s
         extra = comparison_lines(recs, comparison, overrides) if comparison is not None else []
         print("\n".join([table, *extra]))
     if cfg.log:
-        log_recommendation(cfg, rec, answer, out_dir)
+        logged = logged_as(cfg.logger.tracking_uri, cfg.logger.experiment_name, *log_recommendation(cfg, rec, answer, out_dir))
+        print(logged, file=sys.stderr if cfg.output == "json" else sys.stdout)  # stdout: the JSON alone
 
 
 def close_call_errors(unprobed: Predictor, cpu_allocator: str, rec: Recommendation) -> dict[str, float]:
@@ -296,14 +298,14 @@ def _probe_data(cfg: RecommendConfig, job: Job, runs) -> DataConfig:
     return cfg.data
 
 
-def log_recommendation(cfg: RecommendConfig, rec: Recommendation, answer: dict, out_dir: Path) -> None:
+def log_recommendation(cfg: RecommendConfig, rec: Recommendation, answer: dict, out_dir: Path) -> tuple[str, str]:
     """One run in the ``recommendations`` experiment: the inputs as params, the answer as tags,
-    metrics and a JSON artifact (``answer``, the other machines' included)."""
+    metrics and a JSON artifact (``answer``, the other machines' included). Its experiment's id and its own."""
     best = rec.best
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "recommendation.json"
     path.write_text(json.dumps(answer | {"seconds": 0.0}, indent=2))
-    log_result_run(
+    return log_result_run(
         cfg.logger.tracking_uri, cfg.logger.experiment_name, cfg.logger.run_name, artifact_location=cfg.logger.artifact_location,
         tags={"hw": rec.hw.name, "model": rec.job.model, "data": rec.job.data,
               "recommended": best.setup.label if best else "none fits", "t_seq_basis": rec.sequential.basis[:5000],

@@ -161,7 +161,7 @@ def test_a_first_question_imports_the_stores_client_while_its_child_counts(tmp_p
     monkeypatch.setattr(cli, "count_ahead", lambda job, gpu: said.append("counting") or "child")
     monkeypatch.setattr(cli, "wait_for", lambda child: said.append(f"waited for the {child}"))
     monkeypatch.setattr(cli, "import_store_client", lambda uri: said.append(f"imported for {uri}"))
-    monkeypatch.setattr(cli, "log_recommendation", lambda *args: None)  # (a new store's migration: seconds)
+    monkeypatch.setattr(cli, "log_recommendation", lambda *args: ("1", "run"))  # (a new store's migration: seconds)
     uri = f"sqlite:///{tmp_path / 'new.db'}"
     cfg = _compose_recommend("hw=titanrtx_4x", "probe=false", "output=json", f"paths.root={tmp_path}", f"log={log}",
                              f"logger.tracking_uri={uri}", "cpu_allocator=system")

@@ -276,32 +276,32 @@ def test_loader_workers_do_not_keep_the_training_process_freed_heap():
     assert forking < plain - 128, f"parent and worker hold {forking} MB, with a plain loader {plain} MB (256 MB freed)"
 
 
-def test_more_loader_workers_than_cores_are_said_once_on_rank_0(monkeypatch, caplog, recwarn):
+def test_more_loader_workers_than_cores_are_said_once_a_job_on_rank_0(tmp_path, monkeypatch, caplog, recwarn):
     """A rank pinned to one core with two loader workers (cpu_mp's defaults on two cores): torch
-    warned of it twice in every rank, of a freeze; ddlx says it once, with the setting that avoids it."""
-    from ddlx.data.image_data import ForkingLoader, say_workers_beyond_cores
-
+    warned of it twice in every rank, of a freeze; ddlx says it once a job, with the setting that
+    avoids it. A later job of a sweep in the same process is told again."""
     for name in ("DDLX_RANK_WORKER", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
-    say_workers_beyond_cores.cache_clear()
 
-    def loaders_made_and_iterated() -> None:
-        for _ in range(2):  # a training and a validation loader
-            loader = ForkingLoader(list(range(4)), batch_size=2, num_workers=2)
-            assert len(list(loader)) == 2
+    def a_job() -> list[str]:
+        caplog.clear()
+        dm = fire_module(tmp_path, num_workers=2)
+        dm.prepare_data()
+        dm.setup("fit")
+        for loader in (dm.train_dataloader(), dm.val_dataloader()):
+            assert len(list(loader)) > 0
+        dm.end_workers()
+        return [r.getMessage() for r in caplog.records if "data.num_workers=" in r.getMessage()]
 
     with caplog.at_level(logging.INFO, logger="ddlx.data.image_data"):
-        loaders_made_and_iterated()
-        said = [r.getMessage() for r in caplog.records if "data.num_workers=2" in r.getMessage()]
-        assert len(said) == 1 and "1 core" in said[0] and "data.num_workers=0" in said[0], said
+        for _ in range(2):
+            said = a_job()
+            assert len(said) == 1 and "data.num_workers=2 " in said[0] and "1 core" in said[0] \
+                and "data.num_workers=0" in said[0], said
         assert not [w for w in recwarn if "worker" in str(w.message)], [str(w.message) for w in recwarn]
-
-        caplog.clear()
-        say_workers_beyond_cores.cache_clear()
         monkeypatch.setenv("RANK", "1")
-        loaders_made_and_iterated()
-    assert not [r for r in caplog.records if "data.num_workers" in r.getMessage()]
+        assert a_job() == [], "the other ranks leave it to rank 0"
 
 
 def test_the_loading_probe_times_the_loaders_without_importing_lightning(tmp_path):

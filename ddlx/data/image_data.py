@@ -3,7 +3,6 @@ Lightning: train.py's datamodule (:mod:`.datamodule`) adds Lightning's hooks to 
 recommend.py's loading probe times them in a process that need not import Lightning (3 s here)."""
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import os
@@ -150,8 +149,7 @@ class ForkingLoader(DataLoader):
         return super()._get_iterator()
 
     def check_worker_number_rationality(self) -> None:
-        # torch's warning, twice in every rank (the loader made, then iterated): said once instead
-        say_workers_beyond_cores(self.num_workers)
+        pass  # torch's warning, twice in every rank (the loader made, then iterated): the data module says it once
 
 
 class ResumableLoader(ForkingLoader):
@@ -177,11 +175,9 @@ class ResumableLoader(ForkingLoader):
         self.batch_sampler.sampler.resume_at(int(state["epoch"]), int(state["batches_done"]))
 
 
-@functools.cache
 def say_workers_beyond_cores(workers: int) -> None:
-    """Once a process, on rank 0: more loader workers than the cores this process may use (a
-    rank pinned to its share of them: cpu_mp, fsdp and pipe engine=torch on CPU) share those
-    cores with its training."""
+    """On rank 0: more loader workers than the cores this process may use (a rank pinned to its
+    share of them: cpu_mp, fsdp and pipe engine=torch on CPU) share those cores with its training."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if workers > cores and launch_rank() == 0:
         log.info("data.num_workers=%d loader workers per training process, which may use %d core(s): they take their "
@@ -266,6 +262,7 @@ class ImageFolderData:
         self.train_set: ImageFileDataset | None = None
         self.val_set: ImageFileDataset | None = None
         self._loaders: list[DataLoader] = []  # made for the trainer: their workers end with the run (end_workers)
+        self._workers_said = False  # say_workers_beyond_cores, once
 
     @classmethod
     def of_process(cls, data, data_parallel: int = 1):
@@ -345,6 +342,9 @@ class ImageFolderData:
         replicas, rank = data_replicas(getattr(self.trainer, "strategy", None))  # a pipeline's stages: one replica
         images = getattr(getattr(self.trainer, "strategy", None), "needs_inputs", True)
         workers = self.data.num_workers if images else 0  # labels alone: nothing to decode
+        if workers and not self._workers_said:  # once a job (its process's cores are set by then: pinned or not)
+            self._workers_said = True
+            say_workers_beyond_cores(workers)
         if not images:
             dataset = LabelsOnly(dataset)
         # Lightning's overfit_batches trains the same first batches every epoch: in order, and

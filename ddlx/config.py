@@ -239,13 +239,14 @@ STRATEGY_CONFIGS: dict[str, type] = {name: spec.config for name, spec in STRATEG
 
 def register_schemas() -> None:
     """Put the schemas in Hydra's ConfigStore: ``train_schema`` (train.yaml's first default),
-    ``schema/<group>`` (each YAML option's first default) and the strategy options (their specs' configs)."""
+    ``<group>_schema`` (each YAML option's first default) and the strategy options (their specs'
+    configs). Not in groups of their own: ``--help`` lists every group as options to choose."""
     from hydra.core.config_store import ConfigStore
 
     store = ConfigStore.instance()
     store.store(name="train_schema", node=TrainConfig)
     for group, node in (("model", ModelConfig), ("data", DataConfig), ("optim", OptimConfig), ("trainer", TrainerConfig),
                         ("logger", LoggerConfig)):
-        store.store(group=f"schema/{group}", name=group, node=node)
+        store.store(name=f"{group}_schema", node=node)
     for name, node in STRATEGY_CONFIGS.items():
         store.store(group="strategy", name=name, node=node)

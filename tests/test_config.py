@@ -149,6 +149,17 @@ def test_a_group_or_key_of_the_other_entry_point_is_named_as_its(entry, override
     assert str(err).startswith(said), err
 
 
+@pytest.mark.integration
+@pytest.mark.parametrize("script", ["train.py", "recommend.py"])
+def test_help_lists_the_groups_a_user_chooses_from_and_not_their_schemas(script):
+    proc, _ = train_py("--help", script=script)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    groups = proc.stdout.split("== Configuration groups ==")[1].split("== Config ==")[0]
+    listed = {line.split(":")[0] for line in groups.splitlines() if ": " in line}
+    assert {"data", "model", "strategy", "trainer", "optim", "logger", "hw"} <= listed, listed
+    assert not [group for group in listed if "schema" in group], groups
+
+
 @pytest.mark.parametrize("override,meant", [
     ("strategy=ddp", "strategy=ddp_gloo or strategy=ddp_nccl"),
     ("model=resnet", "model=resnet152 or model=resnet18 or model=resnet50"),

@@ -803,6 +803,35 @@ def test_a_question_times_this_machines_rates_only_for_a_machine_of_its_kind(tmp
     assert gpu_only == {k: v for k, v in alone.items() if k != "seconds"}
 
 
+def test_a_loading_probe_kept_by_a_question_is_found_by_one_that_times_the_rates(tmp_path, monkeypatch, capsys):
+    """This machine's probes are kept under its identity (host, cores, devices), which a GPU
+    question detects without timing the machine's rates; a question that also asks about a CPU
+    machine times them on that same identity, and finds the loading probe kept."""
+    from ddlx.costmodel import hardware as hw_module
+    from ddlx.predict import cli
+
+    if hardware(_compose_hw("hw=local"), None, timed=False).device_kind != "cpu":
+        pytest.skip("this machine has a GPU: a GPU question prices it")
+    monkeypatch.setattr(hw_module, "_measure_rates", lambda spec: timed.append("rates") or {
+        "peak_tflops": 0.4, "peak_tflops_by_type": {"bf16": 0.4}, "memory_bandwidth_gb_s": 3.0, "node_memory_bandwidth_gb_s": 6.0})
+    timed = []
+    monkeypatch.setattr(cli, "probe_loading", lambda data, max_s: lambda: timed.append("loading") or 1e-3)
+    monkeypatch.setattr(cli, "probe_batches", lambda *args, **kwargs: lambda n: timed.append("training") or [ProbedBatch(0.5, 0.01)] * n)
+
+    def answer(*overrides: str) -> dict:
+        cfg = _compose_recommend("hw=titanrtx_4x", "output=json", "log=false", f"paths.root={tmp_path}",
+                                 f"detected_dir={tmp_path / 'hw'}", "cpu_allocator=system", "model=resnet18",
+                                 "data.image_size=32", *overrides)
+        run_recommend(cfg, tmp_path / "out", CONF_DIR / "hw")
+        return json.loads(capsys.readouterr().out)
+
+    alone = answer()
+    assert timed == ["loading"], "a GPU question times the loading its target's CPU cores would do, and no rate"
+    compared = answer("compare=[cpu_2core_cluster]")
+    assert timed == ["loading", "rates"], "the rates, for the CPU machine; the loading probe is found, not timed again"
+    assert compared["predictions"] == alone["predictions"]
+
+
 def test_bad_hw_configs_are_clear_errors():
     with pytest.raises(Exception, match="Could not override 'hw.bogus'"):
         _compose_hw("hw=titanrtx_4x", "hw.bogus=1")

@@ -42,11 +42,16 @@ def data_problems(data) -> list[str]:
 def consistency_problems(cfg: TrainConfig) -> list[str]:
     problems = data_problems(cfg.data)
     m, epochs = cfg.measure, cfg.trainer.max_epochs
-    if epochs not in (None, -1) and m.warmup_epochs >= epochs:
+    warmup = max(1, m.warmup_epochs)  # the fix offered: the thesis' mean of 3 after a warm-up
+    if epochs == 0:  # the warm-up is not why: say what the command set
+        problems.append(f"trainer.max_epochs=0 trains no epoch, so there is nothing to measure; use e.g. "
+                        f"trainer.max_epochs={warmup + 3} measure.warmup_epochs={warmup} for the thesis' mean of 3 "
+                        f"after warm-up")
+    elif epochs not in (None, -1) and m.warmup_epochs >= epochs:
         problems.append(
             f"measure.warmup_epochs={m.warmup_epochs} with trainer.max_epochs={epochs} leaves no epoch to measure; "
-            f"use 0 <= warmup_epochs < max_epochs (e.g. trainer.max_epochs={max(1, m.warmup_epochs) + 3} "
-            f"measure.warmup_epochs={max(1, m.warmup_epochs)} for the thesis' mean of 3 after warm-up)")
+            f"use 0 <= warmup_epochs < max_epochs (e.g. trainer.max_epochs={warmup + 3} "
+            f"measure.warmup_epochs={warmup} for the thesis' mean of 3 after warm-up)")
     for key, value in (("trainer.max_steps", cfg.trainer.max_steps), ("trainer.limit_train_batches", cfg.trainer.limit_train_batches)):
         if value == 0:  # Lightning skips training: the run would end FINISHED with no epoch measured
             problems.append(f"{key}={value} trains no batch, so there is nothing to measure; leave {key} out for every batch")

@@ -29,6 +29,22 @@ def launch_rank() -> int:
     return 0
 
 
+def rank_logging() -> None:
+    """An extra rank's logging: its warnings and errors, said plainly; rank 0 says the rest (in
+    Hydra's job log). Set before Lightning is imported in a new interpreter: Lightning gives its
+    loggers a handler of their own at INFO where the root has none, and rank 1 then printed
+    'Seed set to 42' and 'Initializing distributed' beside rank 0's lines."""
+    import logging
+
+    root = logging.getLogger()
+    for handler in list(root.handlers):  # a forked rank's: the launching process's (Hydra's job log)
+        root.removeHandler(handler)
+    said = logging.StreamHandler(sys.stderr)
+    said.setLevel(logging.WARNING)  # Lightning's loggers are at INFO, and pass theirs on to the root
+    root.addHandler(said)
+    root.setLevel(logging.WARNING)
+
+
 def end_with_parent(expected_parent: int | None = None) -> bool:
     """Have the kernel kill this process when its parent ends. False when the parent has already
     gone (the process was reparented before the call), or is not ``expected_parent``."""

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 from .entry import report_config_errors
 from .errors import Stopped
-from .process import PARENT_ENV, end_with_parent
+from .process import PARENT_ENV, end_with_parent, rank_logging
 
 def main(argv: list[str]) -> None:
     if len(argv) != 2:
@@ -22,6 +22,7 @@ def main(argv: list[str]) -> None:
     parent = os.environ.get(PARENT_ENV)
     if not end_with_parent(int(parent) if parent else None):
         os._exit(1)  # the launching process is gone already
+    rank_logging()  # (a forked rank has it already)
     from .run import train
 
     cfg = OmegaConf.load(argv[0])

@@ -145,6 +145,17 @@ def test_the_runs_of_a_sweep_are_named_apart_and_its_end_says_how_to_compare_the
 
 
 @pytest.mark.integration
+def test_a_later_sweep_job_leaves_the_console_to_its_rank_0(tmp_path):
+    """A sweep whose first job starts no ranks starts a later job's as new interpreters, where
+    Lightning gave its loggers a handler of their own: rank 1 printed 'Seed set to 42' and
+    'Initializing distributed' beside rank 0's lines."""
+    proc = run_train_py(tmp_path, "model=alexnet", "strategy=sequential,ddp_gloo", multirun=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = proc.stdout + proc.stderr
+    assert "GLOBAL_RANK: 0" in said and "GLOBAL_RANK: 1" not in said and "[rank: 1]" not in said, said[-3000:]
+
+
+@pytest.mark.integration
 @pytest.mark.parametrize("model", ARCHITECTURES)
 def test_every_model_trains(tiny_config, tracking_uri, model):
     metrics = train(tiny_config(f"model={model}", "data=cifar10", "data.num_images=24", "data.val_fraction=0.25"),

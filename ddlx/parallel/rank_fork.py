@@ -208,7 +208,8 @@ def _serve(conn, entry: Callable[[list[str]], None]) -> None:
 
 def _run_rank(argv: list[str], env: dict[str, str], cwd: str, entry: Callable[[list[str]], None]) -> None:
     """In the forked rank: the job's environment and directory, default signal handling and
-    logging, as a new interpreter would have them; then the rank's entry. Never returns."""
+    error reporting, as a new interpreter would have them; then the rank's entry, which sets its
+    logging (ddlx.rank_worker: the launching process's handlers are Hydra's job log). Never returns."""
 
     code = 1
     try:
@@ -225,10 +226,6 @@ def _run_rank(argv: list[str], env: dict[str, str], cwd: str, entry: Callable[[l
             sys.__excepthook__, sys.__unraisablehook__, threading.__excepthook__
         sys.stdout = open(1, "w", buffering=1, closefd=False)  # the descriptors, whatever wrapped them
         sys.stderr = open(2, "w", buffering=1, closefd=False, errors="backslashreplace")
-        root = logging.getLogger()
-        for handler in list(root.handlers):  # the launching process's (Hydra's job log)
-            root.removeHandler(handler)
-        root.setLevel(logging.WARNING)
         sys.argv = [sys.executable, "-m", "ddlx.rank_worker", *argv]
         entry(argv)
         code = 0

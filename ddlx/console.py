@@ -4,6 +4,7 @@ went and how to open it; known third-party noise silenced, each by its own messa
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 import warnings
@@ -48,7 +49,9 @@ def silence_known_noise() -> None:
 
 
 def is_terminal() -> bool:
-    return sys.stdout.isatty()
+    # OpenMPI's mpirun gives its ranks a pseudo-terminal whether its own output is one or a batch
+    # job's log file, which then filled with the progress bar's redraws.
+    return sys.stdout.isatty() and "OMPI_COMM_WORLD_SIZE" not in os.environ
 
 
 class EpochLines(pl.Callback):

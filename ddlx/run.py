@@ -59,7 +59,7 @@ from .parallel.same_job import SameJobOnEveryRank
 from .costmodel.memory import GIB, estimate_training_memory
 from .costmodel.numerics import CPU_FP16
 from .preflight import check_before_torch
-from .process import launch_rank
+from .process import launch_rank, rank_logging
 from .records import not_counted, run_name
 from .single_sample import check_single_sample_batches
 from .slurm import run_tags as slurm_run_tags
@@ -247,8 +247,10 @@ def train(cfg, output_dir: str | os.PathLike, extra_tags: Mapping[str, str] | No
     cfg: TrainConfig = typed_config(cfg)  # train.py checked its command line; a caller's config may not have been
     check_before_torch(cfg)
     output_dir = Path(output_dir)
-    pl.seed_everything(cfg.seed, workers=True)
     rank0 = launch_rank() == 0  # only global rank 0 talks to MLflow: its client may create the store
+    if not rank0:  # rank 0 speaks for the job: under mpirun or srun each rank is a train.py with Hydra's log
+        rank_logging()
+    pl.seed_everything(cfg.seed, workers=True)
     signals = StopSignals()
 
     # 1. Everything that can be wrong is checked, and the Trainer built, before a run is opened.

@@ -383,6 +383,10 @@ def test_mpi_matches_sequential(case, tmp_path, shared_data, sequential_weights)
     runner = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(ranks)]
     proc = train_py(tmp_path, "strategy=mpi", f"paths.data_dir={shared_data}", *SAME_MATHS, *overrides, runner=runner)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    said = proc.stdout + proc.stderr
+    assert said.count("Seed set to 42") == 1 and "GLOBAL_RANK: 1" not in said, "rank 0 speaks for the job"
+    assert re.search(r"epoch \d+/\d+ done", said), \
+        "a line per epoch: mpirun gives its ranks a pseudo-terminal, where the progress bar's redraws went to the log"
     _assert_same_weights(final_weights(tmp_path), sequential_weights, exact=False)
     _assert_one_run(tmp_path, "mpi")
     _assert_no_process_left(tmp_path)

@@ -122,7 +122,8 @@ def test_srun_across_two_nodes_runs_hsdp_with_a_shard_group_per_node(  # noqa: F
     assert run.info.status == "FINISHED" and run.data.tags["host"] == two_nodes.nodes[0]
     assert (run.data.tags["nodes"], run.data.tags["shard_size"], run.data.params["strategy.processes"]) == ("2", "2", "4")
     output = proc.stderr + proc.stdout
-    assert "MEMBER: 4/4" in output and "sharding=hybrid over a device mesh of (2, 2)" in output
+    assert "GLOBAL_RANK: 0, MEMBER: 1/4" in output and "sharding=hybrid over a device mesh of (2, 2)" in output
+    assert "MEMBER: 4/4" not in output, "rank 0 speaks for the job"
     _assert_same_weights(final_weights(tmp_path), sequential_weights, exact=False)
 
 
@@ -161,7 +162,7 @@ def test_ddp_under_sbatch_trains_with_all_its_processes(launch, slurm, tmp_path,
                                                       "strategy.processes=2", *SAME_MATHS)])
     fields = slurm.wait_for(job, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), timeout=240)
     assert fields["JobState"] == "COMPLETED", _job_log(tmp_path, job)[-4000:]
-    assert "MEMBER: 2/2" in _job_log(tmp_path, job)
+    assert "GLOBAL_RANK: 0, MEMBER: 1/2" in _job_log(tmp_path, job), "a world of two processes"
     run = _only_run(tmp_path)
     assert run.info.status == "FINISHED" and run.data.tags["slurm_job_id"] == job
     _assert_same_weights(final_weights(tmp_path), sequential_weights, exact=False)

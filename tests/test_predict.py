@@ -832,6 +832,29 @@ def test_a_loading_probe_kept_by_a_question_is_found_by_one_that_times_the_rates
     assert compared["predictions"] == alone["predictions"]
 
 
+def test_the_runs_line_counts_and_leaves_out_the_runs_of_the_questions_machines_only(monkeypatch):
+    """A question about a GPU machine was told '19 not steady state' of this machine's CPU runs,
+    none of which could inform its answer."""
+    from ddlx.config_check import typed_recommend_config
+    from ddlx.predict import cli
+    from ddlx.predict.hw_files import from_dict
+    from ddlx.records import measured_run
+
+    doc = json.loads((PROJECT_DIR / "tests" / "fixtures" / "cpu2core_runs.json").read_text())
+    measured = [measured_run(**run) for run in doc["runs"][:3]]
+    failed = replace(measured[0], status="FAILED", run_id="f" * 32)
+    monkeypatch.setattr(cli, "store_exists", lambda uri: True)
+    monkeypatch.setattr(cli, "check_tracking_uri", lambda *args, **kwargs: None)
+    monkeypatch.setattr(cli, "load_runs", lambda uri, names: [*measured, failed])
+    cfg = typed_recommend_config(_compose_recommend("hw=titanrtx_4x"))
+    gpus, cpus = hardware(_compose_hw("hw=titanrtx_4x")), from_dict(doc["hardware"])  # the runs' machine
+
+    runs, note = cli.measured_runs(cfg, [gpus])
+    assert len(runs) == 4 and note.endswith(", 0 of them on hw=titanrtx_4x"), note
+    _, note = cli.measured_runs(cfg, [gpus, cpus])
+    assert note.endswith(f", 4 of them on hw=titanrtx_4x or hw={cpus.name}; left out: 1 status FAILED (ffffffff)"), note
+
+
 def test_bad_hw_configs_are_clear_errors():
     with pytest.raises(Exception, match="Could not override 'hw.bogus'"):
         _compose_hw("hw=titanrtx_4x", "hw.bogus=1")

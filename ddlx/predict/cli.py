@@ -18,7 +18,7 @@ from ..data.folder import complete_data_config
 from ..errors import ConfigError
 from ..job import Batches, Job, cache_outcome, images_of_training_split, split_too_small, validation_images
 from ..models import check_request
-from ..records import left_out
+from ..records import left_out, on_hardware
 from ..strategies import BASELINE
 from ..tracking import check_tracking_uri, import_store_client, load_runs, log_result_run, store_exists
 from ..ui import is_server, logged_as
@@ -115,7 +115,9 @@ def cache_of(job: Job, cfg: RecommendConfig, target) -> str:
     return cache_outcome(cfg.data.cache, images, job.channels, job.image_size, target.ram_per_node_gb * GB)
 
 
-def measured_runs(cfg: RecommendConfig) -> tuple[list, str]:
+def measured_runs(cfg: RecommendConfig, machines: list[HardwareSpec]) -> tuple[list, str]:
+    """The store's runs, and what they are: how many, how many of them on the question's
+    ``machines`` (the only ones its figures can come from), and which of those are left out, why."""
     uri = cfg.logger.tracking_uri
     if not store_exists(uri):
         return [], f"no MLflow store at {uri}"
@@ -127,7 +129,9 @@ def measured_runs(cfg: RecommendConfig) -> tuple[list, str]:
         except ValueError:
             missing.append(name)
     note = f"{len(runs)} runs from {uri}" + (f" (no experiment {', '.join(missing)})" if missing else "")
-    dropped = left_out(runs)
+    on_them = [r for r in runs if any(on_hardware(r, machine) for machine in machines)]
+    note += f", {len(on_them)} of them on " + " or ".join(dict.fromkeys(f"hw={machine.name}" for machine in machines))
+    dropped = left_out(on_them)
     if dropped:
         note += "; left out: " + "; ".join(f"{len(group)} {why} ({_ids(group)})" for why, group in dropped.items())
     return runs, note
@@ -197,7 +201,7 @@ def run(composed: DictConfig, out_dir: Path, hw_dir: Path, job_overrides: list[s
         local = identity if identity is target else validate(time_local_rates(identity, detected_dir))
     apply_allocator(cfg.cpu_allocator)  # the probes train as the job would
     counting = count_ahead(job, target.device_kind == "gpu") if job is not None else None
-    runs, note = measured_runs(cfg)
+    runs, note = measured_runs(cfg, [target, *others, *([local] if local is not None and local is not target else [])])
     if counting is not None and cfg.log and not store_exists(cfg.logger.tracking_uri):
         import_store_client(cfg.logger.tracking_uri)  # no store was read: MLflow's import, while the child counts
     wait_for(counting)

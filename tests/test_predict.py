@@ -328,6 +328,12 @@ def test_close_calls_are_the_fitting_setups_within_the_band_of_the_best():
     assert rec.close_calls(0.0)[0] is fitting[1], "the larger validated error of the two groups decides, not the band"
     rec.errors = {groups[0]: runner_up / 2}
     assert rec.close_calls(runner_up * 1.001)[0] is fitting[1], "a group without a validated error: the band"
+    from ddlx.predict.render import recommendation_table
+
+    rec.errors = {groups[0]: 0.025, "sequential": 0.0}  # the baseline measured at the job's batch: exact
+    (line,) = [line for line in recommendation_table(rec, "", 0.0, 10.0, []).splitlines() if line.startswith("close calls")]
+    assert f"leave-one-out on this hardware's runs: {groups[0]} 2.5%; sequential measured at this batch, exact;" in line, \
+        "a measured baseline is no leave-one-out figure"
 
 
 def test_group_errors_are_the_validated_median_errors_of_groups_with_enough_configurations():

@@ -8,7 +8,7 @@ from pathlib import Path
 from ..allocator import KEEP_FREED
 from ..command_line import shell_words
 from ..records import measurement_overrides
-from ..strategies import spec_of
+from ..strategies import BASELINE, spec_of
 from .machines import Choice, MachineComparison
 from .prediction import Prediction, Recommendation, allocator_advice, compilable
 from .setups import is_baseline, overrides
@@ -168,9 +168,10 @@ def recommendation_table(rec: Recommendation, note: str, elapsed: float, close_c
             lines += [f"    {command}" for command in commands]
         close = rec.close_calls(close_call)
         if close:
-            validated = ", ".join(f"{g} {100 * e:.1f}%" for g, e in sorted(rec.errors.items()))
+            validated = ", ".join(f"{g} {100 * e:.1f}%" for g, e in sorted(rec.errors.items()) if g != BASELINE)
+            exact = f"; {BASELINE} measured at this batch, exact" if BASELINE in rec.errors else ""  # no leave-one-out figure
             lines.append(f"close calls: predicted within the models' error of it (the larger validated error of the two "
-                         f"setups' groups, leave-one-out on this hardware's runs: {validated or 'none'}; "
+                         f"setups' groups, leave-one-out on this hardware's runs: {validated or 'none'}{exact}; "
                          f"{100 * close_call:.0f}% where a group has none), so measure them too before settling:")
             for p in close:
                 lines.append(f"  {p.setup.label} ({100 * (p.epoch_s / best.epoch_s - 1):+.1f}%): "

@@ -302,6 +302,12 @@ def test_more_loader_workers_than_cores_are_said_once_a_job_on_rank_0(tmp_path, 
         assert not [w for w in recwarn if "worker" in str(w.message)], [str(w.message) for w in recwarn]
         monkeypatch.setenv("RANK", "1")
         assert a_job() == [], "the other ranks leave it to rank 0"
+        monkeypatch.delenv("RANK")
+        from ddlx.predict.sequential_time import probe_batches
+
+        caplog.clear()
+        assert len(probe_batches(fire_module(tmp_path, num_workers=2).data, "resnet18")(1)) == 1
+        assert not [r for r in caplog.records if "data.num_workers=" in r.getMessage()], "recommend.py's probes: train.py's line"
 
 
 def test_the_loading_probe_times_the_loaders_without_importing_lightning(tmp_path):

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torchvision
@@ -859,6 +860,28 @@ def test_the_runs_line_counts_and_leaves_out_the_runs_of_the_questions_machines_
     assert len(runs) == 4 and note.endswith(", 0 of them on hw=titanrtx_4x"), note
     _, note = cli.measured_runs(cfg, [gpus, cpus])
     assert note.endswith(f", 4 of them on hw=titanrtx_4x or hw={cpus.name}; left out: 1 status FAILED (ffffffff)"), note
+
+    from ddlx.costmodel import hardware as hw_module
+
+    if hardware(_compose_hw("hw=local"), None, timed=False).device_kind == "cpu":  # this machine's CPU runs: none for a GPU
+        monkeypatch.setattr(hw_module, "_measure_rates", lambda spec: {  # (validate times them: no second spent here)
+            "peak_tflops": 0.4, "peak_tflops_by_type": {}, "memory_bandwidth_gb_s": 3.0, "node_memory_bandwidth_gb_s": 6.0})
+        with pytest.raises(ConfigError, match=r"mode=validate: no measured runs on hw=titanrtx_4x \(4 runs from .*, "
+                                              r"0 of them on hw=titanrtx_4x\)"):
+            run_recommend(_compose_recommend("hw=titanrtx_4x", "mode=validate", "detected_dir=null"), Path("unused"), CONF_DIR / "hw")
+
+
+def test_only_a_baseline_measured_at_the_jobs_batch_is_exact_in_the_close_calls():
+    """A baseline scaled from runs at another batch is an estimate: counted exact (0%), it
+    narrowed the close-call band and was said to be 'measured at this batch, exact'."""
+    from ddlx.predict.cli import close_call_errors
+
+    gpu = _hw(device_kind="gpu", memory_per_device_gb=8, devices_per_node=4, peak_tflops=10.0)
+    rec = Predictor(gpu, []).recommend(Job("vgg16", "firesmall", 3, 3, 224, 256, 633))
+    rec.sequential = replace(rec.sequential, basis="measured (2 runs, batch 64, scaled per sample)", measured=False)
+    assert "sequential" not in close_call_errors(Predictor(gpu, []), "system", rec)
+    rec.sequential = replace(rec.sequential, basis="measured (2 runs, same batch)", measured=True)
+    assert close_call_errors(Predictor(gpu, []), "system", rec)["sequential"] == 0.0
 
 
 def test_bad_hw_configs_are_clear_errors():

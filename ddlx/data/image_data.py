@@ -262,7 +262,7 @@ class ImageFolderData:
         self.train_set: ImageFileDataset | None = None
         self.val_set: ImageFileDataset | None = None
         self._loaders: list[DataLoader] = []  # made for the trainer: their workers end with the run (end_workers)
-        self._workers_said = False  # say_workers_beyond_cores, once
+        self.workers_to_say = True  # say_workers_beyond_cores, once a job (a probe's loaders: not at all)
 
     @classmethod
     def of_process(cls, data, data_parallel: int = 1):
@@ -342,8 +342,8 @@ class ImageFolderData:
         replicas, rank = data_replicas(getattr(self.trainer, "strategy", None))  # a pipeline's stages: one replica
         images = getattr(getattr(self.trainer, "strategy", None), "needs_inputs", True)
         workers = self.data.num_workers if images else 0  # labels alone: nothing to decode
-        if workers and not self._workers_said:  # once a job (its process's cores are set by then: pinned or not)
-            self._workers_said = True
+        if workers and self.workers_to_say:  # once a job (its process's cores are set by then: pinned or not)
+            self.workers_to_say = False
             say_workers_beyond_cores(workers)
         if not images:
             dataset = LabelsOnly(dataset)

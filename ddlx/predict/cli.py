@@ -201,7 +201,10 @@ def run(composed: DictConfig, out_dir: Path, hw_dir: Path, job_overrides: list[s
         local = identity if identity is target else validate(time_local_rates(identity, detected_dir))
     apply_allocator(cfg.cpu_allocator)  # the probes train as the job would
     counting = count_ahead(job, target.device_kind == "gpu") if job is not None else None
-    runs, note = measured_runs(cfg, [target, *others, *([local] if local is not None and local is not target else [])])
+    machines = [target, *others]  # and this machine where its runs can inform them: of their device kind
+    if local is not None and local is not target and any(m.device_kind == local.device_kind for m in machines):
+        machines.append(local)
+    runs, note = measured_runs(cfg, machines)
     if counting is not None and cfg.log and not store_exists(cfg.logger.tracking_uri):
         import_store_client(cfg.logger.tracking_uri)  # no store was read: MLflow's import, while the child counts
     wait_for(counting)
@@ -248,7 +251,7 @@ def close_call_errors(unprobed: Predictor, cpu_allocator: str, rec: Recommendati
     runs measured it, counts as exact, and as unvalidated when it was probed or estimated."""
     errors = group_errors(unprobed, cpu_allocator)
     errors.pop(BASELINE, None)
-    if rec.sequential.basis.startswith("measured"):
+    if rec.sequential.measured:  # at the job's batch (one scaled from another batch is not exact)
         errors[BASELINE] = 0.0
     return errors
 

@@ -260,6 +260,7 @@ def probe_batches(cfg_data, model: str, threads: int = 1, max_seconds: float = 3
         from ..data.datamodule import build_datamodule
 
         dm = build_datamodule(probe_data(cfg_data, n + 2))
+        dm.workers_to_say = False  # train.py's line about its training processes' cores
         dm.prepare_data()
         dm.setup("fit")
         device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")

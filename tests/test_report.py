@@ -361,7 +361,10 @@ def test_the_recommender_names_the_runs_it_leaves_out_and_why(store):
     exp = client.get_experiment_by_name("ddlx").experiment_id
     short = _log(client, exp, "cpu_mp", 1.0, tags={"processes": "2"}, params={"measure.warmup_epochs": "0"})
     client.log_metric(short, "measured_epochs", 1)
-    runs, note = measured_runs(OmegaConf.create({"logger": {"tracking_uri": store}, "experiments": ["ddlx"]}))
+    from ddlx.costmodel.hardware import HardwareSpec
+
+    h1 = HardwareSpec(name="local", host="h1")  # the runs' host
+    runs, note = measured_runs(OmegaConf.create({"logger": {"tracking_uri": store}, "experiments": ["ddlx"]}), [h1])
     assert f"1 not steady state ({short[:8]})" in note
     assert "1 status FAILED" in note
 

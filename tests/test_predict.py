@@ -839,6 +839,31 @@ def test_a_loading_probe_kept_by_a_question_is_found_by_one_that_times_the_rates
     assert compared["predictions"] == alone["predictions"]
 
 
+def test_a_gpu_machine_asked_about_a_cpu_cluster_times_nothing_of_its_own(tmp_path, monkeypatch, capsys):
+    """The other way round from the test above: on a (stood-in) GPU machine, a question about a
+    CPU cluster has no machine of this one's kind, so this machine's rates are not timed and it
+    probes nothing; the answer comes from the cluster's description."""
+    import types
+
+    import torch
+
+    from ddlx.costmodel import hardware as hw_module
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(name="NVIDIA H200", total_memory=141e9))
+    assert hardware(_compose_hw("hw=local"), None, timed=False).device_kind == "gpu"
+    timed = []
+    monkeypatch.setattr(hw_module, "_measure_rates", lambda spec: timed.append(spec.name) or {})
+    cfg = _compose_recommend("hw=cpu_2core_cluster", "output=json", "log=false", f"paths.root={tmp_path}",
+                             f"detected_dir={tmp_path / 'hw'}", "cpu_allocator=system", "model=resnet18", "data.image_size=32")
+    run_recommend(cfg, tmp_path / "out", CONF_DIR / "hw")
+    answer = json.loads(capsys.readouterr().out)
+    assert timed == [] and not (tmp_path / "hw").exists(), "no rate timed, no probe kept"
+    assert answer["hw"] == "cpu_2core_cluster" and answer["recommended"]["fits"]
+    assert "probe" not in answer["recommended"]["basis"]
+
+
 def test_the_runs_line_counts_and_leaves_out_the_runs_of_the_questions_machines_only(monkeypatch):
     """A question about a GPU machine was told '19 not steady state' of this machine's CPU runs,
     none of which could inform its answer."""

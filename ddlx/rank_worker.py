@@ -22,7 +22,7 @@ def main(argv: list[str]) -> None:
     parent = os.environ.get(PARENT_ENV)
     if not end_with_parent(int(parent) if parent else None):
         os._exit(1)  # the launching process is gone already
-    rank_logging()  # (a forked rank has it already)
+    rank_logging()  # forked or a new interpreter: before Lightning's import (in .run), which adds a handler where none is
     from .run import train
 
     cfg = OmegaConf.load(argv[0])

@@ -178,7 +178,7 @@ class ResumableLoader(ForkingLoader):
 def say_workers_beyond_cores(workers: int) -> None:
     """On rank 0: more loader workers than the cores this process may use (a rank pinned to its
     share of them: cpu_mp, fsdp and pipe engine=torch on CPU) share those cores with its training."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = len(os.sched_getaffinity(0))
     if workers > cores and launch_rank() == 0:
         log.info("data.num_workers=%d loader workers per training process, which may use %d core(s): they take their "
                  "time from its training there; data.num_workers=0 loads between steps in the training process, "

@@ -195,16 +195,15 @@ def run(composed: DictConfig, out_dir: Path, hw_dir: Path, job_overrides: list[s
     identity = local_hardware(target, hw_dir, detected_dir, timed=False)  # what this machine's kept probes are kept under
     # This machine's timed rates (a second, once per machine) price only machines of its kind: a CPU's
     # count for no GPU target, whose loading probe needs no rate.
-    same_kind = cfg.mode == "validate" or any(m.device_kind == identity.device_kind for m in [target, *others])
+    machines = [target, *others]
+    of_its_kind = any(m.device_kind == identity.device_kind for m in machines)
     local = None
-    if same_kind:  # (the target, where it is this machine, has its rates as the target)
+    if of_its_kind or cfg.mode == "validate":  # (the target, where it is this machine, has its rates as the target)
         local = identity if identity is target else validate(time_local_rates(identity, detected_dir))
     apply_allocator(cfg.cpu_allocator)  # the probes train as the job would
     counting = count_ahead(job, target.device_kind == "gpu") if job is not None else None
-    machines = [target, *others]  # and this machine where its runs can inform them: of their device kind
-    if local is not None and local is not target and any(m.device_kind == local.device_kind for m in machines):
-        machines.append(local)
-    runs, note = measured_runs(cfg, machines)
+    # The runs counted: on the machines asked about, and on this one where they are of its kind.
+    runs, note = measured_runs(cfg, machines + [local] if of_its_kind and local is not target else machines)
     if counting is not None and cfg.log and not store_exists(cfg.logger.tracking_uri):
         import_store_client(cfg.logger.tracking_uri)  # no store was read: MLflow's import, while the child counts
     wait_for(counting)

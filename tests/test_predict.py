@@ -1294,7 +1294,10 @@ def test_gpu_predictions_are_bound_by_the_data_loaders():
     workers, epoch_s = roomy.predictions[0].loading_fix
     assert epoch_s == pytest.approx(unbound.predictions[0].epoch_s), "the step's own time, loading hidden"
     assert workers == math.ceil(32 * 0.005 / (epoch_s / job.steps))
-    assert f"with data.num_workers={workers} it would take" in recommendation_table(roomy, "no runs", 0.0, 0.05, [])
+    table = recommendation_table(roomy, "no runs", 0.0, 0.05, [])
+    saved = 100 * (1 - epoch_s / roomy.predictions[0].epoch_s)
+    assert f"with data.num_workers={workers} it would take" in table
+    assert f"({saved:.1f}% less):" in table, "two digits may print both epochs alike: the saving says the difference"
     command = recommendation_dict(roomy, "no runs", 0.0, 0.05, [])["recommended"]["command_with_loading_fix"]
     assert f" data.num_workers={workers} " in command and "strategy=sequential trainer=gpu" in command
     check_config(compose_config(as_a_shell_reads(command)[2:]))  # a command train.py takes

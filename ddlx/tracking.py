@@ -32,6 +32,9 @@ USE_CASES = {("vgg16", "firesmall"): "complexsmall", ("alexnet", "firebig"): "si
 MAX_PARAM_LENGTH = 6000  # MLflow's limit on a parameter value
 
 log = logging.getLogger(__name__)
+# "Creating initial MLflow database tables..." and "Updating database tables" on a store's first
+# contact: the only third-party lines of a first run or answer, which names its store itself.
+logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
 
 
 def use_case(model: str, data: str) -> str | None:

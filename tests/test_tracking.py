@@ -170,6 +170,21 @@ def test_importing_a_stores_client_ahead_imports_what_its_write_needs_and_writes
     assert ("mlflow.store.tracking.sqlalchemy_store" in imported) == (scheme == "sqlite")
     assert list(tmp_path.iterdir()) == [], "nothing written: the store is made only when the answer is logged"
 
+def test_a_new_store_is_made_without_mlflows_info_lines(tmp_path):
+    """A first run or answer into a new store printed MLflow's "Creating initial MLflow database
+    tables..." and "Updating database tables": the store is made, its tables are there, and
+    nothing is said beside ddlx's own lines (which name the store)."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    script = "import sys; from ddlx.tracking import prepare_store; prepare_store(sys.argv[1], 'ddlx', None)"
+    done = subprocess.run([sys.executable, "-c", script, uri], env=subprocess_env(), capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    from ddlx.tracking import _sqlite_tables
+
+    assert "alembic_version" in _sqlite_tables(tmp_path / "mlflow.db")
+    assert "database tables" not in done.stderr + done.stdout, done.stderr
+
+
 WRITER = """
 import sys
 from ddlx.tracking import prepare_store

@@ -10,17 +10,14 @@ import sys
 from pathlib import Path
 
 import hydra
-from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
-from ddlx.entry import register_config, report_config_errors
+from ddlx.entry import register_recommend_config, report_config_errors
 from ddlx.config_check import check_command_line, check_recommend_job
-from ddlx.costmodel.hardware import HardwareSpec
 from ddlx.process import exit_without_collecting
 
 ROOT = Path(__file__).resolve().parent
-register_config(ROOT)
-ConfigStore.instance().store(group="hw", name="schema", node=HardwareSpec)
+register_recommend_config(ROOT)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="recommend")

@@ -33,6 +33,17 @@ def register_config(project_dir: Path) -> None:
     OmegaConf.register_new_resolver("job_id", job_id, replace=True, use_cache=True)
 
 
+def register_recommend_config(project_dir: Path) -> None:
+    """:func:`register_config`, and the fields every machine description has as ``hw``'s option
+    ``schema``, which the hw files (and ``mode=probe``'s) extend with ``- schema``."""
+    from hydra.core.config_store import ConfigStore
+
+    from .costmodel.hardware import HardwareSpec
+
+    register_config(project_dir)
+    ConfigStore.instance().store(group="hw", name="schema", node=HardwareSpec)
+
+
 # Launchers that start every rank of a job themselves: the variable that says how many processes
 # they started, and those that name the job (the same in every one of its processes).
 LAUNCHER_JOB_IDS = (("SLURM_STEP_NUM_TASKS", ("SLURM_JOB_ID", "SLURM_STEP_ID")),

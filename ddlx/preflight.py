@@ -93,17 +93,22 @@ def empty_folders(value_of: Callable[[str], object]) -> list[str]:
 
 
 def path_problems(cfg: TrainConfig) -> list[str]:
-    problems = empty_folders(lambda key: attrgetter(key)(cfg))
-    root = cfg.data.root
-    if root is not None and (not str(root).strip() or not Path(root).expanduser().is_dir()):  # "": not the current folder
-        problems.append(missing_data_root(root))
-    if problem := unset_data_root(cfg.data):
-        problems.append(problem)
+    problems = [*empty_folders(lambda key: attrgetter(key)(cfg)), *data_root_problems(cfg.data)]
     if cfg.ckpt_path is not None:
         problem = checkpoint_path_problem(cfg.ckpt_path)
         if problem:
             problems.append(problem)
     return problems
+
+
+def data_root_problems(data) -> list[str]:
+    """Why ``data`` (a data config, train.py's or recommend.py's) names no folder to read: a
+    ``data.root`` that is not one, or none where the keys are to be read from one."""
+    root = data.root
+    if root is not None and (not str(root).strip() or not Path(root).expanduser().is_dir()):  # "": not the current folder
+        return [missing_data_root(root)]
+    problem = unset_data_root(data)
+    return [problem] if problem else []
 
 
 def checkpoint_path_problem(path) -> str | None:

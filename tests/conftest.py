@@ -9,11 +9,11 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from ddlx.entry import register_config
+from ddlx.entry import register_recommend_config
 
 PROJECT_DIR = Path(__file__).resolve().parents[1]
 CONF_DIR = PROJECT_DIR / "conf"
-register_config(PROJECT_DIR)
+register_recommend_config(PROJECT_DIR)  # train.py's schemas and recommend.py's hw schema
 
 # Tiny images, a few dozen samples, 1-2 steps: keeps the default run fast on 2 cores.
 TINY = [

@@ -160,6 +160,16 @@ def test_help_lists_the_groups_a_user_chooses_from_and_not_their_schemas(script)
     assert not [group for group in listed if "schema" in group], groups
 
 
+@pytest.mark.parametrize("overrides,said", [
+    (["data=imagefolder"], "data.root is not set, but data.name is to be read from the folder there"),
+    (["data=imagefolder", "data.root=/nowhere"], "data.root=/nowhere does not exist"),
+])
+def test_recommend_names_a_data_folder_that_is_not_there_before_its_job_starts(overrides, said):
+    """As train.py does: recommend.py refused these only after Hydra had started its job and
+    torch had loaded (2.4-10 s in)."""
+    assert str(_refusal("recommend", overrides)).startswith(said)
+
+
 @pytest.mark.parametrize("override,meant", [
     ("strategy=ddp", "strategy=ddp_gloo or strategy=ddp_nccl"),
     ("model=resnet", "model=resnet152 or model=resnet18 or model=resnet50"),

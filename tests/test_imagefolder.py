@@ -118,9 +118,6 @@ def test_recommend_counts_the_training_images_train_py_would(tmp_path, tiny_conf
     """The recommender's epoch is train.py's: as many images as the folder holds where fewer than
     data.num_images, and at least one held out where data.val_fraction > 0 rounds to none."""
     from hydra import compose, initialize_config_dir
-    from hydra.core.config_store import ConfigStore
-
-    from ddlx.costmodel.hardware import HardwareSpec
     from ddlx.predict.cli import job_from_config
 
     root = write_digits(tmp_path / "few", per_class=2)  # 20 images: 2% of them rounds to 0
@@ -130,7 +127,6 @@ def test_recommend_counts_the_training_images_train_py_would(tmp_path, tiny_conf
     complete_data_config(cfg.data)
     module = build_datamodule(cfg.data)
     module.setup()
-    ConfigStore.instance().store(group="hw", name="schema", node=HardwareSpec)  # as recommend.py registers it
     with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
         asked = compose(config_name="recommend", overrides=data)
     assert job_from_config(asked).train_samples == len(module.train_set) == 19

@@ -17,7 +17,6 @@ import pytest
 import torchvision
 from conftest import CONF_DIR, PROJECT_DIR, alive, as_a_shell_reads, compose_config, subprocess_env
 from hydra import compose, initialize_config_dir
-from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from ddlx.errors import ConfigError
@@ -587,7 +586,6 @@ def test_runs_of_another_machine_are_not_this_machines_measurements():
 
 def _compose_recommend(*overrides: str):
     """recommend.py's config, composed as its entry does."""
-    ConfigStore.instance().store(group="hw", name="schema", node=HardwareSpec)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose(config_name="recommend", overrides=list(overrides))
 

@@ -12,7 +12,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from .command_line import resume_command, shell_words
-from .errors import CheckpointNotWritten, ConfigError, RankDied, RanksDisagree, Stopped, StoreError
+from .errors import CheckpointNotWritten, ConfigError, RankDied, RankLost, RanksDisagree, Stopped, StoreError
 from .process import launch_rank
 
 
@@ -169,7 +169,7 @@ def run_training_job(fn: Callable[[], Any], in_sweep: bool, overrides: list[str]
             raise  # the launcher counts the job failed by its exception (refused on every rank alike)
         REFUSED_JOBS.append(shell_words(*overrides))  # said once, and the sweep's exit status: end_sweep
         return None
-    except CheckpointNotWritten as err:
+    except (CheckpointNotWritten, RankLost) as err:
         _end_job_with_error(err)
     except RankDied:  # said in full where it was found (ddlx.run.RankDeath): no traceback
         from .parallel.mpi_ranks import abort_job

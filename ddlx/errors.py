@@ -1,6 +1,7 @@
 """User-facing errors: raised before any work starts, printed without a traceback by the entry points."""
 from __future__ import annotations
 
+import re
 import signal
 from pathlib import Path
 
@@ -27,6 +28,28 @@ class CheckpointNotWritten(OSError):
 class RankDied(RuntimeError):
     """Another rank process died (kill -9, the out-of-memory killer, a crash) and this one failed
     on its lost connection. The console has said so, and how to resume (``ddlx.run.RankDeath``)."""
+
+
+class RankLost(RuntimeError):
+    """This rank failed on its connection to another rank of a job whose ranks a launcher started
+    (mpirun, srun, torchrun; ddlx's own say which rank died: :class:`RankDied`). The run is
+    FAILED with the reason, and one line says it: gloo's traceback says no more."""
+
+
+# gloo's words for a peer that is gone (its process died, its node was lost) or silent past the timeout.
+LOST_PEER = re.compile(r"Connection (?:closed|reset) by peer|Timed out waiting")
+
+
+def rank_lost(err: BaseException, rank: int) -> RankLost | None:
+    """:class:`RankLost` for ``err`` where it is gloo's lost or silent peer, else None."""
+    line = next((line for line in str(err).splitlines() if LOST_PEER.search(line)), None)
+    if not isinstance(err, RuntimeError) or line is None:
+        return None
+    # gloo's first sentence, with the peer's address, without its source location ("[.../pair.cc:561] ")
+    said = re.sub(r"^\s*\[[^\]]*\]\s*", "", line).split(". ")[0].strip()
+    return RankLost(f"rank {rank} lost another rank of the job ({said}): it died (a crash, kill -9, the out-of-memory "
+                    f"killer), its node was lost, or it did not answer within strategy.timeout_s; the launcher's "
+                    f"lines say which")
 
 
 class Stopped(BaseException):

@@ -39,7 +39,7 @@ from .console import EpochLines, RunSummary, is_terminal, silence_known_noise
 from .data.datamodule import build_datamodule
 from .data.folder import complete_data_config
 from .epoch_batches import process_batches, trainer_batch_problems
-from .errors import ConfigError, RankDied, Stopped
+from .errors import ConfigError, RankDied, Stopped, rank_lost
 from .job import precision_of
 from .machine import busy_cores, machine_tags
 from .measure.resources import ResourceMonitor
@@ -358,6 +358,8 @@ def fit(cfg: TrainConfig, trainer: pl.Trainer, module: ClassifierModule, datamod
         launcher = getattr(trainer.strategy, "launcher", None)
         died = launcher.dead_ranks() if isinstance(launcher, WorkerLauncher) else None
         if died is None:
+            if (lost := rank_lost(err, launch_rank())) is not None:  # under mpirun, srun, torchrun
+                raise lost from err
             raise
         trainer.strategy.rank_died(logger, died)  # the cause, not this rank's lost connection
         raise RankDied(died) from err

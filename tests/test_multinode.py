@@ -4,6 +4,7 @@ host name and address. The ranks can only meet over the nodes' addresses: a node
 reaches no other node."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -121,6 +122,10 @@ def test_a_rank_or_node_lost_mid_epoch_ends_every_rank_and_fails_the_run(how, cl
             assert job.returncode != 0
             time.sleep(1)
             assert not cluster.pids(first) and not cluster.pids(second), "no rank or daemon left on either node"
+            said = job.stderr.read()
+            assert "Traceback" not in said, said[-3000:]  # gloo's lost connection, said in one line
+            assert re.search(r"ddlx: error: rank 0 lost another rank of the job \(.*Connection (closed|reset) by peer", said), said
+            assert "ddlx: resume with: " in said, said
         # node_lost: mpirun waits for its session to the lost node, as it would over ssh (docs/multi-node.md).
     finally:
         if job.poll() is None:

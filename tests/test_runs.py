@@ -867,3 +867,23 @@ def test_the_console_times_an_epoch_resumed_mid_way_from_the_resume_and_says_whe
     assert len(lines) == 2, lines
     assert float(re.search(r"done, ([\d.]+) s", lines[0]).group(1)) < 60, lines[0]
     assert " with validation" not in lines[0] and " with validation" in lines[1], lines
+
+
+@pytest.mark.parametrize("gloo,said", [
+    ("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]:58011. This is "
+     "typically caused by a remote worker crashing. Check the logs of the remote worker before reporting an error.",
+     "(Connection closed by peer [127.0.0.1]:58011)"),
+    ("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error [10.77.77.2]:40521: Connection reset by peer",
+     "(Read error [10.77.77.2]:40521: Connection reset by peer)"),
+    ("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 20000ms for recv operation to "
+     "complete", "(Timed out waiting 20000ms for recv operation to complete)"),
+])
+def test_gloos_lost_peer_under_a_launcher_is_said_with_its_address_and_without_its_source_location(gloo, said):
+    """Under mpirun, srun or torchrun a rank that loses another ends with one line (tests/test_multinode.py
+    kills one): gloo's first sentence, the peer's address in it; any other error is left as it is."""
+    from ddlx.errors import RankLost, rank_lost
+
+    lost = rank_lost(RuntimeError(gloo), 3)
+    assert isinstance(lost, RankLost) and str(lost).startswith(f"rank 3 lost another rank of the job {said}: "), lost
+    assert "strategy.timeout_s" in str(lost) and ".cc:" not in str(lost)
+    assert rank_lost(RuntimeError("CUDA out of memory"), 0) is None and rank_lost(ValueError(gloo), 0) is None

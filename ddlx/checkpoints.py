@@ -12,7 +12,7 @@ import random
 import shlex
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,8 @@ from .preflight import checkpoint_path_problem
 LAST = "last.ckpt"
 # Config keys a resumed run may change: where things are, and how long to train. Any other
 # difference would record a run that is not what its params say.
+# A plan's tags that its launcher sets, not the command line (mpirun -np: ranks; srun's or torchrun's nodes).
+LAYOUT_TAGS = ("ranks", "nodes")
 MAY_CHANGE_ON_RESUME = ("ckpt_path", "paths.", "data.root", "data.synthetic_dir", "logger.", "trainer.max_epochs",
                         "trainer.max_steps", "trainer.max_time", "trainer.enable_progress_bar",
                         "trainer.enable_model_summary", "checkpoint.")
@@ -164,15 +166,16 @@ class RunInCheckpoint(pl.Callback):
     keeps the random number generators' states, so a resumed run draws what it would have drawn
     (dropout masks, flips) had it not stopped."""
 
-    def __init__(self, config: Mapping[str, Any]) -> None:
+    def __init__(self, config: Mapping[str, Any], layout: Mapping[str, str] | None = None) -> None:
         self.config = dict(config)
+        self.layout = dict(layout or {})  # what the launcher set (LAYOUT_TAGS): the config does not hold it
         self.run_id: str | None = None
         self.tracking_uri: str | None = None
         self.experiment: str | None = None
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
         checkpoint["ddlx"] = {"mlflow_run_id": self.run_id, "tracking_uri": self.tracking_uri,
-                              "experiment": self.experiment, "config": self.config}
+                              "experiment": self.experiment, "config": self.config, "layout": self.layout}
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's generators and, with several ranks, every rank's under ``ranks``: a
@@ -224,6 +227,20 @@ class SavedRun:
     epoch: int
     global_step: int
     epochs_done: int = 0  # whole epochs trained (the epoch in progress at a stop within one not among them)
+    layout: dict[str, str] = field(default_factory=dict)  # its LAYOUT_TAGS (none in checkpoints from before them)
+
+    def layout_changed(self, now: Mapping[str, str]) -> str | None:
+        """None, or how this job's ranks or nodes (``now``: its plan's :data:`LAYOUT_TAGS`) differ
+        from those of the run that wrote the checkpoint, with the fix."""
+        changed = {key: value for key, value in self.layout.items() if now.get(key, value) != value}
+        if not changed:
+            return None
+        then = ", ".join(f"{key}={value}" for key, value in changed.items())
+        return (f"ckpt_path={self.path} was written by a run of {then} (now "
+                f"{', '.join(f'{key}={now[key]}' for key in changed)}), as its launcher started it: a resumed run keeps "
+                f"its ranks and nodes, or its epochs would be timed on two layouts; resume under the launcher with the "
+                f"same counts (mpirun -np, srun --nodes and --ntasks, torchrun --nnodes and --nproc-per-node), or start "
+                f"a new run without ckpt_path")
 
     def epoch_left_out(self, trainer) -> str | None:
         """None, or how the typed ``trainer`` config would close the run before the epoch its
@@ -274,7 +291,7 @@ def read_saved_run(path: str | os.PathLike) -> SavedRun:
     progress = checkpoint["loops"].get("fit_loop", {}).get("epoch_progress", {}).get("current", {})
     return SavedRun(path, meta.get("mlflow_run_id"), meta.get("tracking_uri"), meta.get("experiment"),
                     dict(meta.get("config") or {}), epoch, int(checkpoint.get("global_step", 0)),
-                    int(progress.get("processed", epoch)))
+                    int(progress.get("processed", epoch)), dict(meta.get("layout") or {}))
 
 
 def _as_override(text: str | None) -> str:

@@ -42,6 +42,13 @@ def resume_command(overrides: list[str], checkpoint) -> str:
     return f"python train.py {shell_words(*kept, f'ckpt_path={hydra_string(checkpoint)}')}"
 
 
+def resume_words(launcher: tuple[str, int] | None = None) -> str:
+    """'resume with', and under a launcher (:func:`ddlx.process.outside_launcher`: mpirun, srun,
+    torchrun) that it starts the resumed job too: its train.py command alone would be one process."""
+    return f"resume under {launcher[0]} with {launcher[1]} processes, as this job was started, with" if launcher \
+        else "resume with"
+
+
 def task_overrides() -> list[str]:
     """The overrides of this Hydra job (a sweep job's own values); ValueError outside a Hydra job."""
     from hydra.core.hydra_config import HydraConfig
@@ -72,11 +79,15 @@ class HowToResume:
     checkpoint_file: str | None
     weights_only: bool
     not_before: float | None = None  # when a new run started: an older file in its folder (one reused) is another run's
+    launcher: tuple[str, int] | None = None  # the launcher that started its processes (resume_words)
 
     @classmethod
     def of(cls, overrides: list[str], checkpoint_file, weights_only: bool, not_before: float | None = None) -> HowToResume:
+        from .process import outside_launcher
+
         command = None if checkpoint_file is None else resume_command(overrides, checkpoint_file)
-        return cls(command, None if checkpoint_file is None else str(checkpoint_file), weights_only, not_before)
+        return cls(command, None if checkpoint_file is None else str(checkpoint_file), weights_only, not_before,
+                   outside_launcher())
 
     def say(self) -> None:
         if self.checkpoint_file is None:
@@ -85,7 +96,7 @@ class HowToResume:
             said = "its checkpoints hold the weights only (checkpoint.save=weights): the run cannot be resumed"
         elif (checkpoint := Path(self.checkpoint_file)).is_file() and (
                 self.not_before is None or checkpoint.stat().st_mtime >= self.not_before):
-            said = f"resume with: {self.command}"
+            said = f"{resume_words(self.launcher)}: {self.command}"
         else:
             said = "no checkpoint was written before it"
         print(f"ddlx: {said}", file=sys.stderr, flush=True)

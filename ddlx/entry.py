@@ -11,9 +11,9 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from .command_line import resume_command, shell_words
+from .command_line import resume_command, resume_words, shell_words
 from .errors import CheckpointNotWritten, ConfigError, RankDied, RankLost, RanksDisagree, Stopped, StoreError
-from .process import launch_rank
+from .process import LAUNCHERS, launch_rank, outside_launcher
 
 
 class SweepJobRefused(Exception):
@@ -44,12 +44,6 @@ def register_recommend_config(project_dir: Path) -> None:
     ConfigStore.instance().store(group="hw", name="schema", node=HardwareSpec)
 
 
-# Launchers that start every rank of a job themselves: the variable that says how many processes
-# they started, and those that name the job (the same in every one of its processes).
-LAUNCHER_JOB_IDS = (("SLURM_STEP_NUM_TASKS", ("SLURM_JOB_ID", "SLURM_STEP_ID")),
-                    ("OMPI_COMM_WORLD_SIZE", ("PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid")),
-                    ("PMI_SIZE", ("PMIX_NAMESPACE",)),
-                    ("WORLD_SIZE", ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT")))
 _RANDOM_JOB_ID = uuid.uuid4().hex[:8]
 
 
@@ -59,7 +53,7 @@ def job_id() -> str:
     SLURM (srun), mpirun or torchrun started several processes of it (each composes its own
     config), else random, drawn once per process (two runs started in the same second, on one
     machine or several sharing a file system, or in one SLURM allocation, must not share a folder)."""
-    for size, names in LAUNCHER_JOB_IDS:
+    for _, size, names in LAUNCHERS:
         ids = [os.environ[n] for n in names if os.environ.get(n)]
         if int(os.environ.get(size) or 1) > 1 and ids:
             return "-".join(dict.fromkeys(ids)).replace("/", "_").replace(".", "_").replace(":", "_")
@@ -184,7 +178,7 @@ def run_training_job(fn: Callable[[], Any], in_sweep: bool, overrides: list[str]
     except Stopped as stop:
         print(f"ddlx: {stop}", file=sys.stderr)
         if stop.resumable:
-            print(f"ddlx: resume with: {resume_command(overrides, stop.checkpoint)}", file=sys.stderr)
+            print(f"ddlx: {resume_words(outside_launcher())}: {resume_command(overrides, stop.checkpoint)}", file=sys.stderr)
         if requeue is not None and stop.after_training:
             if launch_rank() == 0:
                 requeue.forget()

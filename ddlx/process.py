@@ -11,11 +11,29 @@ PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15  # linux/prctl.h
 WORKER_ENV = "DDLX_RANK_WORKER"
 PARENT_ENV = "DDLX_RANK_PARENT"  # the launching process: a worker ends with it (ddlx.rank_worker)
 STARTED_EXTERNALLY = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS", "TORCHELASTIC_RUN_ID")
+# Launchers that start every rank of a job themselves: the name a user runs, the variable that
+# says how many processes they started, and those that name the job (the same in each of them).
+LAUNCHERS = (("srun", "SLURM_STEP_NUM_TASKS", ("SLURM_JOB_ID", "SLURM_STEP_ID")),
+             ("mpirun", "OMPI_COMM_WORLD_SIZE", ("PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid")),
+             ("mpiexec", "PMI_SIZE", ("PMIX_NAMESPACE",)),
+             ("torchrun", "WORLD_SIZE", ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT")))
 
 
 def is_rank_worker() -> bool:
     """An extra rank started by ddlx's own launcher."""
     return os.environ.get(WORKER_ENV) == "1"
+
+
+def outside_launcher() -> tuple[str, int] | None:
+    """(its name, how many processes) where a launcher other than ddlx started this job's
+    processes, several of them: a resumed run must be started the same way."""
+    if is_rank_worker():
+        return None
+    for name, size, _ in LAUNCHERS:
+        count = int(os.environ.get(size) or 1)
+        if count > 1 and (name != "torchrun" or "TORCHELASTIC_RUN_ID" in os.environ):  # (Lightning sets WORLD_SIZE)
+            return name, count
+    return None
 
 
 def launch_rank() -> int:

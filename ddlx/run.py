@@ -27,6 +27,7 @@ from .allocator import explain as explain_allocator
 from .command_line import HowToResume, task_override_keys, task_overrides
 from .checkpoints import (
     LAST,
+    LAYOUT_TAGS,
     RunInCheckpoint,
     check_resumable,
     checkpoint_callbacks,
@@ -283,7 +284,7 @@ def train(cfg, output_dir: str | os.PathLike, extra_tags: Mapping[str, str] | No
         params = flatten_config(resolved)
         logger = make_logger(cfg.logger.tracking_uri, cfg.logger.experiment_name, cfg.logger.run_name or run_name(params, tags), tags,
                              cfg.logger.artifact_location, run_id=resume_run) if rank0 else None  # no run yet
-        identity = RunInCheckpoint(resolved)
+        identity = RunInCheckpoint(resolved, {key: plan.tags[key] for key in LAYOUT_TAGS if key in plan.tags})
         # A resumed run goes on writing where its checkpoint is (last.ckpt replaced, the best kept track of).
         checkpoint_dir = saved.path.parent if saved is not None else output_dir / "checkpoints"
         checkpoint_file = None if cfg.checkpoint.save == "none" else checkpoint_dir / LAST
@@ -438,9 +439,9 @@ def prepare_job(cfg: TrainConfig, tags: dict, rank0: bool):
         plan = batch_of_workers(cfg, plan, meta, rank0)
     if cfg.ckpt_path:
         saved = read_saved_run(cfg.ckpt_path)
-        cut = saved.epoch_left_out(cfg.trainer)
-        if cut:
-            raise ConfigError(cut)
+        problem = saved.epoch_left_out(cfg.trainer) or saved.layout_changed(plan.tags)
+        if problem:
+            raise ConfigError(problem)
         tags["resume_changes"] = " ".join(f"{k}={v}" for k, v in check_resumable(
             saved, flatten_config(asdict(cfg)), flatten_config, option_params, task_override_keys()).items()) or None
         tags["resumed_from"] = str(saved.path)

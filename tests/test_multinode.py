@@ -125,7 +125,15 @@ def test_a_rank_or_node_lost_mid_epoch_ends_every_rank_and_fails_the_run(how, cl
             said = job.stderr.read()
             assert "Traceback" not in said, said[-3000:]  # gloo's lost connection, said in one line
             assert re.search(r"ddlx: error: rank 0 lost another rank of the job \(.*Connection (closed|reset) by peer", said), said
-            assert "ddlx: resume with: " in said, said
+            resume = re.search(r"ddlx: resume under mpirun with 2 processes, as this job was started, with: python train.py "
+                               r".* (ckpt_path=\S+)", said)
+            assert resume, said
+            # The same command without mpirun would go on as one rank, timing the run's epochs on two layouts.
+            alone = subprocess.run([*_train_argv(tmp_path, *argv[argv.index("strategy=mpi"):]), resume[1]], env=subprocess_env(),
+                                   capture_output=True, text=True, timeout=120, cwd=tmp_path)
+            assert alone.returncode == 2 and "Traceback" not in alone.stderr, alone.stderr[-2000:]
+            assert re.search(r"ddlx: error: ckpt_path=\S+ was written by a run of ranks=2, nodes=2 \(now ranks=1, nodes=1\), "
+                             r"as its launcher started it", alone.stderr), alone.stderr
         # node_lost: mpirun waits for its session to the lost node, as it would over ssh (docs/multi-node.md).
     finally:
         if job.poll() is None:

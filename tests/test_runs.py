@@ -887,3 +887,50 @@ def test_gloos_lost_peer_under_a_launcher_is_said_with_its_address_and_without_i
     assert isinstance(lost, RankLost) and str(lost).startswith(f"rank 3 lost another rank of the job {said}: "), lost
     assert "strategy.timeout_s" in str(lost) and ".cc:" not in str(lost)
     assert rank_lost(RuntimeError("CUDA out of memory"), 0) is None and rank_lost(ValueError(gloo), 0) is None
+
+
+def test_a_resume_with_other_ranks_or_nodes_than_its_launcher_started_is_refused(tmp_path):
+    """mpirun's ranks and the nodes srun or torchrun spread them over are in no config key: the
+    checkpoint keeps them (its 'layout'), and a resume started otherwise (its printed command run
+    without mpirun went on as one rank, re-tagging the run ranks=1) is refused with the fix.
+    Checkpoints from before the layout was kept resume as they did (tests/test_multinode.py runs it)."""
+    from ddlx.checkpoints import LAYOUT_TAGS, RunInCheckpoint, SavedRun
+
+    identity = RunInCheckpoint({"seed": 42}, {"ranks": "2", "nodes": "2"})
+    checkpoint: dict = {}
+    identity.on_save_checkpoint(None, None, checkpoint)
+    assert checkpoint["ddlx"]["layout"] == {"ranks": "2", "nodes": "2"}
+    assert set(checkpoint["ddlx"]["layout"]) <= set(LAYOUT_TAGS)
+
+    saved = SavedRun(tmp_path / "last.ckpt", None, None, None, {}, 1, 6, 1, {"ranks": "2", "nodes": "2"})
+    assert saved.layout_changed({"strategy": "mpi", "ranks": "2", "nodes": "2", "backend": "gloo"}) is None
+    said = saved.layout_changed({"strategy": "mpi", "ranks": "1", "nodes": "1"})
+    assert said.startswith(f"ckpt_path={tmp_path / 'last.ckpt'} was written by a run of ranks=2, nodes=2 (now ranks=1, nodes=1)")
+    assert "mpirun -np" in said and "or start a new run without ckpt_path" in said
+    assert saved.layout_changed({"strategy": "mpi", "ranks": "2", "nodes": "1"}).count("nodes=") == 2, "only what changed"
+    before = SavedRun(tmp_path / "last.ckpt", None, None, None, {}, 1, 6, 1)
+    assert before.layout_changed({"ranks": "1", "nodes": "1"}) is None
+
+
+def test_the_resume_line_says_the_launcher_that_started_the_job(monkeypatch, tmp_path, capsys):
+    """Under mpirun, srun or torchrun the printed train.py command alone would start one process."""
+    from ddlx.command_line import HowToResume
+    from ddlx.process import outside_launcher
+
+    checkpoint = tmp_path / "last.ckpt"
+    checkpoint.write_bytes(b"")
+    for name in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    assert outside_launcher() is None
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as Lightning sets it for ranks it starts itself
+    assert outside_launcher() is None
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    assert outside_launcher() == ("torchrun", 2)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")
+    how = HowToResume.from_json(HowToResume.of(["strategy=mpi"], checkpoint, False).to_json())  # as the run's watch takes it
+    assert how.command == f"python train.py strategy=mpi ckpt_path={checkpoint}"
+    assert tuple(how.launcher) == ("mpirun", 4)
+    how.say()
+    assert capsys.readouterr().err == (f"ddlx: resume under mpirun with 4 processes, as this job was started, with: "
+                                       f"python train.py strategy=mpi ckpt_path={checkpoint}\n")

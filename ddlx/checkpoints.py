@@ -33,7 +33,7 @@ from .preflight import checkpoint_path_problem
 LAST = "last.ckpt"
 # Config keys a resumed run may change: where things are, and how long to train. Any other
 # difference would record a run that is not what its params say.
-# A plan's tags that its launcher sets, not the command line (mpirun -np: ranks; srun's or torchrun's nodes).
+# A plan's tags that no config key sets: how it was started (mpirun -np: ranks; the nodes srun or torchrun spread it over).
 LAYOUT_TAGS = ("ranks", "nodes")
 MAY_CHANGE_ON_RESUME = ("ckpt_path", "paths.", "data.root", "data.synthetic_dir", "logger.", "trainer.max_epochs",
                         "trainer.max_steps", "trainer.max_time", "trainer.enable_progress_bar",
@@ -168,7 +168,7 @@ class RunInCheckpoint(pl.Callback):
 
     def __init__(self, config: Mapping[str, Any], layout: Mapping[str, str] | None = None) -> None:
         self.config = dict(config)
-        self.layout = dict(layout or {})  # what the launcher set (LAYOUT_TAGS): the config does not hold it
+        self.layout = dict(layout or {})  # how it was started (LAYOUT_TAGS): the config does not hold it
         self.run_id: str | None = None
         self.tracking_uri: str | None = None
         self.experiment: str | None = None
@@ -237,10 +237,10 @@ class SavedRun:
             return None
         then = ", ".join(f"{key}={value}" for key, value in changed.items())
         return (f"ckpt_path={self.path} was written by a run of {then} (now "
-                f"{', '.join(f'{key}={now[key]}' for key in changed)}), as its launcher started it: a resumed run keeps "
-                f"its ranks and nodes, or its epochs would be timed on two layouts; resume under the launcher with the "
-                f"same counts (mpirun -np, srun --nodes and --ntasks, torchrun --nnodes and --nproc-per-node), or start "
-                f"a new run without ckpt_path")
+                f"{', '.join(f'{key}={now[key]}' for key in changed)}): a resumed run keeps the ranks and nodes it was "
+                f"started with, or its epochs would be timed on two layouts; start it as that run was started (mpirun "
+                f"-np, srun --nodes and --ntasks, torchrun --nnodes and --nproc-per-node, or train.py alone where ddlx "
+                f"started its processes), or start a new run without ckpt_path")
 
     def epoch_left_out(self, trainer) -> str | None:
         """None, or how the typed ``trainer`` config would close the run before the epoch its

@@ -42,11 +42,15 @@ def resume_command(overrides: list[str], checkpoint) -> str:
     return f"python train.py {shell_words(*kept, f'ckpt_path={hydra_string(checkpoint)}')}"
 
 
-def resume_words(launcher: tuple[str, int] | None = None) -> str:
+def resume_words(launcher: tuple[str, int, str | None] | None = None) -> str:
     """'resume with', and under a launcher (:func:`ddlx.process.outside_launcher`: mpirun, srun,
-    torchrun) that it starts the resumed job too: its train.py command alone would be one process."""
-    return f"resume under {launcher[0]} with {launcher[1]} processes, as this job was started, with" if launcher \
-        else "resume with"
+    torchrun; with the nodes the job spread over) that it starts the resumed job too: its train.py
+    command alone would be one process."""
+    if not launcher:
+        return "resume with"
+    name, processes, nodes = launcher
+    over = f" on {nodes} nodes" if nodes not in (None, "1") else ""
+    return f"resume under {name} with {processes} processes{over}, as this job was started, with"
 
 
 def task_overrides() -> list[str]:
@@ -79,15 +83,17 @@ class HowToResume:
     checkpoint_file: str | None
     weights_only: bool
     not_before: float | None = None  # when a new run started: an older file in its folder (one reused) is another run's
-    launcher: tuple[str, int] | None = None  # the launcher that started its processes (resume_words)
+    launcher: tuple[str, int, str | None] | None = None  # the launcher that started its processes, its nodes (resume_words)
 
     @classmethod
-    def of(cls, overrides: list[str], checkpoint_file, weights_only: bool, not_before: float | None = None) -> HowToResume:
+    def of(cls, overrides: list[str], checkpoint_file, weights_only: bool, not_before: float | None = None,
+           nodes: str | None = None) -> HowToResume:
         from .process import outside_launcher
 
         command = None if checkpoint_file is None else resume_command(overrides, checkpoint_file)
+        launched = outside_launcher()
         return cls(command, None if checkpoint_file is None else str(checkpoint_file), weights_only, not_before,
-                   outside_launcher())
+                   (*launched, nodes) if launched else None)
 
     def say(self) -> None:
         if self.checkpoint_file is None:
@@ -106,4 +112,5 @@ class HowToResume:
 
     @classmethod
     def from_json(cls, text: str) -> HowToResume:
-        return cls(**json.loads(text))
+        fields = json.loads(text)
+        return cls(**{**fields, "launcher": tuple(fields["launcher"]) if fields.get("launcher") else None})

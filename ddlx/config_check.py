@@ -444,13 +444,14 @@ def check_train_job(cfg: DictConfig, multirun: bool) -> None:
 
 
 def check_recommend_job(cfg: DictConfig, multirun: bool, hw_dir: Path) -> None:
-    """recommend.py's job: no folder key empty, its data folder there, its data values consistent
-    (as train.py's, :mod:`.preflight`), its hardware one of the descriptions in ``hw_dir``, not the
-    schema they extend (an option of the group, but no machine)."""
+    """recommend.py's job: no folder key empty, its data folder there (for an answer, which reads
+    it), its data values consistent (as train.py's, :mod:`.preflight`), its hardware one of the
+    descriptions in ``hw_dir``, not the schema they extend (an option of the group, but no machine)."""
     from . import preflight
 
+    reads_data = OmegaConf.select(cfg, "mode", default="recommend") == "recommend"  # (validate and probe do not)
     problems = [*preflight.empty_folders(lambda key: OmegaConf.select(cfg, key, default=None)),
-                *preflight.data_root_problems(cfg.data), *preflight.data_problems(cfg.data)]
+                *(preflight.data_root_problems(cfg.data) if reads_data else []), *preflight.data_problems(cfg.data)]
     if problems:
         raise ConfigError("; ".join(problems))
     options = sorted(p.stem for p in hw_dir.glob("*.yaml"))

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from .command_line import resume_command, resume_words, shell_words
 from .errors import CheckpointNotWritten, ConfigError, RankDied, RankLost, RanksDisagree, Stopped, StoreError
-from .process import LAUNCHERS, launch_rank, outside_launcher
+from .process import LAUNCHERS, launch_rank
 
 
 class SweepJobRefused(Exception):
@@ -178,7 +178,7 @@ def run_training_job(fn: Callable[[], Any], in_sweep: bool, overrides: list[str]
     except Stopped as stop:
         print(f"ddlx: {stop}", file=sys.stderr)
         if stop.resumable:
-            print(f"ddlx: {resume_words(outside_launcher())}: {resume_command(overrides, stop.checkpoint)}", file=sys.stderr)
+            print(f"ddlx: {resume_words(stop.launcher)}: {resume_command(overrides, stop.checkpoint)}", file=sys.stderr)
         if requeue is not None and stop.after_training:
             if launch_rank() == 0:
                 requeue.forget()

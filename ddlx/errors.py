@@ -42,8 +42,8 @@ LOST_PEER = re.compile(r"Connection (?:closed|reset) by peer|Timed out waiting")
 
 def rank_lost(err: BaseException, rank: int) -> RankLost | None:
     """:class:`RankLost` for ``err`` where it is gloo's lost or silent peer, else None."""
-    line = next((line for line in str(err).splitlines() if LOST_PEER.search(line)), None)
-    if not isinstance(err, RuntimeError) or line is None:
+    line = (str(err).splitlines() or [""])[0]  # gloo's own words (an error quoting a traceback is another's)
+    if not isinstance(err, RuntimeError) or not LOST_PEER.search(line):
         return None
     # gloo's first sentence, with the peer's address, without its source location ("[.../pair.cc:561] ")
     said = re.sub(r"^\s*\[[^\]]*\]\s*", "", line).split(". ")[0].strip()
@@ -62,6 +62,7 @@ class Stopped(BaseException):
         self.signum, self.checkpoint, self.step, self.resumable = signum, checkpoint, step, resumable
         self.after_training = after_training  # the run had trained to its end: it is FINISHED
         self.at_once = at_once  # a second Ctrl-C while training: ``checkpoint`` is the last one written before it
+        self.launcher = None  # (name, processes, nodes) of the launcher that started the job (command_line.resume_words)
         super().__init__(self.describe())
 
     @property

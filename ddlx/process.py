@@ -29,7 +29,8 @@ def outside_launcher() -> tuple[str, int] | None:
     processes, several of them: a resumed run must be started the same way."""
     if is_rank_worker():
         return None
-    for name, size, _ in LAUNCHERS:
+    # srun's last: mpirun within an allocation starts its daemons with srun, whose variables its ranks inherit
+    for name, size, _ in sorted(LAUNCHERS, key=lambda launcher: launcher[0] == "srun"):
         count = int(os.environ.get(size) or 1)
         if count > 1 and (name != "torchrun" or "TORCHELASTIC_RUN_ID" in os.environ):  # (Lightning sets WORLD_SIZE)
             return name, count

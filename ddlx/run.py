@@ -60,7 +60,7 @@ from .parallel.same_job import SameJobOnEveryRank
 from .costmodel.memory import GIB, estimate_training_memory
 from .costmodel.numerics import CPU_FP16
 from .preflight import check_before_torch
-from .process import launch_rank, rank_logging
+from .process import launch_rank, outside_launcher, rank_logging
 from .records import not_counted, run_name
 from .single_sample import check_single_sample_batches
 from .slurm import run_tags as slurm_run_tags
@@ -290,7 +290,7 @@ def train(cfg, output_dir: str | os.PathLike, extra_tags: Mapping[str, str] | No
         checkpoint_file = None if cfg.checkpoint.save == "none" else checkpoint_dir / LAST
         weights_only = cfg.checkpoint.save == "weights"
         not_before = None if saved is not None else time.time()  # a new run: an older last.ckpt in its folder is another's
-        resume = HowToResume.of(job_overrides(), checkpoint_file, weights_only, not_before)  # said if it FAILS
+        resume = HowToResume.of(job_overrides(), checkpoint_file, weights_only, not_before, plan.tags.get("nodes"))  # said if it FAILS
         if isinstance(strategy, RelaunchingDDPStrategy):  # a dead rank: the run FAILED with the reason
             strategy.rank_died = RankDeath(output_dir, resume)
         timer, *others = measurement_callbacks(cfg)
@@ -321,8 +321,9 @@ def train(cfg, output_dir: str | os.PathLike, extra_tags: Mapping[str, str] | No
             with recorded(logger, open_run, resume) as run_id:
                 fit(cfg, trainer, module, datamodule, run_id, identity, timer, logger)
             status = "FINISHED"
-        except Stopped:
+        except Stopped as stop:
             status = "KILLED"
+            stop.launcher = resume.launcher  # for its resume line (ddlx.entry)
             raise
         except ConfigError:
             said = True  # a refusal (the entry says it), which a resume would meet again
@@ -359,7 +360,7 @@ def fit(cfg: TrainConfig, trainer: pl.Trainer, module: ClassifierModule, datamod
         launcher = getattr(trainer.strategy, "launcher", None)
         died = launcher.dead_ranks() if isinstance(launcher, WorkerLauncher) else None
         if died is None:
-            if (lost := rank_lost(err, launch_rank())) is not None:  # under mpirun, srun, torchrun
+            if outside_launcher() is not None and (lost := rank_lost(err, launch_rank())) is not None:
                 raise lost from err
             raise
         trainer.strategy.rank_died(logger, died)  # the cause, not this rank's lost connection
@@ -439,11 +440,13 @@ def prepare_job(cfg: TrainConfig, tags: dict, rank0: bool):
         plan = batch_of_workers(cfg, plan, meta, rank0)
     if cfg.ckpt_path:
         saved = read_saved_run(cfg.ckpt_path)
-        problem = saved.epoch_left_out(cfg.trainer) or saved.layout_changed(plan.tags)
-        if problem:
-            raise ConfigError(problem)
+        cut = saved.epoch_left_out(cfg.trainer)
+        if cut:
+            raise ConfigError(cut)
         tags["resume_changes"] = " ".join(f"{k}={v}" for k, v in check_resumable(
             saved, flatten_config(asdict(cfg)), flatten_config, option_params, task_override_keys()).items()) or None
+        if problem := saved.layout_changed(plan.tags):  # (after the config's: another strategy is said as such)
+            raise ConfigError(problem)
         tags["resumed_from"] = str(saved.path)
     datamodule = build_datamodule(cfg.data, plan.data_parallel)
     if cfg.memory_check:

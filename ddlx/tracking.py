@@ -33,8 +33,9 @@ MAX_PARAM_LENGTH = 6000  # MLflow's limit on a parameter value
 
 log = logging.getLogger(__name__)
 # "Creating initial MLflow database tables..." and "Updating database tables" on a store's first
-# contact: the only third-party lines of a first run or answer, which names its store itself.
-logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
+# contact: the only third-party lines of a first run or answer, which names its store itself. A
+# filter, not a level: MLflow 2's logging set-up at its import resets its loggers' levels.
+logging.getLogger("mlflow.store.db.utils").addFilter(lambda record: record.levelno >= logging.WARNING)
 
 
 def use_case(model: str, data: str) -> str | None:

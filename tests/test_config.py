@@ -166,8 +166,14 @@ def test_help_lists_the_groups_a_user_chooses_from_and_not_their_schemas(script)
 ])
 def test_recommend_names_a_data_folder_that_is_not_there_before_its_job_starts(overrides, said):
     """As train.py does: recommend.py refused these only after Hydra had started its job and
-    torch had loaded (2.4-10 s in)."""
+    torch had loaded (2.4-10 s in). Its modes that read no data (validate, probe) take them."""
     assert str(_refusal("recommend", overrides)).startswith(said)
+    from ddlx.config_check import _job_errors, check_recommend_job
+
+    def check(cfg, multirun):
+        return check_recommend_job(cfg, multirun, CONF_DIR / "hw")
+
+    assert not list(_job_errors([*overrides, "mode=validate"], False, CONF_DIR, "recommend", check))
 
 
 @pytest.mark.parametrize("override,meant", [

@@ -887,20 +887,22 @@ def test_gloos_lost_peer_under_a_launcher_is_said_with_its_address_and_without_i
     assert isinstance(lost, RankLost) and str(lost).startswith(f"rank 3 lost another rank of the job {said}: "), lost
     assert "strategy.timeout_s" in str(lost) and ".cc:" not in str(lost)
     assert rank_lost(RuntimeError("CUDA out of memory"), 0) is None and rank_lost(ValueError(gloo), 0) is None
+    quoting = "DataLoader worker (pid 7) raised an error.\nTraceback ...\nConnectionResetError: [Errno 104] Connection reset by peer"
+    assert rank_lost(RuntimeError(quoting), 0) is None, "an error that quotes another's traceback is not gloo's"
 
 
 def test_a_resume_with_other_ranks_or_nodes_than_its_launcher_started_is_refused(tmp_path):
     """mpirun's ranks and the nodes srun or torchrun spread them over are in no config key: the
     checkpoint keeps them (its 'layout'), and a resume started otherwise (its printed command run
-    without mpirun went on as one rank, re-tagging the run ranks=1) is refused with the fix.
-    Checkpoints from before the layout was kept resume as they did (tests/test_multinode.py runs it)."""
-    from ddlx.checkpoints import LAYOUT_TAGS, RunInCheckpoint, SavedRun
+    without mpirun went on as one rank, re-tagging the run ranks=1) is refused with the fix
+    (tests/test_multinode.py runs that). A checkpoint without a layout (written before it was
+    kept) is not refused for it."""
+    from ddlx.checkpoints import RunInCheckpoint, SavedRun
 
     identity = RunInCheckpoint({"seed": 42}, {"ranks": "2", "nodes": "2"})
     checkpoint: dict = {}
     identity.on_save_checkpoint(None, None, checkpoint)
     assert checkpoint["ddlx"]["layout"] == {"ranks": "2", "nodes": "2"}
-    assert set(checkpoint["ddlx"]["layout"]) <= set(LAYOUT_TAGS)
 
     saved = SavedRun(tmp_path / "last.ckpt", None, None, None, {}, 1, 6, 1, {"ranks": "2", "nodes": "2"})
     assert saved.layout_changed({"strategy": "mpi", "ranks": "2", "nodes": "2", "backend": "gloo"}) is None
@@ -930,7 +932,10 @@ def test_the_resume_line_says_the_launcher_that_started_the_job(monkeypatch, tmp
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")
     how = HowToResume.from_json(HowToResume.of(["strategy=mpi"], checkpoint, False).to_json())  # as the run's watch takes it
     assert how.command == f"python train.py strategy=mpi ckpt_path={checkpoint}"
-    assert tuple(how.launcher) == ("mpirun", 4)
+    assert how.launcher == ("mpirun", 4, None)
     how.say()
     assert capsys.readouterr().err == (f"ddlx: resume under mpirun with 4 processes, as this job was started, with: "
                                        f"python train.py strategy=mpi ckpt_path={checkpoint}\n")
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "3")  # mpirun in an allocation: its daemons' srun step, inherited
+    HowToResume.of(["strategy=mpi"], checkpoint, False, nodes="2").say()
+    assert capsys.readouterr().err.startswith("ddlx: resume under mpirun with 4 processes on 2 nodes, as this job was started")

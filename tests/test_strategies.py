@@ -206,6 +206,7 @@ def test_strategy_matches_sequential(case, tmp_path, shared_data, sequential_wei
         assert split_layers == ([] if "strategy.split_linear=never" in overrides else [(1024, 4096), (4096, 4096)])
     _assert_one_run(tmp_path, overrides[0].split("=")[1])
     _assert_stages_recorded(tmp_path, overrides)
+    _assert_layout_kept(tmp_path, overrides)
     _assert_no_process_left(tmp_path)
     # The timing figures are reduced across ranks by the timer: no advice to sync them again.
     assert not [str(w.message) for w in recwarn if "sync_dist=True" in str(w.message)]
@@ -413,6 +414,19 @@ def _assert_one_run(workdir: Path, strategy: str) -> None:
     steps = int(float(run.data.params["trainer.limit_train_batches"]))
     trained = run.data.metrics["samples_per_s"] * run.data.metrics["epoch_time_s"]
     assert trained == pytest.approx(8 * steps), "each step's 8 images counted once (a pipeline's stages share them)"
+
+
+def _assert_layout_kept(workdir: Path, overrides: list[str]) -> None:
+    """The checkpoint keeps the nodes (mpirun's ranks) the run was started with, as tagged: a
+    resume started otherwise is refused (ddlx.checkpoints.SavedRun.layout_changed)."""
+    from ddlx.checkpoints import LAYOUT_TAGS
+
+    (ckpt,) = (workdir / "run" / "checkpoints").glob("*.ckpt")
+    layout = torch.load(ckpt, map_location="cpu", weights_only=False)["ddlx"]["layout"]
+    (run,) = runs(f"sqlite:///{workdir / 'mlflow.db'}")
+    assert layout == {key: run.data.tags[key] for key in LAYOUT_TAGS if key in run.data.tags}
+    if overrides[0] in ("strategy=ddp_gloo", "strategy=fsdp"):
+        assert layout == {"nodes": "1"}
 
 
 def _assert_stages_recorded(workdir: Path, overrides: list[str]) -> None:

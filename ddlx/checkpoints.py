@@ -31,10 +31,10 @@ from .errors import CheckpointNotWritten, ConfigError
 from .preflight import checkpoint_path_problem
 
 LAST = "last.ckpt"
-# Config keys a resumed run may change: where things are, and how long to train. Any other
-# difference would record a run that is not what its params say.
 # A plan's tags that no config key sets: how it was started (mpirun -np: ranks; the nodes srun or torchrun spread it over).
 LAYOUT_TAGS = ("ranks", "nodes")
+# Config keys a resumed run may change: where things are, and how long to train. Any other
+# difference would record a run that is not what its params say.
 MAY_CHANGE_ON_RESUME = ("ckpt_path", "paths.", "data.root", "data.synthetic_dir", "logger.", "trainer.max_epochs",
                         "trainer.max_steps", "trainer.max_time", "trainer.enable_progress_bar",
                         "trainer.enable_model_summary", "checkpoint.")

@@ -9,6 +9,8 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .process import outside_launcher
+
 
 def shell_words(*words: str) -> str:
     """``words`` as one command line: a word quoted where the shell would glob it (zsh refuses
@@ -88,8 +90,6 @@ class HowToResume:
     @classmethod
     def of(cls, overrides: list[str], checkpoint_file, weights_only: bool, not_before: float | None = None,
            nodes: str | None = None) -> HowToResume:
-        from .process import outside_launcher
-
         command = None if checkpoint_file is None else resume_command(overrides, checkpoint_file)
         launched = outside_launcher()
         return cls(command, None if checkpoint_file is None else str(checkpoint_file), weights_only, not_before,

@@ -63,6 +63,37 @@ def test_synthetic_set_is_written_once_and_reused(tmp_path):
     assert other.data_folder != dm.data_folder
 
 
+def test_images_written_ahead_in_a_child_are_those_prepare_data_writes(tmp_path):
+    """A probe writes its images in a child while it imports the training stack: the same files,
+    which its own prepare_data then finds complete."""
+    ahead = fire_module(tmp_path / "ahead")
+    child = ahead.prepare_data_ahead()
+    assert child is not None and child.pid != os.getpid()
+    child.join(60)
+    assert child.exitcode == 0
+    marker = ahead.data_folder / ".ddlx_synthetic.json"
+    written = marker.stat().st_mtime_ns
+    ahead.prepare_data()
+    assert marker.stat().st_mtime_ns == written, "found complete, not written again"
+    assert ahead.prepare_data_ahead() is None, "nothing left to write"
+    direct = fire_module(tmp_path / "direct")
+    direct.prepare_data()
+    files = sorted(p.relative_to(direct.data_folder) for p in direct.data_folder.rglob("*.jpg"))
+    assert files and files == sorted(p.relative_to(ahead.data_folder) for p in ahead.data_folder.rglob("*.jpg"))
+    assert all((ahead.data_folder / f).read_bytes() == (direct.data_folder / f).read_bytes() for f in files)
+
+
+def test_a_child_that_cannot_write_ahead_leaves_the_error_to_prepare_data(tmp_path, capfd):
+    (tmp_path / "synthetic").write_text("a file where the folder should be")
+    dm = fire_module(tmp_path)
+    child = dm.prepare_data_ahead()
+    child.join(60)
+    assert child.exitcode == 1
+    assert capfd.readouterr().err == "", "the child says nothing: the caller's own call does"
+    with pytest.raises(OSError):
+        dm.prepare_data()
+
+
 def test_interrupted_write_is_not_taken_as_complete(tmp_path):
     spec = SyntheticSpec(classes=FIRE, num_images=6, channels=3, min_size=32, max_size=40)
     folder = tmp_path / "set"

@@ -22,7 +22,7 @@ from ..job import batch_split_problems, split_too_small, validation_images
 from ..parallel.data_replicas import data_replicas
 from ..process import launch_rank
 from .folder import scan_imagefolder
-from .synthetic import SyntheticSpec, ensure_synthetic_imagefolder
+from .synthetic import SyntheticSpec, ensure_synthetic_imagefolder, write_ahead
 from .cache import keep_decoded
 from .spanning import SpanningBatches, one_epoch
 from .transforms import ImageTransform, build_transform, flips
@@ -286,6 +286,11 @@ class ImageFolderData:
     def prepare_data(self) -> None:
         if self.is_synthetic:
             ensure_synthetic_imagefolder(self.data_folder, self.synthetic_spec)
+
+    def prepare_data_ahead(self):
+        """:meth:`prepare_data` started in a forked child (:func:`~.synthetic.write_ahead`): the
+        child to join before this process's own call; None where there is nothing to write."""
+        return write_ahead(self.data_folder, self.synthetic_spec) if self.is_synthetic else None
 
     def setup(self, stage: str | None = None) -> None:
         """The splits (:meth:`build_sets`) and, once every process of the job calls it (Lightning

@@ -12,8 +12,10 @@ import fcntl
 import json
 import logging
 import math
+import multiprocessing
 import os
 import shutil
+import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -159,3 +161,27 @@ def ensure_synthetic_imagefolder(folder: Path, spec: SyntheticSpec, workers: int
         shutil.rmtree(folder, ignore_errors=True)
         staging.rename(folder)
     return folder
+
+
+def write_ahead(folder: Path, spec: SyntheticSpec):
+    """Start :func:`ensure_synthetic_imagefolder` in a forked child, for a caller with other work
+    to do meanwhile (a probe importing the training stack): the child to join before the caller's
+    own call, which then finds the images written. None where they are already there or there is
+    no fork. The child only writes: whatever stops it, the caller's own call writes the rest and
+    says what is wrong."""
+    if not sys.platform.startswith("linux") or _is_complete(Path(folder), spec):
+        return None
+    sys.stdout.flush()  # the child must not write out this process's buffered lines a second time
+    sys.stderr.flush()
+    # Not a daemon: its pool of writers are its children, which a daemon may not have.
+    child = multiprocessing.get_context("fork").Process(target=_write_in_child, args=(folder, spec), name="ddlx-write-ahead")
+    child.start()
+    return child
+
+
+def _write_in_child(folder: Path, spec: SyntheticSpec) -> None:
+    try:
+        ensure_synthetic_imagefolder(folder, spec)
+    except BaseException:  # noqa: BLE001 - Ctrl-C, a full disk: the caller writes again and says so
+        os._exit(1)
+    os._exit(0)  # no atexit handlers of the parent's (Hydra's, logging's) in the child

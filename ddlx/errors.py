@@ -1,8 +1,10 @@
 """User-facing errors: raised before any work starts, printed without a traceback by the entry points."""
 from __future__ import annotations
 
+import os
 import re
 import signal
+import traceback
 from pathlib import Path
 
 
@@ -47,9 +49,30 @@ def rank_lost(err: BaseException, rank: int) -> RankLost | None:
         return None
     # gloo's first sentence, with the peer's address, without its source location ("[.../pair.cc:561] ")
     said = re.sub(r"^\s*\[[^\]]*\]\s*", "", line).split(". ")[0].strip()
+    if "Timed out waiting" in line:  # no peer went away: where this rank waited is what tells a hang from a lost node
+        return RankLost(f"rank {rank} waited strategy.timeout_s{waiting_in(err.__traceback__)} and no other rank "
+                        f"answered ({said}): one died without closing its connection (its node was lost), hangs, or "
+                        f"waits at another point of the job (a deadlock); the launcher's lines say which")
     return RankLost(f"rank {rank} lost another rank of the job ({said}): it died (a crash, kill -9, the out-of-memory "
                     f"killer), its node was lost, or it did not answer within strategy.timeout_s; the launcher's "
                     f"lines say which")
+
+
+def waiting_in(tb) -> str:
+    """`` in all_gather_object (from ddlx/data/cache.py:58)``: the torch call a traceback failed
+    in (its torch.distributed collective, or ``backward`` where DDP's gradient hooks waited) and
+    the code outside torch that made it, as far as they are in it."""
+    frames = traceback.extract_tb(tb)
+    outside = [i for i, f in enumerate(frames) if f"{os.sep}torch{os.sep}" not in f.filename]
+    if not outside:
+        return ""
+    caller, inside = frames[outside[-1]], [f for f in frames[outside[-1] + 1:] if f.name != "wrapper"]
+    collective = [f.name for f in inside if f"{os.sep}torch{os.sep}distributed{os.sep}" in f.filename]
+    called = (collective or [f.name for f in inside] or [None])[0]
+    parts = Path(caller.filename).parts
+    package = max((i for i, part in enumerate(parts) if part in ("ddlx", "site-packages")), default=None)
+    shown = "/".join(parts[package + (parts[package] == "site-packages"):]) if package is not None else parts[-1]
+    return f"{f' in {called}' if called else ''} (from {shown}:{caller.lineno})"
 
 
 class Stopped(BaseException):

@@ -41,7 +41,7 @@ def train_py(*overrides: str, multirun: bool = False, script: str = "train.py") 
     ("hw=titanrtx_4x", r"hw is recommend.py's, not train.py's", r"python recommend.py hw=NAME"),  # its --help lists hw
     ("trainer.devices=4", r"trainer.devices is set by ddlx", r"strategy.processes"),
     ("strategy.processes=2", r"strategy.processes is not a knob of strategy=sequential", r"knob of strategy=cpu_mp"),
-    ("model=vgg17", r"model=vgg17 is not an option of model", r"did you mean model=vgg16\?"),
+    ("model=vgg17", r"model=vgg17 is not an option of model", r"did you mean model=vgg11 or model=vgg16\?"),
     ("logger.tags.hw=x", r"logger.tags.hw is not in logger.tags yet", r"add it with \+logger.tags.hw=VALUE"),
     ("+logger.tags.x=[1,2]", r"logger.tags.x=\[1,2\]", r"expected a string$"),
     ("data.std=[a,b,c]", r"data.std\[0\]=a", r"expected a number$"),
@@ -181,7 +181,9 @@ def test_recommend_names_a_data_folder_that_is_not_there_before_its_job_starts(o
     ("model=resnet", "model=resnet152 or model=resnet18 or model=resnet50"),
     ("strategy=nccl", "strategy=ddp_nccl"),
     ("hw=a100_8x", "hw=a100_sxm4_40gb_8x or hw=a100_sxm4_80gb_8x"),  # its closest spelling is v100_8x
-    ("model=vgg17", "model=vgg16"),  # a close spelling: that one alone
+    ("model=alexnett", "model=alexnet"),  # a close spelling: that one alone
+    ("model=vgg17", "model=vgg11 or model=vgg16"),  # as close as each other by spelling
+    ("model=resnet34", "model=resnet18 or model=resnet50"),  # two as close: both, not the one sorting last
     ("trainer.mode=x", "compile.mode"),  # a key's own name elsewhere before a family of trainer's (inference_mode, ...)
     ("trainer.val=1", None),  # too many of trainer's keys start with it to name them all
 ])

@@ -345,10 +345,12 @@ def _family(word: str, candidates: Sequence[str]) -> list[str]:
 
 def _closest(word: str, candidates: Sequence[str]) -> list[str]:
     """The closest spellings of ``word`` (difflib's ratio, at least 0.6): every one tied for the
-    closest (``resnet34``: resnet18 or resnet50), not the one of them whose name sorts last."""
+    closest (``resnet34``: resnet18 or resnet50), not the one of them whose name sorts last; none
+    where more than four tie (as :func:`_family`)."""
     scores = {c: difflib.SequenceMatcher(None, c, word).ratio() for c in candidates}  # as get_close_matches scores
     best = max((score for score in scores.values() if score >= 0.6), default=None)
-    return [c for c, score in scores.items() if score == best]
+    tied = [c for c, score in scores.items() if score == best]
+    return tied if len(tied) <= 4 else []
 
 
 def _hint(names: Sequence[str], prefix: str) -> str:

@@ -1,9 +1,9 @@
 """User-facing errors: raised before any work starts, printed without a traceback by the entry points."""
 from __future__ import annotations
 
-import os
 import re
 import signal
+import sys
 import traceback
 from pathlib import Path
 
@@ -54,25 +54,30 @@ def rank_lost(err: BaseException, rank: int) -> RankLost | None:
                         f"answered ({said}): one died without closing its connection (its node was lost), hangs, or "
                         f"waits at another point of the job (a deadlock); the launcher's lines say which")
     return RankLost(f"rank {rank} lost another rank of the job ({said}): it died (a crash, kill -9, the out-of-memory "
-                    f"killer), its node was lost, or it did not answer within strategy.timeout_s; the launcher's "
-                    f"lines say which")
+                    f"killer), its node was lost, or it ended after waiting strategy.timeout_s itself (its own line "
+                    f"says where); the launcher's lines say which")
 
 
 def waiting_in(tb) -> str:
-    """`` in all_gather_object (from ddlx/data/cache.py:58)``: the torch call a traceback failed
-    in (its torch.distributed collective, or ``backward`` where DDP's gradient hooks waited) and
-    the code outside torch that made it, as far as they are in it."""
-    frames = traceback.extract_tb(tb)
-    outside = [i for i, f in enumerate(frames) if f"{os.sep}torch{os.sep}" not in f.filename]
-    if not outside:
+    """`` in all_gather_object (from ddlx.data.cache:58)``: the torch call a traceback failed in
+    (its torch.distributed collective, else its first public torch function: ``backward`` where
+    DDP's gradient hooks waited, ``forward`` where it broadcasts buffers) and the code outside torch
+    and the standard library that made it, by module name (not path: an environment may be named
+    ``torch``), as far as the traceback holds them."""
+    frames = [(frame.f_globals.get("__name__") or "", frame.f_code.co_name, line) for frame, line in traceback.walk_tb(tb)]
+    callers = [i for i, (module, _, _) in enumerate(frames)
+               if module and not _of_torch(module) and module.partition(".")[0] not in sys.stdlib_module_names]
+    if not callers:
         return ""
-    caller, inside = frames[outside[-1]], [f for f in frames[outside[-1] + 1:] if f.name != "wrapper"]
-    collective = [f.name for f in inside if f"{os.sep}torch{os.sep}distributed{os.sep}" in f.filename]
-    called = (collective or [f.name for f in inside] or [None])[0]
-    parts = Path(caller.filename).parts
-    package = max((i for i, part in enumerate(parts) if part in ("ddlx", "site-packages")), default=None)
-    shown = "/".join(parts[package + (parts[package] == "site-packages"):]) if package is not None else parts[-1]
-    return f"{f' in {called}' if called else ''} (from {shown}:{caller.lineno})"
+    module, _, line = frames[callers[-1]]
+    inside = [(m, name) for m, name, _ in frames[callers[-1] + 1:]
+              if _of_torch(m) and not name.startswith("_") and name != "wrapper"]  # (c10d's logging decorator)
+    called = ([name for m, name in inside if m.startswith("torch.distributed")] or [name for _, name in inside] or [None])[0]
+    return f"{f' in {called}' if called else ''} (from {module}:{line})"
+
+
+def _of_torch(module: str) -> bool:
+    return module == "torch" or module.startswith("torch.")
 
 
 class Stopped(BaseException):

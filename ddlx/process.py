@@ -90,6 +90,38 @@ def ddlx_module_command(module: str, *args: str) -> list[str]:
     return [sys.executable, "-c", run, *args]
 
 
+def forked(target, args: tuple, name: str, daemon: bool = True):
+    """``target(*args)`` started in a forked child, for work done ahead of its need while this
+    process does other work (:mod:`ddlx.predict.count_ahead`, :func:`ddlx.data.synthetic.write_ahead`);
+    None where there is no fork (not Linux). ``target`` should end with ``os._exit``, so that no
+    exit handler of this process's (Hydra's, logging's) runs in the child; a daemon (ended with this
+    process at its exit) may not have children of its own."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import multiprocessing
+
+    sys.stdout.flush()  # the child must not write out this process's buffered lines a second time
+    sys.stderr.flush()
+    child = multiprocessing.get_context("fork").Process(target=target, args=args, daemon=daemon, name=name)
+    child.start()
+    return child
+
+
+# Longer than any work done ahead takes (counting ResNet-152 at 224 px: about 10 s on one core of
+# the build machine): a child stuck past it is stopped, and the caller does the work itself.
+WAIT_S = 300.0
+
+
+def wait_for(child, timeout_s: float = WAIT_S) -> None:
+    """Join a :func:`forked` child (None: there is none), killing it past ``timeout_s``."""
+    if child is None:
+        return
+    child.join(timeout_s)
+    if child.is_alive():
+        child.kill()
+        child.join()
+
+
 def name_process(name: str) -> None:
     """This process's name as ps, top and psutil show it (its command line stays the launching
     one's: a forked process cannot change that)."""

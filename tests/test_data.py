@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from conftest import subprocess_env
@@ -19,6 +22,7 @@ from ddlx.data.datamodule import ImageFolderDataModule, build_datamodule
 from ddlx.data.synthetic import SyntheticSpec, ensure_synthetic_imagefolder
 from ddlx.data.transforms import IMAGENET_MEAN, IMAGENET_STD, build_transform, flips
 from ddlx.errors import ConfigError
+from ddlx.process import wait_for
 
 FIRE = ("fire", "nofire", "smoke")
 
@@ -69,7 +73,7 @@ def test_images_written_ahead_in_a_child_are_those_prepare_data_writes(tmp_path)
     ahead = fire_module(tmp_path / "ahead")
     child = ahead.prepare_data_ahead()
     assert child is not None and child.pid != os.getpid()
-    child.join(60)
+    wait_for(child, timeout_s=60)
     assert child.exitcode == 0
     marker = ahead.data_folder / ".ddlx_synthetic.json"
     written = marker.stat().st_mtime_ns
@@ -83,15 +87,42 @@ def test_images_written_ahead_in_a_child_are_those_prepare_data_writes(tmp_path)
     assert all((ahead.data_folder / f).read_bytes() == (direct.data_folder / f).read_bytes() for f in files)
 
 
-def test_a_child_that_cannot_write_ahead_leaves_the_error_to_prepare_data(tmp_path, capfd):
+def test_a_child_that_cannot_write_ahead_leaves_the_error_to_prepare_data(tmp_path):
     (tmp_path / "synthetic").write_text("a file where the folder should be")
     dm = fire_module(tmp_path)
     child = dm.prepare_data_ahead()
-    child.join(60)
+    wait_for(child, timeout_s=60)
     assert child.exitcode == 1
-    assert capfd.readouterr().err == "", "the child says nothing: the caller's own call does"
     with pytest.raises(OSError):
         dm.prepare_data()
+
+
+def test_the_writers_of_a_killed_parent_do_not_hold_the_datasets_lock(tmp_path):
+    """The writing processes are forked while the lock is held: each closes its copy and ends with
+    its parent, so that writers of a parent killed mid-write (the out-of-memory killer) neither keep
+    every later run waiting on the lock nor live on."""
+    import fcntl
+
+    dm = fire_module(tmp_path, num_images=400, synthetic_size=[300, 600])
+    child = dm.prepare_data_ahead()
+    lock = dm.data_folder.parent / f".{dm.data_folder.name}.lock"
+    deadline = time.monotonic() + 60
+    staging = dm.data_folder.parent / f"{dm.data_folder.name}.partial"
+    while not any(staging.rglob("*.jpg")):  # its writers are at work
+        assert time.monotonic() < deadline and child.is_alive(), "the child never started writing"
+        time.sleep(0.01)
+    writers = psutil.Process(child.pid).children()
+    assert writers, "a pool of writers"
+    os.kill(child.pid, signal.SIGKILL)
+    child.join()
+    _, alive = psutil.wait_procs(writers, timeout=30)
+    for writer in alive:
+        writer.kill()
+    assert not alive, "the writers end with their parent"
+    with open(lock, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError while a writer holds it
+    dm.prepare_data()
+    assert len(list(dm.data_folder.rglob("*.jpg"))) == 400
 
 
 def test_interrupted_write_is_not_taken_as_complete(tmp_path):

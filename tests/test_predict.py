@@ -175,7 +175,8 @@ def test_a_question_counts_its_model_in_a_child_while_it_reads_the_runs(tmp_path
     answer then reads it instead of counting); a child that fails says why in one line (it once
     exited 1 in a test run, cause unknown) and leaves the count to the answer."""
     from ddlx.costmodel import kernels, profile
-    from ddlx.predict.count_ahead import count_ahead, wait_for
+    from ddlx.predict.count_ahead import count_ahead
+    from ddlx.process import wait_for
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     job = Job("resnet18", "firesmall", 3, 3, 32, 16, 64, precision="bf16-mixed")

@@ -12,10 +12,8 @@ import fcntl
 import json
 import logging
 import math
-import multiprocessing
 import os
 import shutil
-import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -108,6 +106,16 @@ def _write_chunk(args: tuple[Path, SyntheticSpec, int, int]) -> None:
             image.save(path)
 
 
+def _writer_start(lock_fd: int) -> None:
+    """A writing process, forked while its parent holds the dataset's lock: it closes its copy and
+    ends with its parent, so that writers of a parent killed mid-write (the out-of-memory killer)
+    neither keep every later writer waiting on the lock nor live on, idle."""
+    from ..process import end_with_parent
+
+    os.close(lock_fd)
+    end_with_parent()
+
+
 def _is_complete(folder: Path, spec: SyntheticSpec) -> bool:
     marker = folder / MARKER
     if not marker.is_file():
@@ -152,7 +160,7 @@ def ensure_synthetic_imagefolder(folder: Path, spec: SyntheticSpec, workers: int
         jobs = [(staging, spec, s, min(s + chunk, spec.num_images)) for s in range(0, spec.num_images, chunk)]
         log.info("writing %d synthetic images (%d classes) to %s", spec.num_images, len(spec.classes), folder)
         if workers > 1 and len(jobs) > 1:
-            with ProcessPoolExecutor(workers) as pool:
+            with ProcessPoolExecutor(workers, initializer=_writer_start, initargs=(lock.fileno(),)) as pool:
                 list(pool.map(_write_chunk, jobs))
         else:
             for job in jobs:
@@ -165,18 +173,15 @@ def ensure_synthetic_imagefolder(folder: Path, spec: SyntheticSpec, workers: int
 
 def write_ahead(folder: Path, spec: SyntheticSpec):
     """Start :func:`ensure_synthetic_imagefolder` in a forked child, for a caller with other work
-    to do meanwhile (a probe importing the training stack): the child to join before the caller's
-    own call, which then finds the images written. None where they are already there or there is
-    no fork. The child only writes: whatever stops it, the caller's own call writes the rest and
-    says what is wrong."""
-    if not sys.platform.startswith("linux") or _is_complete(Path(folder), spec):
+    to do meanwhile (a probe importing the training stack): the child to join
+    (:func:`~ddlx.process.wait_for`) before the caller's own call, which then finds the images
+    written. None where they are already there or there is no fork. The child only writes:
+    whatever stops it, the caller's own call writes the rest and says what is wrong."""
+    from ..process import forked
+
+    if _is_complete(Path(folder), spec):
         return None
-    sys.stdout.flush()  # the child must not write out this process's buffered lines a second time
-    sys.stderr.flush()
-    # Not a daemon: its pool of writers are its children, which a daemon may not have.
-    child = multiprocessing.get_context("fork").Process(target=_write_in_child, args=(folder, spec), name="ddlx-write-ahead")
-    child.start()
-    return child
+    return forked(_write_in_child, (folder, spec), "ddlx-write-ahead", daemon=False)  # its writers are its children
 
 
 def _write_in_child(folder: Path, spec: SyntheticSpec) -> None:
@@ -184,4 +189,4 @@ def _write_in_child(folder: Path, spec: SyntheticSpec) -> None:
         ensure_synthetic_imagefolder(folder, spec)
     except BaseException:  # noqa: BLE001 - Ctrl-C, a full disk: the caller writes again and says so
         os._exit(1)
-    os._exit(0)  # no atexit handlers of the parent's (Hydra's, logging's) in the child
+    os._exit(0)

@@ -16,6 +16,7 @@ from ..config import DataConfig, RecommendConfig
 from ..config_check import check_recommend_job, typed_recommend_config
 from ..data.folder import complete_data_config
 from ..errors import ConfigError
+from ..process import wait_for
 from ..job import Batches, Job, cache_outcome, images_of_training_split, split_too_small, validation_images
 from ..models import check_request
 from ..records import left_out, on_hardware
@@ -23,7 +24,7 @@ from ..strategies import BASELINE
 from ..tracking import check_tracking_uri, import_store_client, load_runs, log_result_run, store_exists
 from ..ui import is_server, logged_as
 from ..costmodel.hardware import GB, HardwareSpec, detect_local, machine_identity, time_local_rates, validate
-from .count_ahead import count_ahead, wait_for
+from .count_ahead import count_ahead
 from .kept_probes import forget, kept
 from .machines import compare
 from .prediction import Predictor, Recommendation, data_config_of_job

@@ -9,43 +9,22 @@ line on stderr, and the answer counts as it always did and reports what is wrong
 """
 from __future__ import annotations
 
-import multiprocessing
 import os
 import sys
 
 from ..costmodel.numerics import numerics_of
 from ..job import Job
+from ..process import forked
 from .sequential_time import priced_per_layer
 
 
 def count_ahead(job: Job, gpu: bool):
     """Start counting ``job``'s model (with its kernels at the job's precision where ``gpu``) in a
-    forked child; the process to :func:`wait_for`, or None where there is no fork (not Linux)."""
-    if not sys.platform.startswith("linux"):
-        return None
+    forked child; the process to :func:`~ddlx.process.wait_for`, or None where there is no fork."""
     numerics = numerics_of(job.precision)
     kernels = gpu and priced_per_layer(numerics)  # as from_gpu_model reads them
-    sys.stdout.flush()  # the child must not write out this process's buffered lines a second time
-    sys.stderr.flush()
-    child = multiprocessing.get_context("fork").Process(
-        target=_count, args=(job.model, job.num_classes, job.channels, job.image_size, kernels, numerics.activation_bytes == 2),
-        daemon=True, name="ddlx-count-ahead")
-    child.start()
-    return child
-
-
-# Longer than any count takes (ResNet-152 at 224 px: about 10 s on one core of the build machine):
-# a child stuck past it is stopped, and the answer counts for itself rather than wait forever.
-WAIT_S = 300.0
-
-
-def wait_for(child, timeout_s: float = WAIT_S) -> None:
-    if child is None:
-        return
-    child.join(timeout_s)
-    if child.is_alive():
-        child.kill()
-        child.join()
+    return forked(_count, (job.model, job.num_classes, job.channels, job.image_size, kernels, numerics.activation_bytes == 2),
+                  "ddlx-count-ahead")
 
 
 def _count(arch: str, num_classes: int, channels: int, image_size: int, kernels: bool, mixed: bool) -> None:

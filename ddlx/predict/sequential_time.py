@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..job import FP32, Job
+from ..process import wait_for
 from ..records import (
     MeasuredRun,
     job_of_run,
@@ -257,15 +258,16 @@ def probe_batches(cfg_data, model: str, threads: int = 1, max_seconds: float = 3
 
         data = probe_data(cfg_data, n + 2)
         writing = ImageFolderData.of_process(data).prepare_data_ahead()  # while the training stack imports (seconds)
-        import torch
+        try:
+            import torch
 
-        from ..models import build_model
-        from ..module import ClassifierModule
-        from ..data.datamodule import build_datamodule
-
+            from ..models import build_model
+            from ..module import ClassifierModule
+            from ..data.datamodule import build_datamodule
+        finally:
+            wait_for(writing)
         dm = build_datamodule(data)
         dm.workers_to_say = False  # train.py's line about its training processes' cores
-        joined(writing)
         dm.prepare_data()
         dm.setup("fit")
         device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
@@ -300,12 +302,6 @@ def probe_batches(cfg_data, model: str, threads: int = 1, max_seconds: float = 3
     return run
 
 
-def joined(child) -> None:
-    """Wait for a child of :meth:`~ddlx.data.image_data.ImageFolderData.prepare_data_ahead`."""
-    if child is not None:
-        child.join()
-
-
 def precision_plugin(precision: str, device_type: str):
     """Lightning's precision plugin for ``precision``, as the Trainer picks it."""
     from pytorch_lightning.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
@@ -328,9 +324,10 @@ def probe_loading(cfg_data, max_seconds: float = 30.0) -> Callable[[], float]:
         dm = ImageFolderData.of_process(dataclasses.replace(
             probe_data(cfg_data, 6, min(cfg_data.batch_size, LOADING_PROBE_BATCH)), num_workers=0))
         writing = dm.prepare_data_ahead()
-        import torchvision.datasets.folder  # noqa: F401 - setup's import (seconds), while the child writes
-
-        joined(writing)
+        try:
+            import torchvision.datasets.folder  # noqa: F401 - setup's import (seconds), while the child writes
+        finally:
+            wait_for(writing)
         dm.prepare_data()
         dm.setup("fit")
         per_sample, start, spent = [], time.perf_counter(), time.perf_counter()

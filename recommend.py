@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 
 from ddlx.entry import register_recommend_config, report_config_errors
 from ddlx.config_check import check_command_line, check_recommend_job
-from ddlx.process import exit_without_collecting
+from ddlx.process import ended_by_ctrl_c, exit_without_collecting
 
 ROOT = Path(__file__).resolve().parent
 register_recommend_config(ROOT)
@@ -43,4 +43,4 @@ if __name__ == "__main__":
     exit_without_collecting()
     hw_options = functools.partial(check_recommend_job, hw_dir=ROOT / "conf" / "hw")
     check_command_line(sys.argv[1:], ROOT / "conf", "recommend", hw_options)  # before Hydra starts the job
-    main()
+    raise SystemExit(ended_by_ctrl_c("recommend.py", main))

@@ -122,6 +122,18 @@ def wait_for(child, timeout_s: float = WAIT_S) -> None:
         child.join()
 
 
+def ended_by_ctrl_c(command: str, main, *args) -> int:
+    """``main(*args)``'s exit status, or 130 (the shell's for SIGINT) with one line where Ctrl-C
+    stops ``command`` (a question, a report: seconds to minutes), not a traceback from wherever it
+    fell (an import, a probe). Its forked children take the same SIGINT and end silently; a result
+    run being logged is marked KILLED (:func:`ddlx.tracking.log_result_run`)."""
+    try:
+        return main(*args)
+    except KeyboardInterrupt:
+        print(f"\nddlx: {command} stopped by Ctrl-C before its end: no result was logged", file=sys.stderr)
+        return 130
+
+
 def name_process(name: str) -> None:
     """This process's name as ps, top and psutil show it (its command line stays the launching
     one's: a forked process cannot change that)."""

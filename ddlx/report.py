@@ -110,7 +110,7 @@ def experiment_ids(tracking_uri: str, names: list[str]) -> list[str]:
 
 
 if __name__ == "__main__":
-    from .process import exit_without_collecting
+    from .process import ended_by_ctrl_c, exit_without_collecting
 
     exit_without_collecting()
-    raise SystemExit(main())
+    raise SystemExit(ended_by_ctrl_c("python -m ddlx.report", main))

@@ -15,7 +15,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import closing, contextmanager
+from contextlib import closing, contextmanager, suppress
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -663,11 +663,16 @@ def log_result_run(tracking_uri: str, experiment: str, run_name: str, *, artifac
     client = prepare_store(tracking_uri, experiment, artifact_location or artifacts_beside_store(tracking_uri))
     exp_id = client.get_experiment_by_name(experiment).experiment_id
     run = client.create_run(exp_id, run_name=run_name, tags={k: str(v) for k, v in (tags or {}).items() if v})
-    now = int(time.time() * 1000)
-    client.log_batch(run.info.run_id, params=[Param(k, str(v)) for k, v in (params or {}).items()],
-                     metrics=[Metric(k, float(v), now, 0) for k, v in (metrics or {}).items()])
-    for path in files:
-        client.log_artifact(run.info.run_id, str(path))
+    try:
+        now = int(time.time() * 1000)
+        client.log_batch(run.info.run_id, params=[Param(k, str(v)) for k, v in (params or {}).items()],
+                         metrics=[Metric(k, float(v), now, 0) for k, v in (metrics or {}).items()])
+        for path in files:
+            client.log_artifact(run.info.run_id, str(path))
+    except BaseException as err:  # not left RUNNING, a result that never ends, by Ctrl-C or a refused artifact
+        with suppress(Exception):
+            client.set_terminated(run.info.run_id, "KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED")
+        raise
     client.set_terminated(run.info.run_id, "FINISHED")
     return exp_id, run.info.run_id
 

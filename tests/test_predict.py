@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import socket
 import statistics
@@ -989,6 +990,32 @@ def test_recommend_py_answers_as_json_with_no_runs(tmp_path):
     both = json.loads(nodes.stdout)
     assert [(m["hw"], m["hw_overrides"]) for m in [both, *both["compared"]]] == \
         [("titanrtx_4x", ["hw.nodes=2"]), ("titanrtx_4x", [])], "hw=X changed and X as its file: two machines"
+
+
+@pytest.mark.integration
+def test_ctrl_c_stops_recommend_py_with_one_line(tmp_path):
+    """Ctrl-C reaches recommend.py and its forked children (the count, the probe's image writers):
+    it ends with status 130 and one line, none of them with a traceback, and none lives on."""
+    import signal
+
+    cmd = [sys.executable, str(PROJECT_DIR / "recommend.py"), "hw=titanrtx_4x", f"paths.root={tmp_path}",
+           f"hydra.run.dir={tmp_path}/out"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
+                            cwd=tmp_path, start_new_session=True)  # its own group, as a terminal's Ctrl-C reaches
+    deadline = time.monotonic() + 240
+    while not list((tmp_path / "data" / "synthetic").glob("*.partial/*/*.jpg")):  # the loading probe's images
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert err.splitlines()[-1] == "ddlx: recommend.py stopped by Ctrl-C before its end: no result was logged", err[-3000:]
+    for _ in range(100):
+        left = subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        if not left:
+            break
+        time.sleep(0.1)
+    assert not left, "its children end with it"
 
 
 @pytest.mark.integration

@@ -12,7 +12,7 @@ import time
 from contextlib import closing
 
 import pytest
-from conftest import PROJECT_DIR, subprocess_env
+from conftest import PROJECT_DIR, runs, subprocess_env
 
 from ddlx.errors import ConfigError
 from ddlx.tracking import check_experiment, check_tracking_uri, flatten_config, use_case
@@ -169,6 +169,27 @@ def test_importing_a_stores_client_ahead_imports_what_its_write_needs_and_writes
     assert "mlflow.tracking" in imported
     assert ("mlflow.store.tracking.sqlalchemy_store" in imported) == (scheme == "sqlite")
     assert list(tmp_path.iterdir()) == [], "nothing written: the store is made only when the answer is logged"
+
+@pytest.mark.parametrize("stop,status", [(KeyboardInterrupt, "KILLED"), (OSError, "FAILED")])
+def test_a_result_run_stopped_while_it_logs_is_not_left_running(tmp_path, monkeypatch, stop, status):
+    """A recommendation or report interrupted while it logs (Ctrl-C, a refused artifact): its run
+    ends KILLED or FAILED, not RUNNING for ever, and the interruption goes on to its caller."""
+    from mlflow.tracking import MlflowClient
+
+    from ddlx.tracking import log_result_run
+
+    def refuse(*args, **kwargs):
+        raise stop("while the artifact was copied")
+
+    monkeypatch.setattr(MlflowClient, "log_artifact", refuse)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    answer = tmp_path / "answer.json"
+    answer.write_text("{}")
+    with pytest.raises(stop):
+        log_result_run(uri, "recommendations", "asked", metrics={"predicted_epoch_s": 1.0}, files=[answer])
+    (run,) = runs(uri, "recommendations")
+    assert run.info.status == status and run.data.metrics == {"predicted_epoch_s": 1.0}
+
 
 def test_a_new_store_is_made_without_mlflows_info_lines(tmp_path):
     """A first run or answer into a new store printed MLflow's "Creating initial MLflow database

@@ -22,7 +22,7 @@ from ddlx.entry import (
 from ddlx.command_line import task_overrides
 from ddlx.config_check import check_command_line
 from ddlx.parallel.rank_fork import start_fork_server
-from ddlx.process import exit_without_collecting
+from ddlx.process import ended_by_ctrl_c, exit_without_collecting
 from ddlx.rank_worker import main as rank_entry
 
 PROJECT_DIR = Path(__file__).resolve().parent
@@ -46,8 +46,13 @@ if __name__ == "__main__":
     exit_without_collecting()
     check_command_line(sys.argv[1:], PROJECT_DIR / "conf", "train")  # every job, before Hydra starts one
     try:
-        main()
+        # A run's own stop signals end it with its record and checkpoint (ddlx.stopping); Ctrl-C
+        # outside one (imports, the data's first writing, a finished run's last lines) ends here.
+        stopped = ended_by_ctrl_c("train.py", main, "no run was open (a run's Ctrl-C writes its checkpoint and says so)")
     except BaseException:  # a job that failed (Hydra exits 1 after the last job), a stop signal
         end_sweep(failed=True)  # what the runs came to; the failure's own exit status stands
         raise
+    if stopped:
+        end_sweep(failed=True)
+        raise SystemExit(stopped)
     end_sweep()  # a sweep ends with what its runs came to; one whose jobs were refused, with status 1

@@ -122,15 +122,16 @@ def wait_for(child, timeout_s: float = WAIT_S) -> None:
         child.join()
 
 
-def ended_by_ctrl_c(command: str, main, *args) -> int:
-    """``main(*args)``'s exit status, or 130 (the shell's for SIGINT) with one line where Ctrl-C
-    stops ``command`` (a question, a report: seconds to minutes), not a traceback from wherever it
-    fell (an import, a probe). Its forked children take the same SIGINT and end silently; a result
-    run being logged is marked KILLED (:func:`ddlx.tracking.log_result_run`)."""
+def ended_by_ctrl_c(command: str, main, said: str = "no result was logged") -> int:
+    """``main()``'s exit status, or 130 (the shell's for SIGINT) with one line where Ctrl-C stops
+    ``command`` (a question, a report: seconds to minutes; train.py outside its run), not a
+    traceback from wherever it fell (an import, a probe); ``said``: what that leaves. Its forked
+    children take the same SIGINT and end silently; a result run being logged is marked KILLED
+    (:func:`ddlx.tracking.log_result_run`)."""
     try:
-        return main(*args)
+        return main() or 0
     except KeyboardInterrupt:
-        print(f"\nddlx: {command} stopped by Ctrl-C before its end: no result was logged", file=sys.stderr)
+        print(f"\nddlx: {command} stopped by Ctrl-C before its end: {said}", file=sys.stderr)
         return 130
 
 

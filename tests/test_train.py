@@ -36,6 +36,25 @@ def run_train_py(tmp_path, *overrides, timeout=300, multirun=False, env=None):
 
 
 @pytest.mark.integration
+def test_ctrl_c_before_the_run_is_open_ends_train_py_with_one_line(tmp_path):
+    """Ctrl-C while train.py imports (seconds before any run is opened; a run's own Ctrl-C writes
+    its checkpoint, tests/test_runs.py): one line and status 130, not an import's traceback."""
+    import os
+    import signal
+
+    with_made_store(tmp_path)
+    cmd = [sys.executable, str(PROJECT_DIR / "train.py"), f"paths.root={tmp_path}", *TINY]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
+                            cwd=tmp_path, start_new_session=True)  # its own group, as a terminal's Ctrl-C reaches
+    time.sleep(2)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith("ddlx: train.py stopped by Ctrl-C before its end: no run was open"), err
+    assert runs(f"sqlite:///{tmp_path / 'mlflow.db'}") == [], "no run opened"
+
+
+@pytest.mark.integration
 def test_train_py_logs_one_mlflow_run(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     proc = run_train_py(tmp_path, "model=vgg16", "data=firesmall", "trainer.max_epochs=2")

@@ -490,20 +490,20 @@ class ProcessWatch:
 
         from .process import ddlx_module_command
 
-        said = [resume.to_json()] if resume is not None else []  # what it says after marking the run FAILED
         command = ddlx_module_command("ddlx.run_watch", tracking_uri, run_id, str(os.getpid()))
+        self._process = None
         try:
-            try:
-                self._process = subprocess.Popen(command + said, stdin=subprocess.PIPE, start_new_session=True)
-            except OSError:
-                if not said:
-                    raise
-                # A resume line too long for one argument (E2BIG, over 128 KiB of overrides): a watch
-                # that only marks the run FAILED rather than none.
-                self._process = subprocess.Popen(command, stdin=subprocess.PIPE, start_new_session=True)
+            self._process = subprocess.Popen(command, stdin=subprocess.PIPE, start_new_session=True)
+            # What it says after marking the run FAILED, on its stdin: among its arguments, the job's
+            # words would have a `pkill -f train.py` take the watch with the run, leaving it RUNNING.
+            self._process.stdin.write((resume.to_json() if resume is not None else "").encode() + b"\n")
+            self._process.stdin.flush()
         except OSError as err:
             log.warning("no watch on MLflow run %s (%s): if this process is killed, the next command against the "
                         "store marks it FAILED", run_id, err)
+            if self._process is not None:
+                self._process.kill()
+                self._process.wait()
             self._process = None
 
     def stop(self) -> None:
@@ -518,7 +518,7 @@ class ProcessWatch:
 
 def close_if_vanished(tracking_uri: str, run_id: str) -> str | None:
     """Mark ``run_id`` FAILED if it is RUNNING and its process is gone (:func:`vanished_reason`);
-    the reason, or None when it was not."""
+    the reason, for the caller to say (the run's watch, in its own line), or None when it was not."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri)
@@ -584,8 +584,13 @@ def vanished_reason(run, now: float | None = None) -> str | None:
 def close_vanished_runs(client, experiment_ids: list[str]) -> list[str]:
     """Mark FAILED, with the reason, every RUNNING run of these experiments whose process is
     gone (:func:`vanished_reason`); their ids. Called before a run starts and by the report."""
-    runs = client.search_runs(experiment_ids, filter_string="attributes.status = 'RUNNING'", max_results=1000)
-    return [run.info.run_id for run in runs if _close_vanished(client, run) is not None]
+    closed = []
+    for run in client.search_runs(experiment_ids, filter_string="attributes.status = 'RUNNING'", max_results=1000):
+        reason = _close_vanished(client, run)
+        if reason is not None:
+            log.warning("MLflow run %s was left RUNNING: marked FAILED (%s)", run.info.run_id, reason)
+            closed.append(run.info.run_id)
+    return closed
 
 
 def _close_vanished(client, run) -> str | None:
@@ -600,7 +605,6 @@ def _close_vanished(client, run) -> str | None:
     except Exception as err:  # noqa: BLE001
         log.warning("could not close vanished MLflow run %s: %s", run.info.run_id, err)
         return None
-    log.warning("MLflow run %s was left RUNNING: marked FAILED (%s)", run.info.run_id, reason)
     return reason
 
 

@@ -515,6 +515,7 @@ def test_kill_9_of_rank_0_ends_every_process_closes_the_run_and_it_resumes_from_
     watch = [p for p in tree if "ddlx.run_watch" in " ".join(p.cmdline())]
     run_processes = [p for p in tree if p not in watch]
     assert len(watch) == 1 and len(run_processes) >= 4, [p.name() for p in tree]  # server, rank 1, 2 loaders at least
+    assert "trainer.max_epochs=50" not in " ".join(watch[0].cmdline()), "a pkill -f of the job's words leaves its watch"
     proc.kill()
     proc.wait()
     _wait_for(lambda: not alive(run_processes), 5, "every process of the run to end within 5 s of rank 0")
@@ -523,6 +524,7 @@ def test_kill_9_of_rank_0_ends_every_process_closes_the_run_and_it_resumes_from_
     _wait_for(lambda: not alive(watch), 10, "the watch to end")
     said = [line for line in console.read_text().splitlines() if line.startswith("ddlx: ")]
     assert said[-2].startswith(f"ddlx: MLflow run {run.info.run_id} marked FAILED: its process (pid {proc.pid}"), said
+    assert "was left RUNNING" not in console.read_text(), "said once, in the watch's own line"
     assert said[-1].startswith("ddlx: resume with: python train.py "), said
 
     saved_epoch = torch.load(checkpoint, map_location="cpu", weights_only=True)["epoch"]

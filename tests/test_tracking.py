@@ -8,9 +8,11 @@ import socket
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from contextlib import closing
 
+import psutil
 import pytest
 from conftest import PROJECT_DIR, runs, subprocess_env
 
@@ -329,15 +331,40 @@ def test_a_runs_watch_imports_the_ddlx_its_run_imported_not_the_installed_one(tm
     assert marker.read_text() == f"{clone / 'ddlx' / '__init__.py'} run-id", "the clone's watch, with its arguments"
 
 
-def test_a_resume_line_too_long_for_one_argument_still_leaves_the_run_a_watch():
-    """Overrides past Linux's 128 KiB for one argument: the watch starts without the line (it
-    still marks a killed run FAILED) rather than none."""
+def test_a_runs_watch_takes_how_to_resume_on_stdin_not_among_its_arguments():
+    """``pkill -f train.py`` (or any of the job's words) must take the run's process and leave its
+    watch to mark the run FAILED; and a resume line past Linux's 128 KiB for one argument still
+    reaches the watch whole."""
     from ddlx.command_line import HowToResume
     from ddlx.tracking import ProcessWatch
 
-    watch = ProcessWatch("sqlite:///unused.db", "run-id", HowToResume.of([f"+logger.tags.t{i}={'x' * 1000}" for i in range(200)],
-                                                                         "last.ckpt", weights_only=False))
+    overrides = [f"+logger.tags.t{i}={'x' * 1000}" for i in range(200)]
+    watch = ProcessWatch("sqlite:///unused.db", "run-id", HowToResume.of(["model=vgg16", *overrides], "last.ckpt",
+                                                                           weights_only=False))
     try:
         assert watch._process is not None and watch._process.poll() is None
+        arguments = " ".join(psutil.Process(watch._process.pid).cmdline())
+        assert "ddlx.run_watch" in arguments and "model=vgg16" not in arguments and "train.py" not in arguments
     finally:
         watch.stop()
+    assert watch._process is None
+
+
+def test_a_runs_watch_reads_how_to_resume_whole_and_then_waits_for_the_run(tmp_path):
+    """The watch's stdin: the resume line (any length), then "closed" when the run closes; the
+    end of its stdin (the run's process gone) before either is an end too."""
+    from ddlx.run_watch import read_line, wait_for_end
+
+    read, write = os.pipe()
+    line = b'{"overrides": ["' + b"x" * 300_000 + b'"]}'
+    writer = threading.Thread(target=lambda: (os.write(write, line + b"\nclosed\n"), os.close(write)))
+    writer.start()
+    kept = bytearray()
+    assert read_line(read, kept) == line
+    writer.join()
+    assert wait_for_end(os.getpid(), read, kept), "the closing line, read with the first, closes"
+    os.close(read)
+    read, write = os.pipe()
+    os.close(write)
+    assert read_line(read, bytearray()) is None, "ended before a line"
+    os.close(read)

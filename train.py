@@ -49,10 +49,9 @@ if __name__ == "__main__":
         # A run's own stop signals end it with its record and checkpoint (ddlx.stopping); Ctrl-C
         # outside one (imports, the data's first writing, a finished run's last lines) ends here.
         stopped = ended_by_ctrl_c("train.py", main, "no run was open (a run's Ctrl-C writes its checkpoint and says so)")
-    except BaseException:  # a job that failed (Hydra exits 1 after the last job), a stop signal
+        if stopped:
+            raise SystemExit(stopped)
+    except BaseException:  # a job that failed (Hydra exits 1 after the last job), a stop signal, Ctrl-C
         end_sweep(failed=True)  # what the runs came to; the failure's own exit status stands
         raise
-    if stopped:
-        end_sweep(failed=True)
-        raise SystemExit(stopped)
     end_sweep()  # a sweep ends with what its runs came to; one whose jobs were refused, with status 1

@@ -14,13 +14,14 @@ from omegaconf import DictConfig
 
 from ddlx.entry import register_recommend_config, report_config_errors
 from ddlx.config_check import check_command_line, check_recommend_job
-from ddlx.process import ended_by_ctrl_c, exit_without_collecting
+from ddlx.process import ended_by_ctrl_c, exit_without_collecting, job_takes_ctrl_c
 
 ROOT = Path(__file__).resolve().parent
 register_recommend_config(ROOT)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="recommend")
+@job_takes_ctrl_c
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
@@ -39,8 +40,12 @@ def main(cfg: DictConfig) -> None:
                                      hw_overrides, store_overrides))
 
 
-if __name__ == "__main__":
-    exit_without_collecting()
+def check_and_run() -> None:
     hw_options = functools.partial(check_recommend_job, hw_dir=ROOT / "conf" / "hw")
     check_command_line(sys.argv[1:], ROOT / "conf", "recommend", hw_options)  # before Hydra starts the job
-    raise SystemExit(ended_by_ctrl_c("recommend.py", main))
+    main()
+
+
+if __name__ == "__main__":
+    exit_without_collecting()
+    raise SystemExit(ended_by_ctrl_c("recommend.py", check_and_run, hydra_jobs=True))

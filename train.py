@@ -22,7 +22,7 @@ from ddlx.entry import (
 from ddlx.command_line import task_overrides
 from ddlx.config_check import check_command_line
 from ddlx.parallel.rank_fork import start_fork_server
-from ddlx.process import ended_by_ctrl_c, exit_without_collecting
+from ddlx.process import ended_by_ctrl_c, exit_without_collecting, job_takes_ctrl_c
 from ddlx.rank_worker import main as rank_entry
 
 PROJECT_DIR = Path(__file__).resolve().parent
@@ -30,6 +30,7 @@ register_config(PROJECT_DIR)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
+@job_takes_ctrl_c
 def main(cfg: DictConfig) -> None:
     from ddlx.run import train  # imported here so --help and config errors answer fast
     from ddlx.strategies import starts_ranks
@@ -42,13 +43,19 @@ def main(cfg: DictConfig) -> None:
                      requeue=requeue)
 
 
+def check_and_run() -> None:
+    check_command_line(sys.argv[1:], PROJECT_DIR / "conf", "train")  # every job, before Hydra starts one
+    main()
+
+
 if __name__ == "__main__":
     exit_without_collecting()
-    check_command_line(sys.argv[1:], PROJECT_DIR / "conf", "train")  # every job, before Hydra starts one
     try:
         # A run's own stop signals end it with its record and checkpoint (ddlx.stopping); Ctrl-C
-        # outside one (imports, the data's first writing, a finished run's last lines) ends here.
-        stopped = ended_by_ctrl_c("train.py", main, "no run was open (a run's Ctrl-C writes its checkpoint and says so)")
+        # outside one (imports, the data's first writing, a finished run's last lines) ends here,
+        # and while a job's config is composed (the check's, Hydra's), where it ends is held until then.
+        stopped = ended_by_ctrl_c("train.py", check_and_run,
+                                  "no run was open (a run's Ctrl-C writes its checkpoint and says so)", hydra_jobs=True)
         if stopped:
             raise SystemExit(stopped)
     except BaseException:  # a job that failed (Hydra exits 1 after the last job), a stop signal, Ctrl-C

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -125,6 +127,17 @@ def subprocess_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(PROJECT_DIR) + os.pathsep + env.get("PYTHONPATH", "")
     return env
+
+
+def signalled(folder: Path, point: str, signal_name: str, *args: str, env: dict | None = None,
+              timeout: float = 300) -> subprocess.CompletedProcess:
+    """tests/train_signalled.py: train.py (or ``--script recommend.py``) with ``signal_name`` sent
+    to its process group at ``point``, run in ``folder`` (its store a made copy) in a process
+    group of its own, so the signal reaches no process of the tests."""
+    with_made_store(folder)
+    return subprocess.run([sys.executable, str(PROJECT_DIR / "tests" / "train_signalled.py"), point, signal_name, *args],
+                          capture_output=True, text=True, timeout=timeout, env=subprocess_env() | (env or {}),
+                          cwd=folder, start_new_session=True)
 
 
 def rank_workers(pid: int) -> list:

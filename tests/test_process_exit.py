@@ -1,8 +1,10 @@
 """An entry point's exit with its objects left out of Python's last collections
 (ddlx.process.exit_without_collecting): every exit handler still runs, and the exit status stands.
-(How much faster it ends: benchmarks/exit_time.py.)"""
+(How much faster it ends: benchmarks/exit_time.py.) Its end by Ctrl-C (ddlx.process.ended_by_ctrl_c)."""
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 
@@ -43,3 +45,38 @@ runpy.run_module(entry[1], run_name="__main__", alter_sys=True) if entry[0] == "
                           env=subprocess_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert int((tmp_path / "frozen").read_text()) > 0, f"{' '.join(entry)} ends without Python's last collections"
+
+
+def test_ctrl_c_outside_the_jobs_is_held_inside_omegaconf_only():
+    """Outside a Hydra entry's jobs, a Ctrl-C that falls inside omegaconf (a config being composed)
+    is held and stops the entry where the next job starts, before the job; one anywhere else (a
+    launcher waiting on its jobs) stops it at once. The handler is the default's again after."""
+    from omegaconf import OmegaConf
+
+    from ddlx.process import ended_by_ctrl_c, job_takes_ctrl_c
+
+    OmegaConf.register_new_resolver("ddlx_test_ctrl_c", lambda: os.kill(os.getpid(), signal.SIGINT) or 1, replace=True)
+    done = []
+
+    @job_takes_ctrl_c
+    def job():
+        done.append("job")
+
+    def composing_then_job():
+        assert OmegaConf.create({"x": "${ddlx_test_ctrl_c:}"}).x == 1  # the Ctrl-C falls inside omegaconf
+        done.append("composed")
+        job()
+
+    def waiting():
+        os.kill(os.getpid(), signal.SIGINT)
+        done.append("waited on")
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # a background job's SIGINT is ignored
+    try:
+        assert ended_by_ctrl_c("cmd", composing_then_job, hydra_jobs=True) == 130
+        assert done == ["composed"], "held through the composing, raised where the job starts"
+        assert ended_by_ctrl_c("cmd", waiting, hydra_jobs=True) == 130
+        assert done == ["composed"], "outside omegaconf: at once"
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -19,7 +19,7 @@ import psutil
 import pytest
 import pytorch_lightning as pl
 import torch
-from conftest import PROJECT_DIR, TINY, alive, compose_config, rank_workers, runs, subprocess_env
+from conftest import PROJECT_DIR, TINY, alive, compose_config, rank_workers, runs, signalled, subprocess_env
 
 from ddlx import run as run_module
 from ddlx.errors import ConfigError, Stopped
@@ -729,10 +729,8 @@ def test_a_stop_signal_to_the_process_group_during_validation_exits_at_once(tmp_
     it to the training process, which stops after that validation with a checkpoint and exits
     143 within 10 s (it used to wait for ever for workers that ignored multiprocessing's SIGTERM)."""
     sent = tmp_path / "signal-sent"
-    proc = subprocess.run([sys.executable, str(PROJECT_DIR / "tests" / "train_signalled.py"), "validation", "SIGTERM",
-                           f"paths.root={tmp_path}", *TINY, *FULL, "data.num_workers=2", "trainer.max_epochs=4"],
-                          capture_output=True, text=True, timeout=300, env={**subprocess_env(), "DDLX_SIGNAL_SENT": str(sent)},
-                          cwd=tmp_path, start_new_session=True)
+    proc = signalled(tmp_path, "validation", "SIGTERM", f"paths.root={tmp_path}", *TINY, *FULL, "data.num_workers=2",
+                     "trainer.max_epochs=4", env={"DDLX_SIGNAL_SENT": str(sent)})
     ended = time.time()
     assert proc.returncode == 143, proc.stderr[-3000:]
     assert ended - float(sent.read_text()) < 10, "ended within 10 s of the signal"

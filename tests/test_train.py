@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import PROJECT_DIR, TINY, compose_config, runs, subprocess_env, with_made_store
+from conftest import PROJECT_DIR, TINY, compose_config, runs, signalled, subprocess_env, with_made_store
 
 from ddlx import run as run_module
 from ddlx.errors import ConfigError
@@ -52,6 +52,35 @@ def test_ctrl_c_before_the_run_is_open_ends_train_py_with_one_line(tmp_path):
     assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
     assert err.strip().splitlines()[-1].startswith("ddlx: train.py stopped by Ctrl-C before its end: no run was open"), err
     assert runs(f"sqlite:///{tmp_path / 'mlflow.db'}") == [], "no run opened"
+
+
+@pytest.mark.parametrize("composition", [1, 3], ids=["the command line's check", "hydra's"])
+def test_ctrl_c_while_a_config_is_composed_ends_train_py_with_one_line(tmp_path, composition):
+    """Ctrl-C inside omegaconf building a config (train.py's check of the command line, then
+    Hydra's) left a node half made, and omegaconf's cleanup failed on it: the stop became a config
+    error (status 2, "defaults is not a key of the config") or omegaconf's error (status 1). It is
+    held until the job starts, which stops with the line."""
+    proc = signalled(tmp_path, f"composing:{composition}", "SIGINT", f"paths.root={tmp_path}", *TINY)
+    assert proc.returncode == 130 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("ddlx: train.py stopped by Ctrl-C before its end: no run was open")
+    assert runs(f"sqlite:///{tmp_path / 'mlflow.db'}") == [], "no run opened"
+
+
+@pytest.mark.integration
+def test_ctrl_c_while_a_sweep_composes_its_next_job_stops_the_sweep_with_one_line(tmp_path):
+    """Between a sweep's jobs Hydra composes the next job's config: Ctrl-C there failed the sweep
+    with omegaconf's error (status 1), or was lost and the sweep ran on. Held, it stops the sweep
+    where the second job starts: status 130, the line, the sweep's end; the first job's run stays
+    FINISHED and no second is opened."""
+    # The 8th composition: the check's two (a job apiece), Hydra's four before its jobs, the first job's.
+    proc = signalled(tmp_path, "composing:8", "SIGINT", "-m", f"paths.root={tmp_path}", *TINY, "seed=1,2")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 130 and "Traceback" not in out and "omegaconf" not in out, out[-3000:]
+    assert "#1 : " in out, "the second job was composed"
+    assert "ddlx: train.py stopped by Ctrl-C before its end: no run was open" in proc.stderr
+    assert re.search(r"ddlx: sweep \S+ ended: 1 run\(s\)", proc.stdout)
+    (run,) = runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert run.info.status == "FINISHED" and run.data.params["seed"] == "1"
 
 
 @pytest.mark.integration

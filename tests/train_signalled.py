@@ -1,11 +1,16 @@
-"""train.py as a user runs it, but with a stop signal sent to its whole process group, as a
-terminal's Ctrl-C, ``timeout`` or a scheduler sends it, from another process, at a point of the
-run the first argument names:
+"""train.py (or recommend.py) as a user runs it, but with a stop signal sent to its whole process
+group, as a terminal's Ctrl-C, ``timeout`` or a scheduler sends it, at a point of the run the
+first argument names:
 
     python tests/train_signalled.py validation SIGTERM [train.py overrides...]
+    python tests/train_signalled.py composing:3 SIGINT -m [train.py overrides...]
+    python tests/train_signalled.py composing:1 SIGINT --script recommend.py [overrides...]
 
-Points: ``validation`` (a validation batch of the second epoch). Before sending, it writes the
-time to ``$DDLX_SIGNAL_SENT`` so a test can tell how long the process took to end after it.
+Points: ``validation`` (a validation batch of the second epoch, sent from another process;
+before sending, it writes the time to ``$DDLX_SIGNAL_SENT`` so a test can tell how long the
+process took to end after it). ``composing:N``: while Hydra composes its N-th config (1: a run's,
+or a sweep's own; 2: a sweep's first job; 3: its second), inside omegaconf's ``ListConfig.append``
+between making the new item's slot and filling it (its flags read), where a Ctrl-C fell in a user's sweep.
 """
 from __future__ import annotations
 
@@ -36,13 +41,45 @@ class SignalTheGroup(pl.Callback):
                             f"-{os.getpgid(0)}"], check=False)
 
 
+def signal_while_composing(composition: int, signum: int) -> None:
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from omegaconf import ListConfig
+
+    compose, wrap_and_set = ConfigLoaderImpl.load_configuration, ListConfig._wrap_value_and_set
+    state = {"compositions": 0, "armed": False}
+
+    def load_configuration(self, *args, **kwargs):
+        state["compositions"] += 1
+        state["armed"] = state["compositions"] == composition
+        try:
+            return compose(self, *args, **kwargs)
+        finally:
+            state["armed"] = False
+
+    def wrap_value_and_set(self, *args, **kwargs):
+        if state["armed"]:
+            state["armed"] = False
+            os.killpg(os.getpgid(0), signum)  # its handler runs here, the slot made and not yet filled
+        return wrap_and_set(self, *args, **kwargs)
+
+    ConfigLoaderImpl.load_configuration, ListConfig._wrap_value_and_set = load_configuration, wrap_value_and_set
+
+
 def main() -> None:
     point, name, *overrides = sys.argv[1:]
-    assert point == "validation", point
-    measured = run.measurement_callbacks
-    run.measurement_callbacks = lambda cfg: [*measured(cfg), SignalTheGroup(signal.Signals[name])]
-    sys.argv = [str(TRAIN_PY), *overrides]
-    runpy.run_path(str(TRAIN_PY), run_name="__main__")
+    script = TRAIN_PY
+    if overrides[:1] == ["--script"]:
+        script, overrides = TRAIN_PY.parent / overrides[1], overrides[2:]
+    if point == "validation":
+        measured = run.measurement_callbacks
+        run.measurement_callbacks = lambda cfg: [*measured(cfg), SignalTheGroup(signal.Signals[name])]
+    else:
+        kind, composition = point.split(":")
+        assert kind == "composing", point
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as from a terminal, where a background job ignores it
+        signal_while_composing(int(composition), signal.Signals[name])
+    sys.argv = [str(script), *overrides]
+    runpy.run_path(str(script), run_name="__main__")
 
 
 if __name__ == "__main__":

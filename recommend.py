@@ -48,4 +48,4 @@ def check_and_run() -> None:
 
 if __name__ == "__main__":
     exit_without_collecting()
-    raise SystemExit(ended_by_ctrl_c("recommend.py", check_and_run, hydra_jobs=True))
+    raise SystemExit(ended_by_ctrl_c("recommend.py", check_and_run, hold_in_omegaconf=True))

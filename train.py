@@ -52,10 +52,11 @@ if __name__ == "__main__":
     exit_without_collecting()
     try:
         # A run's own stop signals end it with its record and checkpoint (ddlx.stopping); Ctrl-C
-        # outside one (imports, the data's first writing, a finished run's last lines) ends here,
-        # and while a job's config is composed (the check's, Hydra's), where it ends is held until then.
+        # outside one (imports, the data's first writing, a finished run's last lines) ends here; one
+        # inside omegaconf composing a config, at the next point where it cannot break the config.
         stopped = ended_by_ctrl_c("train.py", check_and_run,
-                                  "no run was open (a run's Ctrl-C writes its checkpoint and says so)", hydra_jobs=True)
+                                  "no run was open (a run's Ctrl-C writes its checkpoint and says so)",
+                                  hold_in_omegaconf=True)
         if stopped:
             raise SystemExit(stopped)
     except BaseException:  # a job that failed (Hydra exits 1 after the last job), a stop signal, Ctrl-C

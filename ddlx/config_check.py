@@ -33,6 +33,7 @@ from .config import (
     TrainerConfig,
 )
 from .errors import ConfigError
+from .process import raise_held_ctrl_c
 
 TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 
@@ -411,6 +412,7 @@ def _job_errors(overrides: list[str], multirun: bool, config_dir: Path, config_n
     shared = set.intersection(*(set(job) for job in jobs)) if jobs else set()
     with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
         for job in jobs:
+            raise_held_ctrl_c()  # a Ctrl-C held while the last job was composed stops here
             swept = [o for o in job if o not in shared]
             elsewhere = [other_entry_problem(o.split("=")[0], config_name) for o in job] if config_name in ENTRIES else []
             if any(elsewhere):  # Hydra's own words would be "no match in the defaults list", then a missing schema

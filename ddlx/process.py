@@ -122,82 +122,95 @@ def wait_for(child, timeout_s: float = WAIT_S) -> None:
         child.join()
 
 
-def ended_by_ctrl_c(command: str, main, said: str = "no result was logged", hydra_jobs: bool = False) -> int:
+def ended_by_ctrl_c(command: str, main, said: str = "no result was logged", hold_in_omegaconf: bool = False) -> int:
     """``main()``'s exit status, or 130 (the shell's for SIGINT) with one line where Ctrl-C stops
     ``command`` (a question, a report: seconds to minutes; train.py outside its run), not a
     traceback from wherever it fell (an import, a probe); ``said``: what that leaves. Its forked
     children take the same SIGINT and end silently; a result run being logged is marked KILLED
     (:func:`ddlx.tracking.log_result_run`).
 
-    ``hydra_jobs``: ``main`` composes Hydra configs and runs jobs wrapped in :func:`job_takes_ctrl_c`.
-    Outside those jobs (the configs composed before, between and after them), a Ctrl-C that falls
-    inside omegaconf is held and raised where the next job starts or ``main`` ends: raised there, it
-    left a node half made, and omegaconf's cleanup then failed on it (status 1 or 2 and an
-    omegaconf error), or it was lost and the job ran on. Elsewhere (a launcher waiting on its jobs)
-    it stops at once, as does a second Ctrl-C.
+    ``hold_in_omegaconf``: ``main`` composes Hydra configs and runs jobs wrapped in
+    :func:`job_takes_ctrl_c`. Outside those jobs, a Ctrl-C that falls inside omegaconf (a config
+    being composed) is held and raised at the next point where it cannot harm: after each job's
+    composition in the command line's check (:func:`raise_held_ctrl_c`), where a job starts (Hydra
+    has made its folder by then), where ``main`` ends. Raised inside omegaconf, it left a node half
+    made and omegaconf's cleanup failed on it: a bogus config error (status 2), omegaconf's error
+    (status 1), or it was lost and the job ran on. Elsewhere (a launcher waiting on its jobs) it
+    stops at once.
     """
+    _OutsideJobs.holding = hold_in_omegaconf
     try:
-        if hydra_jobs:
-            _hold_ctrl_c(True)
+        _hold_ctrl_c()
         status = main() or 0
-        _hold_ctrl_c(False)  # one held since the last job (Hydra's own end) stops here
+        raise_held_ctrl_c()  # one held since the last job (Hydra's own end) stops here
         return status
     except KeyboardInterrupt:
-        print(f"\nddlx: {command} stopped by Ctrl-C before its end: {said}", file=sys.stderr)
-        return 130
+        pass
+    except SystemExit:
+        if not _OutsideJobs.held:  # a held Ctrl-C, not --help's 0 or a failed sweep's 1, says how it ended
+            raise
     finally:
-        _CTRL_C_HELD.clear()  # the exit status says it
-        _hold_ctrl_c(False)
+        _release_ctrl_c()
+        _OutsideJobs.holding = _OutsideJobs.held = False
+    print(f"\nddlx: {command} stopped by Ctrl-C before its end: {said}", file=sys.stderr)
+    return 130
 
 
 def job_takes_ctrl_c(job):
-    """``job`` (a Hydra task function) takes Ctrl-C where it falls, as a process does (its imports;
-    its run's stop signals: ddlx.stopping), and one held while Hydra composed its config at its
-    start; after it, Ctrl-C is held again (:func:`ended_by_ctrl_c`)."""
+    """Inside ``job`` (a Hydra task function) Ctrl-C raises where it falls, as in any process (its
+    imports; its run's stop signals: ddlx.stopping); a Ctrl-C held while Hydra composed the job's
+    config (:func:`ended_by_ctrl_c`) is raised before the job runs, and holding resumes after it."""
     import functools
 
     @functools.wraps(job)  # Hydra finds the job's file through __wrapped__ (its config_path is relative to it)
     def taking_ctrl_c(*args, **kwargs):
-        _hold_ctrl_c(False)
+        _release_ctrl_c()
+        raise_held_ctrl_c()
         try:
             return job(*args, **kwargs)
         finally:
-            _hold_ctrl_c(True)
+            _hold_ctrl_c()
 
     return taking_ctrl_c
 
 
-_CTRL_C_HELD: list[int] = []
+def raise_held_ctrl_c() -> None:
+    """A Ctrl-C held inside omegaconf (:func:`ended_by_ctrl_c`) stops the entry here."""
+    if _OutsideJobs.held and _on_main_thread():
+        _OutsideJobs.held = False
+        raise KeyboardInterrupt
+
+
+class _OutsideJobs:
+    holding = False  # this process's entry holds a Ctrl-C that falls inside omegaconf outside its jobs
+    held = False
+
+
+def _hold_ctrl_c() -> None:
+    """Where the entry holds (:func:`ended_by_ctrl_c`): a SIGINT ignored (a background job's) or
+    handled by another (a run's) is left as it is."""
+    if _OutsideJobs.holding and _on_main_thread() and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _note_ctrl_c)
+
+
+def _release_ctrl_c() -> None:
+    if _on_main_thread() and signal.getsignal(signal.SIGINT) is _note_ctrl_c:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _note_ctrl_c(signum: int, frame) -> None:
-    if _CTRL_C_HELD or not _in_omegaconf(frame):  # a second Ctrl-C, or one where it can be raised: at once
-        raise KeyboardInterrupt
-    _CTRL_C_HELD.append(signum)
-
-
-def _in_omegaconf(frame) -> bool:
     while frame is not None:
         if frame.f_globals.get("__name__", "").partition(".")[0] == "omegaconf":
-            return True
+            _OutsideJobs.held = True  # a second Ctrl-C inside omegaconf too: its next point is close
+            return
         frame = frame.f_back
-    return False
+    raise KeyboardInterrupt
 
 
-def _hold_ctrl_c(hold: bool) -> None:
-    """Hold Ctrl-C inside omegaconf (``hold``), or let it raise where it falls again and raise one
-    held until now. A SIGINT ignored (a background job's) or handled by another (a run's) is left as it is."""
+def _on_main_thread() -> bool:
     import threading
 
-    if threading.current_thread() is threading.main_thread():
-        handler = signal.getsignal(signal.SIGINT)
-        if hold and handler is signal.default_int_handler:
-            signal.signal(signal.SIGINT, _note_ctrl_c)
-        elif not hold and handler is _note_ctrl_c:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-    if not hold and _CTRL_C_HELD:
-        _CTRL_C_HELD.clear()
-        raise KeyboardInterrupt
+    return threading.current_thread() is threading.main_thread()
 
 
 def name_process(name: str) -> None:

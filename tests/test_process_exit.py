@@ -49,23 +49,40 @@ runpy.run_module(entry[1], run_name="__main__", alter_sys=True) if entry[0] == "
 
 def test_ctrl_c_outside_the_jobs_is_held_inside_omegaconf_only():
     """Outside a Hydra entry's jobs, a Ctrl-C that falls inside omegaconf (a config being composed)
-    is held and stops the entry where the next job starts, before the job; one anywhere else (a
+    is held and stops the entry where the next job starts, before the job, or where it ends, also
+    by SystemExit (--help's); holding resumes after a job that failed. One anywhere else (a
     launcher waiting on its jobs) stops it at once. The handler is the default's again after."""
     from omegaconf import OmegaConf
 
     from ddlx.process import ended_by_ctrl_c, job_takes_ctrl_c
 
-    OmegaConf.register_new_resolver("ddlx_test_ctrl_c", lambda: os.kill(os.getpid(), signal.SIGINT) or 1, replace=True)
+    OmegaConf.register_new_resolver("ddlx_test_ctrl_c", lambda: os.kill(os.getpid(), signal.SIGINT) or 1)
     done = []
 
-    @job_takes_ctrl_c
-    def job():
-        done.append("job")
-
-    def composing_then_job():
+    def compose_with_ctrl_c():
         assert OmegaConf.create({"x": "${ddlx_test_ctrl_c:}"}).x == 1  # the Ctrl-C falls inside omegaconf
         done.append("composed")
+
+    @job_takes_ctrl_c
+    def job(fail=False):
+        done.append("job")
+        if fail:
+            raise ValueError("a failed job: Hydra's basic launcher goes on")
+
+    def composing_then_job():
+        compose_with_ctrl_c()
         job()
+
+    def composing_then_exit():
+        compose_with_ctrl_c()
+        raise SystemExit(0)
+
+    def failed_job_then_composing():
+        try:
+            job(fail=True)
+        except ValueError:
+            pass
+        compose_with_ctrl_c()
 
     def waiting():
         os.kill(os.getpid(), signal.SIGINT)
@@ -73,10 +90,16 @@ def test_ctrl_c_outside_the_jobs_is_held_inside_omegaconf_only():
 
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # a background job's SIGINT is ignored
     try:
-        assert ended_by_ctrl_c("cmd", composing_then_job, hydra_jobs=True) == 130
+        assert ended_by_ctrl_c("cmd", composing_then_job, hold_in_omegaconf=True) == 130
         assert done == ["composed"], "held through the composing, raised where the job starts"
-        assert ended_by_ctrl_c("cmd", waiting, hydra_jobs=True) == 130
-        assert done == ["composed"], "outside omegaconf: at once"
+        assert ended_by_ctrl_c("cmd", composing_then_exit, hold_in_omegaconf=True) == 130
+        done.clear()
+        assert ended_by_ctrl_c("cmd", failed_job_then_composing, hold_in_omegaconf=True) == 130
+        assert done == ["job", "composed"], "held again after the failed job, raised where the entry ends"
+        done.clear()
+        assert ended_by_ctrl_c("cmd", waiting, hold_in_omegaconf=True) == 130
+        assert done == [], "outside omegaconf: at once"
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
         signal.signal(signal.SIGINT, previous)
+        OmegaConf.clear_resolver("ddlx_test_ctrl_c")

@@ -24,6 +24,8 @@ import torch
 
 from .epoch_batches import epoch_trained
 from .errors import Stopped
+from .run_logger import RunLogger
+from .tracking import end_logged_run
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +133,13 @@ class StopAtSignal(pl.Callback):
         if signalled:
             self.signals.elsewhere = signalled  # not this rank's: a first Ctrl-C here is not a second
             log.warning("training had finished when the stop signal came: the run ends as finished")
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # The stop's record (KILLED, what stopped it, its checkpoint) as soon as the stop leaves
+        # training, before Lightning's teardown (the loader workers, the process group): mpirun
+        # sends SIGKILL 1 s after the SIGTERM it turns Ctrl-C into (OpenMPI's odls_base_sigkill_timeout).
+        if isinstance(exception, Stopped) and isinstance(trainer.logger, RunLogger):  # rank 0's
+            end_logged_run(trainer.logger, "KILLED", f"{exception}")
 
     def _written(self, trainer: pl.Trainer, at_this_step: bool = False) -> bool:
         """Whether a checkpoint callback wrote ``checkpoint`` in this fit (in the background too:

@@ -179,10 +179,11 @@ def make_logger(
     artifact_location: str | None,
     run_id: str | None = None,
 ) -> MLFlowLogger:
-    """Lightning's MLflow logger; ``run_id``: log into that existing run (a resumed one)."""
-    from pytorch_lightning.loggers import MLFlowLogger
+    """Lightning's MLflow logger (:class:`ddlx.run_logger.RunLogger`); ``run_id``: log into that
+    existing run (a resumed one)."""
+    from .run_logger import RunLogger
 
-    return MLFlowLogger(
+    return RunLogger(
         experiment_name=experiment_name,
         run_name=run_name,
         tracking_uri=tracking_uri,
@@ -432,10 +433,10 @@ def recorded(logger: MLFlowLogger | None, open_run: Callable[[], str], resume: H
         yield run_id
         end_run(logger.experiment, run_id, "FINISHED")
     except Stopped as stop:
-        _end_logged_run(logger, "KILLED", f"{stop}")
+        end_logged_run(logger, "KILLED", f"{stop}")
         raise
     except BaseException as err:
-        _end_logged_run(logger, "FAILED", f"{type(err).__name__}: {err}")
+        end_logged_run(logger, "FAILED", f"{type(err).__name__}: {err}")
         raise
     finally:
         if heartbeat is not None:
@@ -445,7 +446,8 @@ def recorded(logger: MLFlowLogger | None, open_run: Callable[[], str], resume: H
             watch.stop()
 
 
-def _end_logged_run(logger: MLFlowLogger, status: str, error: str) -> None:
+def end_logged_run(logger: MLFlowLogger, status: str, error: str) -> None:
+    """:func:`end_run` for the run ``logger`` logs to, once it has one."""
     if isinstance(logger._run_id, str):  # it may have failed before the run was created
         end_run(logger.experiment, logger._run_id, status, error)
 
@@ -535,7 +537,7 @@ def run_title(logger: MLFlowLogger) -> str:
 def mark_failed(logger, reason: str) -> None:
     """Mark the run of ``logger`` FAILED with ``reason`` (a rank died; its launcher ends the job)."""
     if isinstance(getattr(logger, "_run_id", None), str):
-        _end_logged_run(logger, "FAILED", reason)
+        end_logged_run(logger, "FAILED", reason)
 
 
 def record_rejected_run(logger_cfg, name: str, tags: Mapping[str, str], params: Mapping[str, str],

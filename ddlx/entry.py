@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import sys
 import uuid
@@ -45,6 +46,7 @@ def register_recommend_config(project_dir: Path) -> None:
 
 
 _RANDOM_JOB_ID = uuid.uuid4().hex[:8]
+MAX_JOB_ID = 24  # longer launcher ids (torchrun's: 57 characters) name a folder by a hash of them
 
 
 @functools.cache  # one value per process: every resolution of a folder name agrees
@@ -53,10 +55,13 @@ def job_id() -> str:
     SLURM (srun), mpirun or torchrun started several processes of it (each composes its own
     config), else random, drawn once per process (two runs started in the same second, on one
     machine or several sharing a file system, or in one SLURM allocation, must not share a folder)."""
-    for _, size, names in LAUNCHERS:
+    for launcher, size, names in LAUNCHERS:
         ids = [os.environ[n] for n in names if os.environ.get(n)]
         if int(os.environ.get(size) or 1) > 1 and ids:
-            return "-".join(dict.fromkeys(ids)).replace("/", "_").replace(".", "_").replace(":", "_")
+            name = "-".join(dict.fromkeys(ids)).replace("/", "_").replace(".", "_").replace(":", "_")
+            if len(name) <= MAX_JOB_ID:  # SLURM's job and step, OpenMPI's job number: as squeue and ps say them
+                return name
+            return f"{launcher}-{hashlib.sha1(name.encode()).hexdigest()[:8]}"  # torchrun's UUID, host and port
     return _RANDOM_JOB_ID
 
 

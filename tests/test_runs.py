@@ -1040,6 +1040,30 @@ def test_a_resume_with_other_ranks_or_nodes_than_its_launcher_started_is_refused
     assert before.layout_changed({"ranks": "1", "nodes": "1"}) is None
 
 
+def test_a_launchers_job_names_the_runs_folder_the_same_on_every_rank_and_shortly(monkeypatch):
+    """Every rank of a job started by srun, mpirun or torchrun composes its own config: the folder
+    is named by the launcher's job id, as squeue says it, or, for torchrun's 57 characters (its
+    UUID, host and port), by a hash of them."""
+    from ddlx.entry import LAUNCHERS, job_id
+
+    for _, size, names in LAUNCHERS:
+        for name in (size, *names):
+            monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "4")
+    monkeypatch.setenv("SLURM_JOB_ID", "12345")
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    assert job_id.__wrapped__() == "12345-0"
+    monkeypatch.delenv("SLURM_STEP_NUM_TASKS")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "b1158aae-bff5-4b60-aa11-6dd51367256b")
+    monkeypatch.setenv("MASTER_ADDR", "localhost")
+    monkeypatch.setenv("MASTER_PORT", "42411")
+    first = job_id.__wrapped__()
+    assert re.fullmatch(r"torchrun-[0-9a-f]{8}", first) and job_id.__wrapped__() == first
+    monkeypatch.setenv("MASTER_PORT", "42412")
+    assert job_id.__wrapped__() != first, "another job"
+
+
 def test_the_resume_line_says_the_launcher_that_started_the_job(monkeypatch, tmp_path, capsys):
     """Under mpirun, srun or torchrun the printed train.py command alone would start one process."""
     from ddlx.command_line import HowToResume

@@ -160,6 +160,13 @@ class BackgroundCheckpointIO(AsyncCheckpointIO):
         if self._error:
             raise self._error
 
+    def wait(self) -> None:
+        """Until the writes in flight are on disk (one thread: in order); a write's error is raised."""
+        if self._executor is not None:
+            self._executor.submit(lambda: None).result()
+        if self._error:
+            raise self._error
+
 
 class RunInCheckpoint(pl.Callback):
     """Writes the run's identity and config into every checkpoint (``checkpoint["ddlx"]``), and

@@ -181,10 +181,9 @@ def run_training_job(fn: Callable[[], Any], in_sweep: bool, overrides: list[str]
         abort_job(1)  # under mpirun: the other ranks may be gone (their node lost), and MPI's exit would wait for them
         raise
     except Stopped as stop:
-        if launch_rank() == 0 or stop.step is None:  # every rank stopped at that step (mpirun, srun): said once
-            print(f"ddlx: {stop}", file=sys.stderr)
-            if stop.resumable:
-                print(f"ddlx: {resume_words(stop.launcher)}: {resume_command(overrides, stop.checkpoint)}", file=sys.stderr)
+        print(f"ddlx: {stop}", file=sys.stderr)
+        if stop.resumable:
+            print(f"ddlx: {resume_words(stop.launcher)}: {resume_command(overrides, stop.checkpoint)}", file=sys.stderr)
         if requeue is not None and stop.after_training:
             if launch_rank() == 0:
                 requeue.forget()

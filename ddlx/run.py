@@ -64,7 +64,7 @@ from .process import launch_rank, outside_launcher, rank_logging
 from .records import not_counted, run_name
 from .single_sample import check_single_sample_batches
 from .slurm import run_tags as slurm_run_tags
-from .stopping import StopAtSignal, StopSignals, disable_lightning_signal_handlers
+from .stopping import RecordStop, StopAtSignal, StopSignals, disable_lightning_signal_handlers
 from .strategies import STRATEGIES, build_strategy
 from .tracking import (
     check_experiment,
@@ -294,7 +294,7 @@ def train(cfg, output_dir: str | os.PathLike, extra_tags: Mapping[str, str] | No
         if isinstance(strategy, RelaunchingDDPStrategy):  # a dead rank: the run FAILED with the reason
             strategy.rank_died = RankDeath(output_dir, resume)
         timer, *others = measurement_callbacks(cfg)
-        callbacks = [SameJobOnEveryRank(params), timer, *others, identity,
+        callbacks = [RecordStop(), SameJobOnEveryRank(params), timer, *others, identity,
                      StopAtSignal(signals, checkpoint_file, weights_only)]
         trainer = build_trainer(cfg, plan, logger, output_dir, callbacks, checkpoint_dir)
     except ConfigError as err:

@@ -1,5 +1,5 @@
-"""The run's Lightning logger: Lightning's MLflow logger, except that the run's end is ddlx's
-(:func:`ddlx.tracking.recorded`), never Lightning's "failed"."""
+"""The run's Lightning logger: Lightning's MLflow logger without its "failed": ddlx ends a failed
+or stopped run itself, with what ended it (:func:`ddlx.tracking.recorded`)."""
 from __future__ import annotations
 
 from pytorch_lightning.loggers import MLFlowLogger

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytorch_lightning as pl
 import torch
 
+from .checkpoints import BackgroundCheckpointIO
 from .epoch_batches import epoch_trained
 from .errors import Stopped
 from .run_logger import RunLogger
@@ -134,13 +135,6 @@ class StopAtSignal(pl.Callback):
             self.signals.elsewhere = signalled  # not this rank's: a first Ctrl-C here is not a second
             log.warning("training had finished when the stop signal came: the run ends as finished")
 
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        # The stop's record (KILLED, what stopped it, its checkpoint) as soon as the stop leaves
-        # training, before Lightning's teardown (the loader workers, the process group): mpirun
-        # sends SIGKILL 1 s after the SIGTERM it turns Ctrl-C into (OpenMPI's odls_base_sigkill_timeout).
-        if isinstance(exception, Stopped) and isinstance(trainer.logger, RunLogger):  # rank 0's
-            end_logged_run(trainer.logger, "KILLED", f"{exception}")
-
     def _written(self, trainer: pl.Trainer, at_this_step: bool = False) -> bool:
         """Whether a checkpoint callback wrote ``checkpoint`` in this fit (in the background too:
         the write may still be under way); with ``at_this_step``, at this step. Known by the file's
@@ -168,3 +162,21 @@ class StopAtSignal(pl.Callback):
         raise Stopped(self.signals.received or signal.SIGTERM, self.checkpoint, trainer.global_step,
                       resumable=self.checkpoint is not None and not self.weights_only)
 
+
+class RecordStop(pl.Callback):
+    """A stop's record (KILLED, the signal, its checkpoint) as soon as the stop leaves training:
+    first of the callbacks' exception hooks (the resource monitor's plots and artifacts come after)
+    and before Lightning's teardown (the loader workers, the process group), since mpirun sends
+    SIGKILL 1 s after the SIGTERM it turns Ctrl-C into (OpenMPI's odls_base_sigkill_timeout). The
+    checkpoint it names is on disk first (a background write finished); a write that failed leaves
+    the record to :func:`ddlx.tracking.recorded` (FAILED, with the error)."""
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if not (isinstance(exception, Stopped) and isinstance(trainer.logger, RunLogger)):  # rank 0's logger
+            return
+        if isinstance(trainer.strategy.checkpoint_io, BackgroundCheckpointIO):
+            try:
+                trainer.strategy.checkpoint_io.wait()
+            except Exception:  # noqa: BLE001 - raised again by Lightning's teardown, and recorded
+                return
+        end_logged_run(trainer.logger, "KILLED", f"{exception}")

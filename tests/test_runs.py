@@ -723,45 +723,42 @@ def test_a_stop_signal_at_any_point_ends_the_run_with_its_status_and_no_loader_w
     assert not loaders, "the loader workers ended with the run (multiprocessing would wait for them at exit)"
 
 
-def test_a_stopped_runs_record_is_written_before_lightnings_teardown(tiny_config, tracking_uri, tmp_path, monkeypatch):
+def test_a_stopped_runs_record_is_written_before_lightnings_teardown_and_after_its_checkpoint(
+        tiny_config, tracking_uri, tmp_path, monkeypatch):
     """mpirun turns Ctrl-C into SIGTERM to each rank, and SIGKILL 1 s later: a rank killed in
     Lightning's teardown (loader workers, the process group) left its run FAILED with no reason,
     Lightning's own "failed". The stop's record (KILLED, the signal, the checkpoint) is written
-    before that teardown, and Lightning's "failed" is not written at all."""
-    seen = []
-    teardown = pl.Trainer._teardown  # noqa: SLF001 - where the kill would fall
+    before that teardown, Lightning's "failed" not at all, and not before the checkpoint it names
+    is on disk (written in the background, slowly here)."""
+    from ddlx import tracking
+    from ddlx.checkpoints import AtomicCheckpointIO
 
-    def record_then_teardown(trainer):
+    checkpoint = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    write, end_run, teardown = AtomicCheckpointIO.save_checkpoint, tracking.end_run, pl.Trainer._teardown  # noqa: SLF001
+    on_disk, seen = [], []
+
+    def slow_write(self, *args, **kwargs):
+        time.sleep(1)
+        write(self, *args, **kwargs)
+
+    def noting_end_run(client, run_id, status, error=None):
+        on_disk.append((status, checkpoint.is_file()))
+        end_run(client, run_id, status, error)
+
+    def record_then_teardown(trainer):  # where the kill would fall
         (run,) = runs(tracking_uri)
         seen.append((run.info.status, run.data.tags.get("error", "")))
         teardown(trainer)
 
+    monkeypatch.setattr(AtomicCheckpointIO, "save_checkpoint", slow_write)
+    monkeypatch.setattr(tracking, "end_run", noting_end_run)
     monkeypatch.setattr(pl.Trainer, "_teardown", record_then_teardown)
     _with_callback(monkeypatch, lambda: SignalAt("training step"))
     with pytest.raises(Stopped):
-        train(tiny_config(*FULL, "trainer.max_epochs=2"), tmp_path / "run")
+        train(tiny_config(*FULL, "trainer.max_epochs=2", "checkpoint.background=true"), tmp_path / "run")
     status, error = seen[0]
     assert status == "KILLED" and error.startswith("stopped by SIGTERM after step 1; checkpoint "), seen
-
-
-def test_a_stop_of_every_rank_is_said_by_launch_rank_0_alone(monkeypatch, capsys):
-    """Under mpirun or srun every rank runs train.py's entry: a stop they all made at one step is
-    said (the stop, the resume command) once, by rank 0; one rank's own stop before training, by it."""
-    from ddlx import entry
-
-    def stopped(step):
-        def job():
-            raise Stopped(signal.SIGTERM, Path("/x/last.ckpt"), step, resumable=step is not None)
-        return job
-
-    for rank, step, said in [(1, 5, False), (0, 5, True), (1, None, True)]:
-        monkeypatch.setattr(entry, "launch_rank", lambda rank=rank: rank)
-        with pytest.raises(SystemExit) as end:
-            entry.run_training_job(stopped(step), in_sweep=False, overrides=[])
-        assert end.value.code == 143
-        err = capsys.readouterr().err
-        assert ("ddlx: stopped by SIGTERM" in err) == said, (rank, step, err)
-        assert ("ckpt_path=/x/last.ckpt" in err) == (said and step is not None), err
+    assert on_disk[0] == ("KILLED", True), "recorded once its checkpoint was written"
 
 
 @pytest.mark.integration

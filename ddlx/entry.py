@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import re
 import sys
 import uuid
 from collections.abc import Callable
@@ -58,7 +59,7 @@ def job_id() -> str:
     for launcher, size, names in LAUNCHERS:
         ids = [os.environ[n] for n in names if os.environ.get(n)]
         if int(os.environ.get(size) or 1) > 1 and ids:
-            name = "-".join(dict.fromkeys(ids)).replace("/", "_").replace(".", "_").replace(":", "_")
+            name = re.sub(r"[^A-Za-z0-9_-]", "_", "-".join(dict.fromkeys(ids)))  # a folder name (OpenMPI 5's has an @)
             if len(name) <= MAX_JOB_ID:  # SLURM's job and step, OpenMPI's job number: as squeue and ps say them
                 return name
             return f"{launcher}-{hashlib.sha1(name.encode()).hexdigest()[:8]}"  # torchrun's UUID, host and port

@@ -8,9 +8,10 @@ from pytorch_lightning.loggers import MLFlowLogger
 class RunLogger(MLFlowLogger):
     def finalize(self, status: str = "success") -> None:
         # Lightning says "failed" for any exception leaving fit, a stop signal's too, before its
-        # teardown; ddlx ends the run after it with what ended it (KILLED and the signal, or FAILED
-        # and the error). Killed in between (mpirun sends SIGKILL 1 s after its SIGTERM), the run
-        # stays RUNNING, which the run's watch or the next look closes with how to resume, rather
-        # than FAILED with no reason.
+        # teardown. ddlx ends the run itself with what ended it: a stop as it leaves training
+        # (ddlx.stopping.RecordStop: KILLED, the signal), an error after the teardown (FAILED, the
+        # error). A process killed before that (mpirun sends SIGKILL 1 s after its SIGTERM) leaves
+        # the run RUNNING, which its watch or the next look closes with how to resume, rather than
+        # FAILED with no reason.
         if status != "failed":
             super().finalize(status)

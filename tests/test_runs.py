@@ -1051,6 +1051,10 @@ def test_a_launchers_job_names_the_runs_folder_the_same_on_every_rank_and_shortl
     monkeypatch.setenv("SLURM_STEP_ID", "0")
     assert job_id.__wrapped__() == "12345-0"
     monkeypatch.delenv("SLURM_STEP_NUM_TASKS")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    monkeypatch.setenv("PMIX_NAMESPACE", "prterun-n1-4242@1")  # OpenMPI 5's
+    assert job_id.__wrapped__() == "prterun-n1-4242_1"
+    monkeypatch.delenv("OMPI_COMM_WORLD_SIZE")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "b1158aae-bff5-4b60-aa11-6dd51367256b")
     monkeypatch.setenv("MASTER_ADDR", "localhost")

@@ -430,6 +430,7 @@ def _job_errors(overrides: list[str], multirun: bool, config_dir: Path, config_n
             except HydraException as err:
                 cause = err.__cause__
                 yield job, swept, explain(cause) if isinstance(cause, OmegaConfBaseException) else ConfigError(_hydra_message(err))
+        raise_held_ctrl_c()  # and one held in the last: Hydra has not made the job's folder yet
 
 
 def check_train_job(cfg: DictConfig, multirun: bool) -> None:

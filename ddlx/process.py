@@ -159,12 +159,18 @@ def ended_by_ctrl_c(command: str, main, said: str = "no result was logged", hold
 def job_takes_ctrl_c(job):
     """Inside ``job`` (a Hydra task function) Ctrl-C raises where it falls, as in any process (its
     imports; its run's stop signals: ddlx.stopping); a Ctrl-C held while Hydra composed the job's
-    config (:func:`ended_by_ctrl_c`) is raised before the job runs, and holding resumes after it."""
+    config (:func:`ended_by_ctrl_c`) is raised before the job runs, and holding resumes after it.
+    The folder Hydra made for that job, holding only Hydra's files, goes with it: no run was in it."""
     import functools
 
     @functools.wraps(job)  # Hydra finds the job's file through __wrapped__ (its config_path is relative to it)
     def taking_ctrl_c(*args, **kwargs):
         _release_ctrl_c()
+        if _OutsideJobs.held and _on_main_thread():
+            from hydra.core.hydra_config import HydraConfig
+
+            if HydraConfig.initialized():
+                _remove_unstarted_job_folder(HydraConfig.get().runtime.output_dir)
         raise_held_ctrl_c()
         try:
             return job(*args, **kwargs)
@@ -179,6 +185,26 @@ def raise_held_ctrl_c() -> None:
     if _OutsideJobs.held and _on_main_thread():
         _OutsideJobs.held = False
         raise KeyboardInterrupt
+
+
+def _remove_unstarted_job_folder(output_dir: str) -> None:
+    """Hydra's folder for a job stopped before it ran, if nothing but Hydra wrote in it: its config
+    copies (.hydra) and an empty log. A folder with more (a fixed ``hydra.run.dir`` reused) is kept."""
+    import contextlib
+    import shutil
+    from pathlib import Path
+
+    folder = Path(output_dir)
+    hydras = {Path(".hydra", name) for name in ("config.yaml", "hydra.yaml", "overrides.yaml")}
+    for path in folder.rglob("*"):
+        relative = path.relative_to(folder)
+        if path.is_dir() and relative == Path(".hydra") or relative in hydras:
+            continue
+        if not (relative.suffix == ".log" and relative.parent == Path(".") and path.stat().st_size == 0):
+            return
+    shutil.rmtree(folder, ignore_errors=True)
+    with contextlib.suppress(OSError):  # a run's day folder made for it alone; a sweep's holds multirun.yaml
+        folder.parent.rmdir()
 
 
 class _OutsideJobs:

@@ -1022,12 +1022,13 @@ def test_ctrl_c_stops_recommend_py_with_one_line(tmp_path):
 def test_ctrl_c_while_recommend_py_composes_its_config_stops_it(tmp_path, composition):
     """Ctrl-C inside omegaconf building the config left a node half made: in the check it became
     a config error (status 2), in Hydra's first composition it was lost and the answer ran on to
-    its end (status 0). It is held until the job starts, which stops with the line."""
+    its end (status 0). It is held to the check's end or until the job starts, which stops with the line."""
     proc = signalled(tmp_path, f"composing:{composition}", "SIGINT", "--script", "recommend.py", "hw=titanrtx_4x",
                      f"paths.root={tmp_path}", f"hydra.run.dir={tmp_path}/out")
     assert proc.returncode == 130 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert proc.stderr.splitlines()[-1] == "ddlx: recommend.py stopped by Ctrl-C before its end: no result was logged"
     assert runs(f"sqlite:///{tmp_path / 'mlflow.db'}", "recommendations") == []
+    assert not (tmp_path / "out").exists(), "the folder made for a job that never ran went with it"
 
 
 @pytest.mark.integration

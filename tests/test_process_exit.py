@@ -103,3 +103,29 @@ def test_ctrl_c_outside_the_jobs_is_held_inside_omegaconf_only():
     finally:
         signal.signal(signal.SIGINT, previous)
         OmegaConf.clear_resolver("ddlx_test_ctrl_c")
+
+
+def test_a_job_folder_stopped_before_its_job_goes_only_if_hydra_alone_wrote_in_it(tmp_path):
+    """A Ctrl-C held while Hydra composed a job stops it where it starts (above), after Hydra made
+    its folder: that folder goes, with its day folder if that is left empty, unless something
+    other than Hydra's config copies and an empty log is in it (a reused ``hydra.run.dir``)."""
+    import shutil
+
+    from ddlx.process import _remove_unstarted_job_folder
+
+    def hydras_folder(name, *more):
+        folder = tmp_path / "outputs" / "2026-11-29" / name
+        (folder / ".hydra").mkdir(parents=True)
+        for written in (".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml", "train.log", *more):
+            (folder / written).write_text("x" if written.endswith(".yaml") or written in more else "")
+        return folder
+
+    kept = [hydras_folder("with-a-checkpoint", "last.ckpt"), hydras_folder("with-a-log", "train.log")]
+    for folder in kept:
+        _remove_unstarted_job_folder(str(folder))
+    assert all(folder.is_dir() and (folder / ".hydra" / "config.yaml").is_file() for folder in kept)
+    for folder in kept:
+        shutil.rmtree(folder)
+    only_hydras = hydras_folder("only-hydras")
+    _remove_unstarted_job_folder(str(only_hydras))
+    assert not only_hydras.exists() and not only_hydras.parent.exists() and (tmp_path / "outputs").is_dir()

@@ -59,11 +59,13 @@ def test_ctrl_c_while_a_config_is_composed_ends_train_py_with_one_line(tmp_path,
     """Ctrl-C inside omegaconf building a config (train.py's check of the command line, then
     Hydra's) left a node half made, and omegaconf's cleanup failed on it: the stop became a config
     error (status 2, "defaults is not a key of the config") or omegaconf's error (status 1). It is
-    held until the job starts, which stops with the line."""
+    held to the check's end, or until the job starts, which stops with the line. No job folder is
+    left: Hydra's, made for a job that never ran, went with it."""
     proc = signalled(tmp_path, f"composing:{composition}", "SIGINT", f"paths.root={tmp_path}", *TINY)
     assert proc.returncode == 130 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1].startswith("ddlx: train.py stopped by Ctrl-C before its end: no run was open")
     assert runs(f"sqlite:///{tmp_path / 'mlflow.db'}") == [], "no run opened"
+    assert list(tmp_path.glob("outputs/*")) == [], "no job folder without a run"
 
 
 @pytest.mark.integration
@@ -81,6 +83,8 @@ def test_ctrl_c_while_a_sweep_composes_its_next_job_stops_the_sweep_with_one_lin
     assert re.search(r"ddlx: sweep \S+ ended: 1 run\(s\)", proc.stdout)
     (run,) = runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
     assert run.info.status == "FINISHED" and run.data.params["seed"] == "1"
+    (sweep,) = tmp_path.glob("multirun/*/*")
+    assert sorted(p.name for p in sweep.iterdir()) == ["0", "multirun.yaml"], "the second job's folder, made for no run, went"
 
 
 @pytest.mark.integration

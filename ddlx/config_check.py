@@ -369,13 +369,19 @@ def check_command_line(argv: Sequence[str], config_dir: Path, config_name: str, 
     """Compose every job the command line asks for (each job of a ``-m`` sweep) and check it
     (``check(cfg, multirun)``, default :func:`check_train_job`: train.py's), so a bad value is reported
     in about a second, before Hydra starts any job; print the errors and exit with status 2.
-    Hydra's own flags (--help, --cfg, ...) are left to Hydra."""
+    Hydra's own flags (--help, --cfg, ...) are left to Hydra, but those it would answer with a
+    traceback (:func:`_flag_errors`)."""
     from hydra._internal.utils import get_args_parser
 
     args = get_args_parser().parse_args(list(argv))
-    if args.help or args.hydra_help or args.info or args.shell_completion or args.cfg or args.config_path or args.config_dir:
+    if args.help or args.hydra_help:
+        return  # Hydra answers these first, whatever else is given
+    if flag_errors := _flag_errors(args):
+        errors = [([], [], ConfigError(problem)) for problem in flag_errors]
+    elif args.info or args.shell_completion or args.cfg or args.config_path or args.config_dir:
         return  # Hydra answers these itself (another config folder: its own schema, if any)
-    errors = list(_job_errors(args.overrides, args.multirun, config_dir, args.config_name or config_name, check or check_train_job))
+    else:
+        errors = list(_job_errors(args.overrides, args.multirun, config_dir, args.config_name or config_name, check or check_train_job))
     for job, swept, err in errors:
         label = f"sweep job {' '.join(swept)}: " if args.multirun and swept else ""
         print(f"ddlx: error: {label}{err}", file=sys.stderr)
@@ -384,6 +390,20 @@ def check_command_line(argv: Sequence[str], config_dir: Path, config_name: str, 
 
         abort_job(2, show_traceback=False)  # one rank of mpirun or srun refused alone: the others would wait for it
         raise SystemExit(2)
+
+
+def _flag_errors(args) -> list[str]:
+    """Hydra's flags given together where Hydra answers with a ValueError's or omegaconf's traceback."""
+    given = [flag for flag, on in (("--run", args.run), ("--multirun", args.multirun), ("--cfg", args.cfg is not None),
+                                   ("--info", args.info is not None), ("--shell-completion", args.shell_completion)) if on]
+    if len(given) > 1:
+        return [f"{' and '.join(given)} given together; Hydra takes one of --run, --multirun, --cfg, --info and "
+                f"--shell-completion: drop all but one"]
+    if args.cfg == "hydra" and args.resolve:  # Hydra drops the job's keys, then resolves what is left
+        package = args.package if (args.package or "").startswith("hydra") else "hydra"
+        return [f"--cfg hydra --resolve cannot resolve Hydra's folders: hydra.run.dir and hydra.sweep.dir name "
+                f"paths.root, which --cfg hydra leaves out; to see them resolved: --cfg all --resolve --package {package}"]
+    return []
 
 
 def _job_errors(overrides: list[str], multirun: bool, config_dir: Path, config_name: str, check):

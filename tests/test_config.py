@@ -120,6 +120,32 @@ def test_every_job_of_a_sweep_is_checked_before_the_first_runs(tmp_path):
     assert not (tmp_path / "multirun").exists() and not (tmp_path / "mlflow.db").exists(), "no job ran"
 
 
+@pytest.mark.parametrize("argv,said", [
+    (["--cfg", "hydra", "--resolve"], r"--cfg hydra --resolve .*paths.root.*: --cfg all --resolve --package hydra$"),
+    (["--cfg", "hydra", "--resolve", "--package", "hydra.run"], r"--cfg all --resolve --package hydra.run$"),
+    (["-m", "--cfg", "job", "seed=1,2"], r"--multirun and --cfg given together; .*drop all but one"),
+    (["--info", "--multirun"], r"--multirun and --info given together"),
+], ids=["cfg hydra resolved", "a package of it", "a sweep's cfg", "info and multirun"])
+def test_hydras_flags_that_would_end_in_a_traceback_are_refused_with_the_fix(argv, said, capsys):
+    """Hydra answers these with a traceback: omegaconf's (--cfg hydra drops paths.root, which
+    Hydra's folders name, then resolves them) or its own ValueError (two commands at once)."""
+    from ddlx.config_check import check_command_line
+
+    with pytest.raises(SystemExit) as stop:
+        check_command_line(argv, CONF_DIR, "train")
+    assert stop.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert re.match(rf"ddlx: error: .*{said}", line), line
+
+
+def test_hydras_own_answers_are_left_to_it():
+    from ddlx.config_check import check_command_line
+
+    for argv in (["--cfg", "job", "--resolve"], ["--cfg", "all", "--resolve", "--package", "hydra"], ["--help", "-m"],
+                 ["--cfg", "hydra"]):
+        assert check_command_line(argv, CONF_DIR, "train") is None, argv
+
+
 def _refusal(entry: str, overrides: list[str]):
     """The one error ``entry`` (train or recommend) gives a single run of ``overrides``, as its
     command line check makes it."""

@@ -399,6 +399,9 @@ def _flag_errors(args) -> list[str]:
     if len(given) > 1:
         return [f"{' and '.join(given)} given together; Hydra takes one of --run, --multirun, --cfg, --info and "
                 f"--shell-completion: drop all but one"]
+    if args.experimental_rerun is not None and not Path(args.experimental_rerun).is_file():
+        return [f"--experimental-rerun {args.experimental_rerun}: no such file; expected a job's config.pickle, "
+                f"which Hydra's PickleJobInfoCallback (hydra.experimental.callbacks) writes in a job's .hydra folder"]
     if args.cfg == "hydra" and args.resolve:  # Hydra drops the job's keys, then resolves what is left
         package = args.package if (args.package or "").startswith("hydra") else "hydra"
         return [f"--cfg hydra --resolve cannot resolve Hydra's folders: hydra.run.dir and hydra.sweep.dir name "

@@ -125,10 +125,12 @@ def test_every_job_of_a_sweep_is_checked_before_the_first_runs(tmp_path):
     (["--cfg", "hydra", "--resolve", "--package", "hydra.run"], r"--cfg all --resolve --package hydra.run$"),
     (["-m", "--cfg", "job", "seed=1,2"], r"--multirun and --cfg given together; .*drop all but one"),
     (["--info", "--multirun"], r"--multirun and --info given together"),
-], ids=["cfg hydra resolved", "a package of it", "a sweep's cfg", "info and multirun"])
+    (["--experimental-rerun", "/nonexistent/config.pickle"], r"/nonexistent/config.pickle: no such file; .*PickleJobInfoCallback"),
+], ids=["cfg hydra resolved", "a package of it", "a sweep's cfg", "info and multirun", "a rerun of no file"])
 def test_hydras_flags_that_would_end_in_a_traceback_are_refused_with_the_fix(argv, said, capsys):
     """Hydra answers these with a traceback: omegaconf's (--cfg hydra drops paths.root, which
-    Hydra's folders name, then resolves them) or its own ValueError (two commands at once)."""
+    Hydra's folders name, then resolves them) or its own ValueError (two commands at once, a
+    rerun of a file not there)."""
     from ddlx.config_check import check_command_line
 
     with pytest.raises(SystemExit) as stop:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import fcntl
 import logging
 import os
@@ -73,6 +74,28 @@ def store_writable(tracking_uri: str) -> bool:
 SQLITE_SUFFIXES = (".db", ".sqlite", ".sqlite3")
 
 
+# The schemes MLflow's tracking stores take (mlflow.tracking._tracking_service.utils registers them;
+# a database's driver follows a +, as in postgresql+psycopg2), besides those of installed plugins.
+STORE_SCHEMES = ("", "file", "sqlite", "http", "https", "postgresql", "mysql", "mssql", "databricks", "databricks-uc", "uc")
+
+
+def _unknown_scheme(scheme: str, given: str, example: str) -> str | None:
+    """Why a store URI's scheme is none MLflow has a store for (a typo such as sqllite:// failed
+    in MLflow with a KeyError's traceback), or None."""
+    from importlib.metadata import entry_points
+
+    base = scheme.lower().partition("+")[0]
+    if base in STORE_SCHEMES:
+        return None
+    known = (*STORE_SCHEMES, *(point.name for point in entry_points(group="mlflow.tracking_store")))
+    if base in known:
+        return None
+    close = difflib.get_close_matches(base, [s for s in known if s], n=1)
+    hint = f"did you mean {close[0]}://? " if close else ""
+    return (f"{given}: MLflow has no store for the scheme {scheme}://; {hint}expected sqlite:///PATH (a file), "
+            f"http(s)://HOST:PORT (a server), a database's URL (postgresql://, mysql://, mssql://) or a folder; e.g. {example}")
+
+
 def check_tracking_uri(uri: str, timeout_s: float = 5.0, setting: str = "logger.tracking_uri", *,
                        write: bool = True, read_only_option: str | None = None) -> None:
     """Fail at start, not after training, when runs could not be recorded; ``setting``: the option
@@ -85,6 +108,8 @@ def check_tracking_uri(uri: str, timeout_s: float = 5.0, setting: str = "logger.
     if re.fullmatch(r"[\w.-]+:\d+", uri):  # localhost:5000: a server without its scheme
         raise StoreError(f"{setting}={uri} names no scheme; for a tracking server give {setting}=http://{uri}")
     parsed = urllib.parse.urlparse(uri)
+    if problem := _unknown_scheme(parsed.scheme, f"{setting}={uri}", example):
+        raise StoreError(problem)
     if parsed.scheme in ("", "file") and not uri.startswith("databricks"):
         path = Path(parsed.path if parsed.scheme == "file" else uri).expanduser()
         if path.is_file() or (not path.exists() and path.suffix in SQLITE_SUFFIXES):  # MLflow takes a path for a folder

@@ -122,6 +122,25 @@ def test_a_server_without_its_scheme_is_named_with_it():
         check_tracking_uri("localhost:5000")
 
 
+def test_a_scheme_mlflow_has_no_store_for_is_named_with_the_closest_it_has():
+    """A typo in the scheme failed in MLflow, as the run opened, with a KeyError's traceback."""
+    with pytest.raises(ConfigError, match=r"logger.tracking_uri=sqllite:///mlflow.db: MLflow has no store for the scheme "
+                                          r"sqllite://; did you mean sqlite://\?"):
+        check_tracking_uri("sqllite:///mlflow.db")
+    with pytest.raises(ConfigError, match=r"--tracking-uri=nope://x: .*; expected sqlite:///PATH"):
+        check_tracking_uri("nope://x", setting="--tracking-uri")
+    for known in ("postgresql+psycopg2://user@db/mlflow", "databricks", "databricks://profile", "mysql://db/mlflow"):
+        check_tracking_uri(known)  # (their servers are MLflow's to reach)
+
+
+def test_the_schemes_taken_are_mlflows_own():
+    from mlflow.tracking._tracking_service.utils import _tracking_store_registry
+
+    from ddlx.tracking import STORE_SCHEMES
+
+    assert set(STORE_SCHEMES) == set(_tracking_store_registry._registry)
+
+
 def test_an_empty_or_too_long_experiment_name_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"logger.experiment_name='' is empty.*logger.experiment_name=ddlx"):
         check_experiment(f"sqlite:///{tmp_path}/mlflow.db", "")

@@ -480,10 +480,13 @@ def check_recommend_job(cfg: DictConfig, multirun: bool, hw_dir: Path) -> None:
     it), its data values consistent (as train.py's, :mod:`.preflight`), its hardware one of the
     descriptions in ``hw_dir``, not the schema they extend (an option of the group, but no machine)."""
     from . import preflight
+    from .tracking import store_uri_problem
 
     reads_data = OmegaConf.select(cfg, "mode", default="recommend") == "recommend"  # (validate and probe do not)
     problems = [*preflight.empty_folders(lambda key: OmegaConf.select(cfg, key, default=None)),
                 *(preflight.data_root_problems(cfg.data) if reads_data else []), *preflight.data_problems(cfg.data)]
+    if (uri := OmegaConf.select(cfg, "logger.tracking_uri", default=None)) is not None and (problem := store_uri_problem(uri)):
+        problems.append(problem)
     if problems:
         raise ConfigError("; ".join(problems))
     options = sorted(p.stem for p in hw_dir.glob("*.yaml"))

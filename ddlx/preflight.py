@@ -93,7 +93,11 @@ def empty_folders(value_of: Callable[[str], object]) -> list[str]:
 
 
 def path_problems(cfg: TrainConfig) -> list[str]:
+    from .tracking import store_uri_problem
+
     problems = [*empty_folders(lambda key: attrgetter(key)(cfg)), *data_root_problems(cfg.data)]
+    if problem := store_uri_problem(cfg.logger.tracking_uri):
+        problems.append(problem)
     if cfg.ckpt_path is not None:
         problem = checkpoint_path_problem(cfg.ckpt_path)
         if problem:

@@ -96,25 +96,42 @@ def _unknown_scheme(scheme: str, given: str, example: str) -> str | None:
             f"http(s)://HOST:PORT (a server), a database's URL (postgresql://, mysql://, mssql://) or a folder; e.g. {example}")
 
 
+def store_uri_problem(uri: str, setting: str = "logger.tracking_uri") -> str | None:
+    """What is wrong with the store ``uri`` that can be told from its words alone (not MLflow, the
+    network or the store's folder), or None: train.py's and recommend.py's checks of the command
+    line say it in a second, before Hydra makes a run's folder (:func:`check_tracking_uri`, when
+    the store is opened, says the rest)."""
+    example = f"{setting}=sqlite:///mlflow.db"
+    if not uri.strip():
+        return f"{setting} is empty; give an MLflow store, e.g. {example} (a file) or http://HOST:5000 (a server)"
+    if re.fullmatch(r"[\w.-]+:\d+", uri):  # localhost:5000: a server without its scheme
+        return f"{setting}={uri} names no scheme; for a tracking server give {setting}=http://{uri}"
+    parsed = urllib.parse.urlparse(uri)
+    if problem := _unknown_scheme(parsed.scheme, f"{setting}={uri}", example):
+        return problem
+    if parsed.scheme in ("", "file") and not uri.startswith("databricks"):
+        path = Path(parsed.path if parsed.scheme == "file" else uri).expanduser()
+        if path.is_file() or (not path.exists() and path.suffix in SQLITE_SUFFIXES):  # MLflow takes a path for a folder
+            return (f"{setting}={uri} names a database file without its scheme, which MLflow would take for a "
+                    f"folder of runs; give it as {setting}=sqlite:///{path}")
+    if (path := sqlite_path(uri)) is not None:
+        if marks := [meaning for mark, meaning in URL_MARKS.items() if mark in str(path)]:
+            return (f"{setting}={uri}: in the database URL MLflow opens, {' and '.join(marks)}, so it "
+                    f"would open another file; choose a path without ? or % (the default store is "
+                    f"paths.root/mlflow.db)")
+    return None
+
+
 def check_tracking_uri(uri: str, timeout_s: float = 5.0, setting: str = "logger.tracking_uri", *,
                        write: bool = True, read_only_option: str | None = None) -> None:
     """Fail at start, not after training, when runs could not be recorded; ``setting``: the option
     that chose ``uri``, as the error names it. ``write=False``: the command only reads the store,
     which then need not be writable; ``read_only_option``: the option that makes it read only,
     which the refusal of a store it cannot write names."""
-    example = f"{setting}=sqlite:///mlflow.db"
-    if not uri.strip():
-        raise StoreError(f"{setting} is empty; give an MLflow store, e.g. {example} (a file) or http://HOST:5000 (a server)")
-    if re.fullmatch(r"[\w.-]+:\d+", uri):  # localhost:5000: a server without its scheme
-        raise StoreError(f"{setting}={uri} names no scheme; for a tracking server give {setting}=http://{uri}")
-    parsed = urllib.parse.urlparse(uri)
-    if problem := _unknown_scheme(parsed.scheme, f"{setting}={uri}", example):
+    if problem := store_uri_problem(uri, setting):
         raise StoreError(problem)
-    if parsed.scheme in ("", "file") and not uri.startswith("databricks"):
-        path = Path(parsed.path if parsed.scheme == "file" else uri).expanduser()
-        if path.is_file() or (not path.exists() and path.suffix in SQLITE_SUFFIXES):  # MLflow takes a path for a folder
-            raise StoreError(f"{setting}={uri} names a database file without its scheme, which MLflow would take for a "
-                             f"folder of runs; give it as {setting}=sqlite:///{path}")
+    example = f"{setting}=sqlite:///mlflow.db"
+    parsed = urllib.parse.urlparse(uri)
     if parsed.scheme in ("", "file") and not uri.startswith("databricks") and _file_store_refused():
         shown = f"e.g. {example}"
         raise StoreError(f"{setting}={uri} is a folder (MLflow's file store), which this MLflow refuses as in maintenance; "
@@ -132,12 +149,8 @@ def check_tracking_uri(uri: str, timeout_s: float = 5.0, setting: str = "logger.
                 f"(mlflow server --host ... --port ...) or log locally with {example}"
             ) from err
     elif (path := sqlite_path(uri)) is not None:
-        if marks := [meaning for mark, meaning in URL_MARKS.items() if mark in str(path)]:
-            raise StoreError(f"{setting}={uri}: in the database URL MLflow opens, {' and '.join(marks)}, so it "
-                             f"would open another file; choose a path without ? or % (the default store is "
-                             f"paths.root/mlflow.db)")
         folder = path.parent  # Path("mlflow.db").parent is Path(".")
-        if not folder.is_dir():
+        if not folder.is_dir():  # (not in store_uri_problem: the run's folder, made after it, may make this one)
             raise StoreError(f"{setting}={uri}: folder {folder} does not exist; create it or choose another path")
         if path.exists() and not os.access(path, os.R_OK):
             raise StoreError(f"{setting}={uri}: {path} is not readable by this user; ask its owner or choose another store")

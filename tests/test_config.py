@@ -91,7 +91,7 @@ def test_what_the_config_and_the_machine_tell_is_checked_before_torch_loads():
             "try:\n    check_command_line(sys.argv[2:], Path(sys.argv[1]) / 'conf', 'train')\n"
             "except SystemExit as stop:\n    print('exit', stop.code, 'torch' in sys.modules, 'mlflow' in sys.modules)\n")
     for overrides in (["trainer.max_epochs=0"], ["trainer=gpu"], ["strategy=ddp_gloo", "strategy.processes=99"],
-                      ["data=imagefolder"]):  # (its folder's keys: once after the seed was set and logged)
+                      ["data=imagefolder"], ["logger.tracking_uri=sqllite:///mlflow.db"]):  # (its folder's keys: once after the seed was set and logged)
         proc = subprocess.run([sys.executable, "-c", code, str(PROJECT_DIR), *overrides], capture_output=True, text=True,
                               timeout=60, env={**subprocess_env(), "CUDA_VISIBLE_DEVICES": ""})
         assert proc.stdout.split() == ["exit", "2", "False", "False"], (overrides, proc.stdout, proc.stderr[-2000:])
@@ -186,6 +186,21 @@ def test_help_lists_the_groups_a_user_chooses_from_and_not_their_schemas(script)
     listed = {line.split(":")[0] for line in groups.splitlines() if ": " in line}
     assert {"data", "model", "strategy", "trainer", "optim", "logger", "hw"} <= listed, listed
     assert not [group for group in listed if "schema" in group], groups
+
+
+@pytest.mark.parametrize("entry", ["train", "recommend"])
+def test_a_store_uri_wrong_in_its_words_is_refused_before_a_job_starts(entry, tmp_path):
+    """A scheme MLflow has no store for, a server or a database file without its scheme: said in
+    the command line's check, not after Hydra made the job's folder and torch loaded (5-7 s in).
+    A store whose folder is not there yet is left to the run: the run's folder may make it."""
+    for uri, said in (("sqllite:///m.db", "MLflow has no store for the scheme sqllite://; did you mean sqlite://"),
+                      ("localhost:5000", "names no scheme"), (str(tmp_path / "m.db"), "names a database file without its scheme")):
+        err = _refusal(entry, [f"logger.tracking_uri={uri}"])
+        assert re.match(rf"logger.tracking_uri={re.escape(uri)}:? {re.escape(said)}", str(err)), err
+    from ddlx.config_check import _job_errors, check_train_job
+
+    later = f"logger.tracking_uri=sqlite:///{tmp_path}/new/mlflow.db"
+    assert list(_job_errors([f"paths.root={tmp_path}/new", later], False, CONF_DIR, "train", check_train_job)) == []
 
 
 @pytest.mark.parametrize("overrides,said", [

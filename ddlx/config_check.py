@@ -393,7 +393,7 @@ def check_command_line(argv: Sequence[str], config_dir: Path, config_name: str, 
 
 
 def _flag_errors(args) -> list[str]:
-    """Hydra's flags given together where Hydra answers with a ValueError's or omegaconf's traceback."""
+    """Hydra's flags, alone or together, that Hydra answers with a ValueError's or omegaconf's traceback."""
     given = [flag for flag, on in (("--run", args.run), ("--multirun", args.multirun), ("--cfg", args.cfg is not None),
                                    ("--info", args.info is not None), ("--shell-completion", args.shell_completion)) if on]
     if len(given) > 1:

@@ -91,7 +91,8 @@ def test_what_the_config_and_the_machine_tell_is_checked_before_torch_loads():
             "try:\n    check_command_line(sys.argv[2:], Path(sys.argv[1]) / 'conf', 'train')\n"
             "except SystemExit as stop:\n    print('exit', stop.code, 'torch' in sys.modules, 'mlflow' in sys.modules)\n")
     for overrides in (["trainer.max_epochs=0"], ["trainer=gpu"], ["strategy=ddp_gloo", "strategy.processes=99"],
-                      ["data=imagefolder"], ["logger.tracking_uri=sqllite:///mlflow.db"]):  # (its folder's keys: once after the seed was set and logged)
+                      ["logger.tracking_uri=sqllite:///mlflow.db"],
+                      ["data=imagefolder"]):  # (its folder's keys: once after the seed was set and logged)
         proc = subprocess.run([sys.executable, "-c", code, str(PROJECT_DIR), *overrides], capture_output=True, text=True,
                               timeout=60, env={**subprocess_env(), "CUDA_VISIBLE_DEVICES": ""})
         assert proc.stdout.split() == ["exit", "2", "False", "False"], (overrides, proc.stdout, proc.stderr[-2000:])

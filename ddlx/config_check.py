@@ -6,18 +6,22 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
+import re
 import sys
 import typing
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any, get_origin, get_type_hints
 
-from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import (
     ConfigAttributeError,
     ConfigKeyError,
     InterpolationResolutionError,
+    InterpolationValidationError,
     MissingMandatoryValue,
     OmegaConfBaseException,
     ValidationError,
@@ -125,25 +129,43 @@ def typed_recommend_config(cfg: DictConfig):
         given = OmegaConf.to_container(cfg, resolve=True)
         given.pop("hw", None)
         typed = OmegaConf.merge(OmegaConf.structured(RecommendConfig), given)
+    except InterpolationValidationError as err:  # a typed group's copy of a key (data.seed is ${seed}): named as given
+        source = _copied_key(cfg, err.full_key)
+        if source is not None:
+            err.full_key, err.object_type = source, RecommendConfig if "." not in source else None
+        raise explain(err) from None
     except OmegaConfBaseException as err:
         raise explain(err) from None
-    check_bounds(typed)  # its own keys' ranges (seed, probe_max_s) and the model and data groups'
+    check_bounds(typed, cfg)  # its own keys' ranges (seed, probe_max_s) and the model and data groups'
     try:
         return OmegaConf.to_object(typed)
     except OmegaConfBaseException as err:
         raise explain(err) from None
 
 
-def check_bounds(cfg: DictConfig) -> None:
+def _copied_key(cfg: DictConfig, full_key: str) -> str | None:
+    """The key whose value ``full_key`` copies (``${seed}``: seed), or None."""
+    parent, _, leaf = full_key.rpartition(".")
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    raw = node._get_node(leaf)._value() if isinstance(node, DictConfig) and leaf in node else None
+    found = re.fullmatch(r"\$\{([\w.]+)\}", raw) if isinstance(raw, str) else None
+    return found.group(1) if found else None
+
+
+def check_bounds(cfg: DictConfig, composed: DictConfig | None = None) -> None:
     """Every value of a typed node (one whose schema is a dataclass of :mod:`ddlx.config`) within
-    its declared range or choices, and none missing; else a :class:`ConfigError` naming them all."""
+    its declared range or choices, and none missing; else a :class:`ConfigError` naming them all.
+    ``composed``: the config as composed, its interpolations kept, where ``cfg`` was made from
+    resolved values."""
     try:
         values = _resolved(cfg)
     except OmegaConfBaseException as err:
         raise explain(err) from None
-    problems = list(_bound_problems(cfg, values, ""))
-    if problems:
-        raise ConfigError("; ".join(problems))
+    problems = dict(_bound_problems(cfg, values, ""))
+    # A key that copies another (data.seed is ${seed}) is out of range with it: said once, at the one given.
+    said = [problem for key, problem in problems.items() if _copied_key(composed or cfg, key) not in problems]
+    if said:
+        raise ConfigError("; ".join(said))
 
 
 def _resolved(node: DictConfig) -> dict:
@@ -179,7 +201,8 @@ def schema_for(cfg: DictConfig) -> DictConfig:
     return schema
 
 
-def _bound_problems(node: DictConfig, values: dict, prefix: str) -> Iterator[str]:
+def _bound_problems(node: DictConfig, values: dict, prefix: str) -> Iterator[tuple[str, str]]:
+    """(key, what is wrong) for each value of ``node`` out of its range."""
     object_type = OmegaConf.get_type(node)
     bounds = {f.name: (f, f.metadata["bound"]) for f in fields(object_type) if "bound" in f.metadata} \
         if is_dataclass(object_type) else {}
@@ -188,9 +211,10 @@ def _bound_problems(node: DictConfig, values: dict, prefix: str) -> Iterator[str
         if isinstance(child, DictConfig) and isinstance(value, dict):
             yield from _bound_problems(child, value, f"{prefix}{key}.")
         elif isinstance(value, float) and not math.isfinite(value):  # passes every range: NaN compares False
-            yield f"{prefix}{key}={_show(value)}: expected a finite number{_example(bounds[key][0], prefix) if key in bounds else ''}"
+            yield (f"{prefix}{key}",
+                   f"{prefix}{key}={_show(value)}: expected a finite number{_example(bounds[key][0], prefix) if key in bounds else ''}")
         elif key in bounds and not bounds[key][1].accepts(value):
-            yield f"{prefix}{key}={_show(value)}: expected {bounds[key][1].expected()}{_example(bounds[key][0], prefix)}"
+            yield f"{prefix}{key}", f"{prefix}{key}={_show(value)}: expected {bounds[key][1].expected()}{_example(bounds[key][0], prefix)}"
 
 
 def _example(f, prefix: str) -> str:
@@ -433,8 +457,8 @@ def _job_errors(overrides: list[str], multirun: bool, config_dir: Path, config_n
     if not multirun:
         jobs = [list(overrides)]  # a run takes sweep syntax (a,b) only under -m, where Hydra says so
     shared = set.intersection(*(set(job) for job in jobs)) if jobs else set()
-    with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
-        for job in jobs:
+    with initialize_config_dir(config_dir=str(config_dir), version_base="1.3", job_name=_task_name(config_name)):
+        for number, job in enumerate(jobs):
             raise_held_ctrl_c()  # a Ctrl-C held while the last job was composed stops here
             swept = [o for o in job if o not in shared]
             elsewhere = [other_entry_problem(o.split("=")[0], config_name) for o in job] if config_name in ENTRIES else []
@@ -445,7 +469,9 @@ def _job_errors(overrides: list[str], multirun: bool, config_dir: Path, config_n
                 yield job, swept, ConfigError("; ".join(missing))
                 continue
             try:
-                check(compose(config_name=config_name, overrides=job, return_hydra_config=True), multirun)
+                cfg = compose(config_name=config_name, overrides=job, return_hydra_config=True)
+                with _hydra_config_as_in_the_job(cfg, multirun, number):
+                    check(cfg, multirun)
             except ConfigError as err:
                 yield job, swept, err
             except MissingConfigException as err:
@@ -482,6 +508,19 @@ def check_recommend_job(cfg: DictConfig, multirun: bool, hw_dir: Path) -> None:
     from . import preflight
     from .tracking import store_uri_problem
 
+    options = sorted(p.stem for p in hw_dir.glob("*.yaml"))
+    if OmegaConf.select(cfg, "hydra.runtime.choices.hw") == "schema":  # (no hw.name: logger.run_name would not resolve)
+        raise ConfigError(f"hw=schema is the fields every machine description has, not a machine; "
+                          f"expected one of {', '.join(options)}")
+    try:
+        problem = _machine_choice_problem(cfg, options)
+    except OmegaConfBaseException:  # a value that does not resolve: named as the config is typed
+        problem = None
+    if problem:
+        raise ConfigError(problem)
+    # Typed, as the job types it: a wrong type, a range, a value that does not resolve (Hydra's
+    # folder is made after this, and an override that does not resolve fails as Hydra reads it back).
+    typed_recommend_config(OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"]))
     reads_data = OmegaConf.select(cfg, "mode", default="recommend") == "recommend"  # (validate and probe do not)
     problems = [*preflight.empty_folders(lambda key: OmegaConf.select(cfg, key, default=None)),
                 *(preflight.data_root_problems(cfg.data) if reads_data else []), *preflight.data_problems(cfg.data)]
@@ -489,21 +528,61 @@ def check_recommend_job(cfg: DictConfig, multirun: bool, hw_dir: Path) -> None:
         problems.append(problem)
     if problems:
         raise ConfigError("; ".join(problems))
-    options = sorted(p.stem for p in hw_dir.glob("*.yaml"))
-    if OmegaConf.select(cfg, "hydra.runtime.choices.hw") == "schema":
-        raise ConfigError(f"hw=schema is the fields every machine description has, not a machine; "
-                          f"expected one of {', '.join(options)}")
+
+
+def _machine_choice_problem(cfg: DictConfig, options: list[str]) -> str | None:
+    """What is wrong with recommend.py's compare= and max_epoch_s=, said in their words (before
+    the typed config's "a list of strings")."""
     compare = OmegaConf.select(cfg, "compare", default=None)
     compare = [] if compare is None else compare
     if not (OmegaConf.is_list(compare) or isinstance(compare, list)):
-        raise ConfigError(f"compare={compare}; expected a list of hw names, e.g. compare=[a100_sxm4_40gb_8x,h100_1x]")
+        return f"compare={compare}; expected a list of hw names, e.g. compare=[a100_sxm4_40gb_8x,h100_1x]"
     for name in compare:
         if name not in options or name == "schema":
-            raise ConfigError(f"compare={list(compare)}: {name!r} is not a machine description; expected names of "
-                              f"{', '.join(o for o in options if o != 'schema')}")
+            return (f"compare={list(compare)}: {name!r} is not a machine description; expected names of "
+                    f"{', '.join(o for o in options if o != 'schema')}")
     limit = OmegaConf.select(cfg, "max_epoch_s", default=None)
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0):
-        raise ConfigError(f"max_epoch_s={limit}; expected seconds > 0 an epoch may take (or null), e.g. max_epoch_s=600")
+        return f"max_epoch_s={limit}; expected seconds > 0 an epoch may take (or null), e.g. max_epoch_s=600"
+    return None
+
+
+def _task_name(config_name: str) -> str:
+    """The job's name as Hydra gives it (``hydra.job.name``): its script's name, as run."""
+    script = Path(sys.argv[0])
+    return script.stem if script.suffix == ".py" else config_name
+
+
+@contextmanager
+def _hydra_config_as_in_the_job(cfg: DictConfig, multirun: bool, number: int) -> Iterator[None]:
+    """Hydra's config set, as Hydra sets it when it runs the job (its number in a sweep, then its
+    folder: hydra.core.utils.run_job), so that ``${hydra:...}`` in the job's values resolves as in
+    the job (``paths.root=${hydra:runtime.cwd}/runs``, ``logger.run_name=job${hydra:job.num}``);
+    the state before is set back after."""
+    from hydra.core.hydra_config import HydraConfig
+
+    instance = HydraConfig.instance()
+    before = instance.cfg
+    try:
+        with read_write(cfg.hydra), open_dict(cfg.hydra):
+            if multirun:
+                cfg.hydra.job.id = number
+                cfg.hydra.job.num = number
+        instance.set_config(cfg)
+        try:
+            folder = str(OmegaConf.select(cfg, "hydra.sweep.dir" if multirun else "hydra.run.dir",
+                                          throw_on_resolution_failure=True))
+            if multirun:
+                folder = os.path.join(folder, str(OmegaConf.select(cfg, "hydra.sweep.subdir", throw_on_resolution_failure=True)))
+        except OmegaConfBaseException:
+            pass  # the check names what does not resolve
+        else:
+            with read_write(cfg.hydra), open_dict(cfg.hydra):
+                cfg.hydra.runtime.output_dir = os.path.abspath(folder)
+            instance.set_config(cfg)
+        yield
+    finally:
+        instance.cfg = before
 
 
 def _sweep_jobs(overrides: list[str]) -> list[list[str]]:

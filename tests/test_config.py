@@ -149,6 +149,34 @@ def test_hydras_own_answers_are_left_to_it():
         assert check_command_line(argv, CONF_DIR, "train") is None, argv
 
 
+@pytest.mark.parametrize("entry,argv", [
+    ("train", ["paths.root=${hydra:runtime.cwd}/runs"]),
+    ("train", ["logger.tracking_uri=sqlite:///${hydra:runtime.output_dir}/mlflow.db"]),
+    ("train", ["-m", "seed=1,2", "logger.run_name=${hydra:job.name}-${hydra:job.num}"]),
+    ("recommend", ["paths.root=${hydra:runtime.cwd}/runs", "logger.run_name=${hydra:job.name}"]),
+], ids=["the folder it runs in", "the job's folder", "a sweep job's number", "recommend.py's"])
+def test_a_value_taken_from_hydras_config_passes_the_check_as_the_job_resolves_it(entry, argv):
+    """${hydra:...} resolves once Hydra runs the job; the command line's check refused it (HydraConfig
+    was not set), and recommend.py's ended in omegaconf's traceback."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from ddlx.config_check import check_command_line, check_recommend_job
+
+    check = None if entry == "train" else (lambda cfg, multirun: check_recommend_job(cfg, multirun, CONF_DIR / "hw"))
+    assert check_command_line(argv, CONF_DIR, entry, check) is None
+    assert not HydraConfig.initialized(), "Hydra sets its config for the job it runs"
+
+
+def test_a_value_taken_from_hydras_config_is_checked_as_the_job_resolves_it(capsys):
+    """Resolved as in each job, not left out: a sweep's first job (number 0) has no batch."""
+    from ddlx.config_check import check_command_line
+
+    with pytest.raises(SystemExit):
+        check_command_line(["-m", "seed=1,2", "data.batch_size=${hydra:job.num}"], CONF_DIR, "train")
+    (line,) = capsys.readouterr().err.splitlines()
+    assert re.match(r"ddlx: error: sweep job seed=1: data.batch_size=0: expected .*>= 1", line), line
+
+
 def _refusal(entry: str, overrides: list[str]):
     """The one error ``entry`` (train or recommend) gives a single run of ``overrides``, as its
     command line check makes it."""
@@ -218,6 +246,23 @@ def test_recommend_names_a_data_folder_that_is_not_there_before_its_job_starts(o
         return check_recommend_job(cfg, multirun, CONF_DIR / "hw")
 
     assert not list(_job_errors([*overrides, "mode=validate"], False, CONF_DIR, "recommend", check))
+
+
+@pytest.mark.parametrize("entry,override,said", [
+    ("recommend", "seed=abc", r"seed=abc: expected an integer, e.g. seed=42$"),  # was named data.seed, which copies it
+    ("recommend", "seed=-1", r"seed=-1: expected a value in \[0, 4294967295\], e.g. seed=42$"),  # once, not for data.seed too
+    ("train", "seed=-1", r"seed=-1: expected a value in \[0, 4294967295\], e.g. seed=42$"),
+    ("recommend", "data.batch_size=0", r"data.batch_size=0: expected a value >= 1$"),
+    ("recommend", "logger.run_name=${nokey}", r"logger.run_name cannot be resolved: Interpolation key 'nokey' not found$"),
+    ("recommend", "data.batch_size=${oops:1}", r"data.batch_size cannot be resolved: Unsupported interpolation type oops$"),
+    ("recommend", "compare=h100_1x", r"compare=h100_1x; expected a list of hw names, e.g. compare=\["),  # its own words first
+    ("recommend", "max_epoch_s=abc", r"max_epoch_s=abc; expected seconds > 0 .*, e.g. max_epoch_s=600$"),
+    ("recommend", "max_epoch_s=${nokey}", r"max_epoch_s cannot be resolved: Interpolation key 'nokey' not found$"),
+])
+def test_recommend_types_its_config_before_its_job_starts(entry, override, said):
+    """recommend.py typed its config only once Hydra had made the job's folder (a value that did
+    not resolve: a traceback, as Hydra read the override back); the key named is the one given."""
+    assert re.match(said, str(_refusal(entry, [override]))), _refusal(entry, [override])
 
 
 @pytest.mark.parametrize("override,meant", [

@@ -197,6 +197,15 @@ def test_the_runs_of_a_sweep_are_named_apart_and_its_end_says_how_to_compare_the
 
 
 @pytest.mark.integration
+def test_a_sweep_job_takes_values_from_hydras_config(tmp_path):
+    """${hydra:...} in a value: what each job resolves it to (the command line's check refused it)."""
+    proc = run_train_py(tmp_path, "model=alexnet", "seed=1,2", "trainer.limit_train_batches=1",
+                        "logger.run_name=${hydra:job.name}-${hydra:job.num}", multirun=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(r.info.run_name for r in runs(f"sqlite:///{tmp_path / 'mlflow.db'}")) == ["train-0", "train-1"]
+
+
+@pytest.mark.integration
 def test_a_later_sweep_job_leaves_the_console_to_its_rank_0(tmp_path):
     """A sweep whose first job starts no ranks starts a later job's as new interpreters, where
     Lightning gave its loggers a handler of their own: rank 1 printed 'Seed set to 42' and

@@ -398,6 +398,7 @@ def check_command_line(argv: Sequence[str], config_dir: Path, config_name: str, 
     from hydra._internal.utils import get_args_parser
 
     args = get_args_parser().parse_args(list(argv))
+    _STORES_CHECKED.clear()
     if args.help or args.hydra_help:
         return  # Hydra answers these first, whatever else is given
     if flag_errors := _flag_errors(args):
@@ -406,14 +407,32 @@ def check_command_line(argv: Sequence[str], config_dir: Path, config_name: str, 
         return  # Hydra answers these itself (another config folder: its own schema, if any)
     else:
         errors = list(_job_errors(args.overrides, args.multirun, config_dir, args.config_name or config_name, check or check_train_job))
-    for job, swept, err in errors:
-        label = f"sweep job {' '.join(swept)}: " if args.multirun and swept else ""
-        print(f"ddlx: error: {label}{err}", file=sys.stderr)
+    for line in _error_lines(errors, _jobs_in_sweep(args.overrides) if args.multirun else None):
+        print(f"ddlx: error: {line}", file=sys.stderr)
     if errors:
         from .parallel.mpi_ranks import abort_job
 
         abort_job(2, show_traceback=False)  # one rank of mpirun or srun refused alone: the others would wait for it
         raise SystemExit(2)
+
+
+def _error_lines(errors: list, jobs: int | None) -> list[str]:
+    """A line per refused job, its sweep values first (``jobs``: how many the sweep has, None for
+    a single run); every job of a sweep refused for one reason (a value they share), one line."""
+    said = [str(err) for _, _, err in errors]
+    if jobs is not None and len(errors) == jobs > 1 and len(set(said)) == 1:
+        return [f"all {jobs} jobs of the sweep: {said[0]}"]
+    return [(f"sweep job {' '.join(swept)}: " if jobs is not None and swept else "") + line
+            for (_, swept, _), line in zip(errors, said)]
+
+
+def _jobs_in_sweep(overrides: list[str]) -> int | None:
+    from hydra.errors import HydraException
+
+    try:
+        return len(_sweep_jobs(overrides))
+    except HydraException:  # (said as the sweep's error)
+        return None
 
 
 def _flag_errors(args) -> list[str]:
@@ -493,12 +512,37 @@ def check_train_job(cfg: DictConfig, multirun: bool) -> None:
         folder = OmegaConf.select(cfg, key, throw_on_resolution_failure=True)
     except OmegaConfBaseException as err:
         raise explain(err) from None
+    job_folder = OmegaConf.select(cfg, "hydra.runtime.output_dir", default=None)
     with open_dict(cfg):
         cfg.pop("hydra")
-    preflight.check_before_torch(typed_config(cfg))  # first: an empty paths.root is why the run folder is /outputs
+    typed = typed_config(cfg)
+    preflight.check_before_torch(typed)  # first: an empty paths.root is why the run folder is /outputs
     problem = preflight.run_folder_problem(folder, key) if folder else None
     if problem:
         raise ConfigError(problem)
+    _check_store(typed.logger.tracking_uri, job_folder)
+
+
+def _check_store(uri: str, job_folder: str | None, **how) -> None:
+    """The store a job records to, checked as the run will check it when it opens (its folder,
+    whether it can be written, a server's health), so that the job is refused before Hydra makes
+    its folder; once per store and job folder of a command line (a server that does not answer
+    waits its timeout once)."""
+    from .tracking import check_tracking_uri
+
+    made_later = Path(job_folder) if job_folder else None
+    key = (uri, made_later, tuple(sorted(how.items())))
+    if key not in _STORES_CHECKED:
+        try:
+            check_tracking_uri(uri, made_later=made_later, **how)
+            _STORES_CHECKED[key] = None
+        except ConfigError as err:
+            _STORES_CHECKED[key] = err
+    if (err := _STORES_CHECKED[key]) is not None:
+        raise err
+
+
+_STORES_CHECKED: dict[tuple, ConfigError | None] = {}  # this command line's (check_command_line empties it)
 
 
 def check_recommend_job(cfg: DictConfig, multirun: bool, hw_dir: Path) -> None:
@@ -528,6 +572,8 @@ def check_recommend_job(cfg: DictConfig, multirun: bool, hw_dir: Path) -> None:
         problems.append(problem)
     if problems:
         raise ConfigError("; ".join(problems))
+    if uri is not None and OmegaConf.select(cfg, "mode") == "recommend" and OmegaConf.select(cfg, "log"):
+        _check_store(uri, OmegaConf.select(cfg, "hydra.runtime.output_dir", default=None), read_only_option="log=false")
 
 
 def _machine_choice_problem(cfg: DictConfig, options: list[str]) -> str | None:

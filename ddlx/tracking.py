@@ -98,9 +98,8 @@ def _unknown_scheme(scheme: str, given: str, example: str) -> str | None:
 
 def store_uri_problem(uri: str, setting: str = "logger.tracking_uri") -> str | None:
     """What is wrong with the store ``uri`` that can be told from its words alone (not MLflow, the
-    network or the store's folder), or None: train.py's and recommend.py's checks of the command
-    line say it in a second, before Hydra makes a run's folder (:func:`check_tracking_uri`, when
-    the store is opened, says the rest)."""
+    network or the store's folder), or None: the checks that need no torch (:mod:`ddlx.preflight`)
+    say it; :func:`check_tracking_uri` says it and the rest."""
     example = f"{setting}=sqlite:///mlflow.db"
     if not uri.strip():
         return f"{setting} is empty; give an MLflow store, e.g. {example} (a file) or http://HOST:5000 (a server)"
@@ -123,11 +122,13 @@ def store_uri_problem(uri: str, setting: str = "logger.tracking_uri") -> str | N
 
 
 def check_tracking_uri(uri: str, timeout_s: float = 5.0, setting: str = "logger.tracking_uri", *,
-                       write: bool = True, read_only_option: str | None = None) -> None:
+                       write: bool = True, read_only_option: str | None = None, made_later: Path | None = None) -> None:
     """Fail at start, not after training, when runs could not be recorded; ``setting``: the option
     that chose ``uri``, as the error names it. ``write=False``: the command only reads the store,
     which then need not be writable; ``read_only_option``: the option that makes it read only,
-    which the refusal of a store it cannot write names."""
+    which the refusal of a store it cannot write names. ``made_later``: the folder the job will
+    make (Hydra's job folder, when its command line is checked): a store in it or one of its
+    parents is not missing its folder."""
     if problem := store_uri_problem(uri, setting):
         raise StoreError(problem)
     example = f"{setting}=sqlite:///mlflow.db"
@@ -150,7 +151,9 @@ def check_tracking_uri(uri: str, timeout_s: float = 5.0, setting: str = "logger.
             ) from err
     elif (path := sqlite_path(uri)) is not None:
         folder = path.parent  # Path("mlflow.db").parent is Path(".")
-        if not folder.is_dir():  # (not in store_uri_problem: the run's folder, made after it, may make this one)
+        if not folder.is_dir():
+            if made_later is not None and _absolute(folder) in (_absolute(made_later), *_absolute(made_later).parents):
+                return  # made with the job's folder: nothing is there to read yet, and that folder's check said it can be made
             raise StoreError(f"{setting}={uri}: folder {folder} does not exist; create it or choose another path")
         if path.exists() and not os.access(path, os.R_OK):
             raise StoreError(f"{setting}={uri}: {path} is not readable by this user; ask its owner or choose another store")
@@ -170,6 +173,10 @@ def check_tracking_uri(uri: str, timeout_s: float = 5.0, setting: str = "logger.
             if tables and not tables & MLFLOW_FIRST_TABLES:  # another program's database: MLflow would add its tables
                 raise StoreError(f"{setting}={uri}: {path} holds another database (tables {', '.join(sorted(tables)[:5])}), "
                                  f"not an MLflow store; choose a new file, e.g. {setting}=sqlite:///{path.parent / 'ddlx-mlflow.db'}")
+
+
+def _absolute(path: Path) -> Path:
+    return Path(os.path.abspath(path.expanduser()))  # ('..' taken out, as the folder Hydra makes is named)
 
 
 # What SQLAlchemy's URL parser makes of these in an SQLite path ('#' it keeps).

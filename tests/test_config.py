@@ -218,18 +218,28 @@ def test_help_lists_the_groups_a_user_chooses_from_and_not_their_schemas(script)
 
 
 @pytest.mark.parametrize("entry", ["train", "recommend"])
-def test_a_store_uri_wrong_in_its_words_is_refused_before_a_job_starts(entry, tmp_path):
-    """A scheme MLflow has no store for, a server or a database file without its scheme: said in
-    the command line's check, not after Hydra made the job's folder and torch loaded (5-7 s in).
-    A store whose folder is not there yet is left to the run: the run's folder may make it."""
-    for uri, said in (("sqllite:///m.db", "MLflow has no store for the scheme sqllite://; did you mean sqlite://"),
-                      ("localhost:5000", "names no scheme"), (str(tmp_path / "m.db"), "names a database file without its scheme")):
+def test_a_store_that_cannot_record_is_refused_before_a_job_starts(entry, tmp_path):
+    """A scheme MLflow has no store for, a server or a database file without its scheme, a folder
+    that is not there, a server that does not answer: said in the command line's check, not after
+    Hydra made the job's folder and torch loaded (5-7 s in). A store in the folder the job makes
+    (or one of its parents) is not missing its folder."""
+    for uri, said in (("sqllite:///m.db", ": MLflow has no store for the scheme sqllite://; did you mean sqlite://"),
+                      ("localhost:5000", " names no scheme"), (str(tmp_path / "m.db"), " names a database file without its scheme"),
+                      (f"sqlite:///{tmp_path}/nope/m.db", f": folder {tmp_path}/nope does not exist")):
         err = _refusal(entry, [f"logger.tracking_uri={uri}"])
-        assert re.match(rf"logger.tracking_uri={re.escape(uri)}:? {re.escape(said)}", str(err)), err
-    from ddlx.config_check import _job_errors, check_train_job
+        assert str(err).startswith(f"logger.tracking_uri={uri}{said}"), err
+    assert re.match(r"MLflow tracking server logger.tracking_uri=http://127.0.0.1:9 is unreachable",
+                    str(_refusal(entry, ["logger.tracking_uri=http://127.0.0.1:9"])))
+    inside = "logger.tracking_uri=sqlite:///${hydra:runtime.output_dir}/sub/m.db"  # Hydra makes the job's folder, not sub/
+    assert re.search(r"folder \S+/sub does not exist", str(_refusal(entry, [f"paths.root={tmp_path}", inside])))
+    from ddlx.config_check import _job_errors, check_recommend_job, check_train_job
 
+    check = check_train_job if entry == "train" else (lambda cfg, multirun: check_recommend_job(cfg, multirun, CONF_DIR / "hw"))
     later = f"logger.tracking_uri=sqlite:///{tmp_path}/new/mlflow.db"
-    assert list(_job_errors([f"paths.root={tmp_path}/new", later], False, CONF_DIR, "train", check_train_job)) == []
+    assert list(_job_errors([f"paths.root={tmp_path}/new", later], False, CONF_DIR, entry, check)) == []
+    if entry == "recommend":  # an answer not recorded: its store only read, if there
+        assert list(_job_errors([f"logger.tracking_uri=sqlite:///{tmp_path}/nope/m.db", "log=false"], False, CONF_DIR,
+                                entry, check)) == []
 
 
 @pytest.mark.parametrize("overrides,said", [

@@ -163,13 +163,30 @@ def test_unreachable_tracking_server_fails_at_start(tiny_config, tmp_path):
 
 
 @pytest.mark.integration
-def test_a_sweep_stops_at_the_first_job_the_store_refuses(tmp_path):
-    """No job of this sweep could be recorded (the store's folder does not exist): the first one
-    says why and the sweep ends there, exit status 2, instead of refusing each job in turn."""
+def test_a_sweep_whose_store_cannot_record_is_refused_before_its_first_job(tmp_path):
+    """No job of this sweep could be recorded (the store's folder does not exist): one line says
+    why, exit status 2, before Hydra makes the sweep's folder (the first job said it, 5-7 s in,
+    leaving its folder), instead of refusing each job in turn."""
     proc = run_train_py(tmp_path, f"logger.tracking_uri=sqlite:///{tmp_path}/nope/mlflow.db", "seed=1,2,3", multirun=True)
-    _assert_clear_error(proc, r"logger.tracking_uri=\S*nope/mlflow.db")
-    assert proc.stderr.count("ddlx: error:") == 1 and "the sweep stops here" in proc.stderr
-    assert "#1 :" not in proc.stdout + proc.stderr, "the next job was not launched"
+    _assert_clear_error(proc, r"^ddlx: error: all 3 jobs of the sweep: logger.tracking_uri=\S*nope/mlflow.db: folder \S*nope does not exist")
+    assert proc.stderr.count("ddlx: error:") == 1
+    assert not (tmp_path / "multirun").exists(), "no job was started"
+
+
+def test_a_sweep_stops_at_the_first_job_the_store_refuses(capsys):
+    """A store that went bad after the command line's check: the job that finds it says why and
+    the sweep ends there, exit status 2 (its other jobs log to the same store)."""
+    from ddlx.entry import report_config_errors
+    from ddlx.errors import StoreError
+
+    def job():
+        raise StoreError("logger.tracking_uri=sqlite:///gone/mlflow.db: folder gone does not exist")
+
+    with pytest.raises(SystemExit) as stop:
+        report_config_errors(job, in_sweep=True)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ddlx: error: logger.tracking_uri=sqlite:///gone/mlflow.db") and "the sweep stops here" in err
 
 
 @pytest.mark.integration

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import re
 import shlex
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .job_log import say
 from .process import outside_launcher
 
 
@@ -105,7 +105,7 @@ class HowToResume:
             said = f"{resume_words(self.launcher)}: {self.command}"
         else:
             said = "no checkpoint was written before it"
-        print(f"ddlx: {said}", file=sys.stderr, flush=True)
+        say(f"ddlx: {said}", err=True)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 
 from .command_line import resume_command, resume_words, shell_words
 from .errors import CheckpointNotWritten, ConfigError, RankDied, RankLost, RanksDisagree, Stopped, StoreError
+from .job_log import say
 from .process import LAUNCHERS, launch_rank
 
 
@@ -143,7 +144,7 @@ def report_config_errors(fn: Callable[[], Any], in_sweep: bool = False) -> Any:
     try:
         return fn()
     except ConfigError as err:
-        print(f"ddlx: error: {err}", file=sys.stderr)
+        say(f"ddlx: error: {err}", err=True)
         if not in_sweep and not isinstance(err, RanksDisagree):  # RanksDisagree: every rank refuses together
             from .parallel.mpi_ranks import abort_job
 
@@ -151,8 +152,7 @@ def report_config_errors(fn: Callable[[], Any], in_sweep: bool = False) -> Any:
         if in_sweep:
             if not isinstance(err, StoreError):
                 raise SweepJobRefused(str(err)) from None
-            print("ddlx: the sweep stops here: its other jobs log to the same store and would be refused alike",
-                  file=sys.stderr)
+            say("ddlx: the sweep stops here: its other jobs log to the same store and would be refused alike", err=True)
         raise SystemExit(2) from None
 
 
@@ -182,9 +182,9 @@ def run_training_job(fn: Callable[[], Any], in_sweep: bool, overrides: list[str]
         abort_job(1)  # under mpirun: the other ranks may be gone (their node lost), and MPI's exit would wait for them
         raise
     except Stopped as stop:
-        print(f"ddlx: {stop}", file=sys.stderr)
+        say(f"ddlx: {stop}", err=True)
         if stop.resumable:
-            print(f"ddlx: {resume_words(stop.launcher)}: {resume_command(overrides, stop.checkpoint)}", file=sys.stderr)
+            say(f"ddlx: {resume_words(stop.launcher)}: {resume_command(overrides, stop.checkpoint)}", err=True)
         if requeue is not None and stop.after_training:
             if launch_rank() == 0:
                 requeue.forget()
@@ -200,7 +200,7 @@ def _end_job_with_error(err: BaseException) -> None:
     """An error the run has recorded (FAILED, tag ``error``) and one line says in full: no traceback."""
     from .parallel.mpi_ranks import abort_job
 
-    print(f"ddlx: error: {err}", file=sys.stderr, flush=True)
+    say(f"ddlx: error: {err}", err=True)
     abort_job(1, show_traceback=False)
     raise SystemExit(1) from None
 
@@ -253,7 +253,7 @@ def resume_requeued_job(cfg, tags: dict[str, str]):
     marker = RequeueMarker.of_this_job(cfg.paths.root, tags.get("sweep_job"))
     checkpoint = marker.checkpoint_to_resume() if marker is not None else None
     if checkpoint is not None:
-        print(f"ddlx: SLURM job {marker.job} was requeued: resuming from {checkpoint}", file=sys.stderr, flush=True)
+        say(f"ddlx: SLURM job {marker.job} was requeued: resuming from {checkpoint}", err=True)
         cfg.ckpt_path = checkpoint
     return marker
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -42,6 +41,7 @@ from .data.folder import complete_data_config
 from .epoch_batches import process_batches, trainer_batch_problems
 from .errors import ConfigError, RankDied, Stopped, rank_lost
 from .job import precision_of
+from .job_log import say
 from .machine import busy_cores, machine_tags
 from .measure.resources import ResourceMonitor
 from .measure.timing import EpochTimer
@@ -220,7 +220,7 @@ class RankDeath:
             if self._said:
                 return
             self._said = True
-            print(f"ddlx: run FAILED: {reason}; its folder: {self.output_dir}", file=sys.stderr, flush=True)
+            say(f"ddlx: run FAILED: {reason}; its folder: {self.output_dir}", err=True)
             self.resume.say()
             mark_failed(logger, reason)
 
@@ -338,7 +338,7 @@ def train(cfg, output_dir: str | os.PathLike, extra_tags: Mapping[str, str] | No
                 diverged = diverged_line(cfg, module.diverged, trainer.current_epoch)
                 summary = RunSummary(status, run_id, logger.experiment_id, cfg.logger.tracking_uri, len(timer.epoch_times),
                                      measured, metrics, checkpoint_file, output_dir, why[1] if why else None, diverged)
-                print("\n".join(summary.lines()), flush=True)
+                say("\n".join(summary.lines()))
                 said = said or getattr(getattr(trainer.strategy, "rank_died", None), "said", False)  # a dead rank's, with it
                 if status == "FAILED" and not said:  # an error (out of memory, a lost connection): its last checkpoint resumes
                     resume.say()

@@ -15,10 +15,10 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 from .errors import Stopped
+from .job_log import say
 
 # The signals SLURM sends ahead of a job's end when asked to (sbatch --signal=USR1@90; submitit's
 # is USR2): a stop by one of them requeues the job. SIGTERM (scancel, or a pre-emption SLURM
@@ -78,16 +78,15 @@ class RequeueMarker:
         if stop.signum not in WARNING_SIGNALS:
             return
         # The last thing this process does: SLURM ends the job's processes as it requeues it.
-        print(f"ddlx: requeueing SLURM job {self.job}: when it starts again it resumes from {stop.checkpoint}",
-              file=sys.stderr, flush=True)
+        say(f"ddlx: requeueing SLURM job {self.job}: when it starts again it resumes from {stop.checkpoint}", err=True)
         try:
             done = subprocess.run(["scontrol", "requeue", self.job], capture_output=True, text=True, timeout=60)
             why = (done.stderr.strip() or f"exit status {done.returncode}") if done.returncode else None
         except (OSError, subprocess.TimeoutExpired) as err:  # no scontrol here (a container in the job)
             why = str(err)
         if why is not None:
-            print(f"ddlx: SLURM did not requeue job {self.job} ({why}); submit it with --requeue, or resume by hand "
-                  f"with ckpt_path={stop.checkpoint}", file=sys.stderr, flush=True)
+            say(f"ddlx: SLURM did not requeue job {self.job} ({why}); submit it with --requeue, or resume by hand "
+                f"with ckpt_path={stop.checkpoint}", err=True)
 
     def forget(self) -> None:
         """The job's run is done: a later requeue (a node failure) starts no stale resume."""

@@ -110,6 +110,9 @@ def test_train_py_logs_one_mlflow_run(tmp_path):
     assert "samples/s" in summary and "final val_acc" in summary
     assert f"mlflow ui --backend-store-uri {uri}, then http://127.0.0.1:5000/#/experiments/" in summary
     assert f"/runs/{run.info.run_id}?workflowType=machine_learning" in summary
+    job_log = (Path(tags["output_dir"]) / "train.log").read_text()
+    assert "[ddlx][INFO] - run FINISHED after 2 epoch(s)" in job_log and run.info.run_id in job_log, \
+        "the job's folder says how it ended, as the console did"
     for noise in ("💡", "LeafSpec", "Total FLOPs", "limit_train_batches=1.0", "The `srun` command", "MPI_ABORT",
                   "smaller than the logging interval"):  # 2 batches an epoch, and ddlx logs once an epoch
         assert noise not in out, noise
@@ -171,6 +174,29 @@ def test_a_sweep_whose_store_cannot_record_is_refused_before_its_first_job(tmp_p
     _assert_clear_error(proc, r"^ddlx: error: all 3 jobs of the sweep: logger.tracking_uri=\S*nope/mlflow.db: folder \S*nope does not exist")
     assert proc.stderr.count("ddlx: error:") == 1
     assert not (tmp_path / "multirun").exists(), "no job was started"
+
+
+def test_a_refused_job_says_why_in_its_folders_log_too(tmp_path, capsys):
+    """The job's log (Hydra's train.log, in its folder) ends with why, as the console does: it
+    ended at the seed and the data, with no word of the refusal."""
+    import logging
+
+    from ddlx.entry import report_config_errors
+
+    def job():
+        raise ConfigError("the training split has 4 images (5 images, data.val_fraction=0.2) but data.batch_size=32")
+
+    handler = logging.FileHandler(tmp_path / "train.log")  # as Hydra's job logging adds it
+    logging.getLogger().addHandler(handler)
+    try:
+        with pytest.raises(SystemExit) as stop:
+            report_config_errors(job)
+    finally:
+        logging.getLogger().removeHandler(handler)
+        handler.close()
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == "ddlx: error: the training split has 4 images (5 images, data.val_fraction=0.2) but data.batch_size=32\n"
+    assert (tmp_path / "train.log").read_text() == "error: the training split has 4 images (5 images, data.val_fraction=0.2) but data.batch_size=32\n"
 
 
 def test_a_sweep_stops_at_the_first_job_the_store_refuses(capsys):

@@ -675,6 +675,8 @@ def load_runs(tracking_uri: str, experiments: list[str], sweep_id: str | None = 
     after closing those whose process vanished. A ValueError says what is missing."""
     from mlflow.tracking import MlflowClient
 
+    from .config_check import did_you_mean
+
     if not store_exists(tracking_uri):
         raise ValueError(f"no MLflow store at {tracking_uri}: train first (python train.py ...) or pass --tracking-uri")
     with store_lock(tracking_uri):
@@ -683,7 +685,7 @@ def load_runs(tracking_uri: str, experiments: list[str], sweep_id: str | None = 
         for name in experiments:
             exp = client.get_experiment_by_name(name)
             if exp is None:
-                raise ValueError(f"no MLflow experiment named {name!r} at {tracking_uri}")
+                raise ValueError(f"no MLflow experiment named {name!r} at {tracking_uri}{_experiments_there(client, name)}")
             ids.append(exp.experiment_id)
     writable = store_writable(tracking_uri)
     if writable:
@@ -700,8 +702,19 @@ def load_runs(tracking_uri: str, experiments: list[str], sweep_id: str | None = 
     if sweep_id is not None:
         runs = [r for r in runs if r.sweep_id == sweep_id]
         if not runs:
-            raise ValueError(f"no runs tagged sweep_id={sweep_id!r} in experiments {experiments}")
+            sweeps = list(dict.fromkeys(r.data.tags["sweep_id"] for r in found if r.data.tags.get("sweep_id")))
+            there = (f"; their newest sweeps: {', '.join(sweeps[:3])}{did_you_mean(sweep_id, sweeps)}" if sweeps
+                     else "; none of their runs belongs to a sweep (python train.py -m ...)")
+            raise ValueError(f"no runs tagged sweep_id={sweep_id!r} in experiments {experiments}{there}")
     return runs
+
+
+def _experiments_there(client, name: str) -> str:
+    """The store's experiments, as the refusal of ``name`` lists them."""
+    from .config_check import did_you_mean
+
+    names = sorted(e.name for e in client.search_experiments())
+    return f"; it holds {', '.join(names)}{did_you_mean(name, names)}" if names else "; it holds no experiment yet"
 
 
 def log_result_run(tracking_uri: str, experiment: str, run_name: str, *, artifact_location: str | None = None,

@@ -212,8 +212,14 @@ def test_workloads_sharing_a_short_label_are_named_apart(store):
 def test_sweep_filter_and_latest(store):
     assert {r.sweep_id for r in load_runs(store, ["ddlx"], "multirun/a")} == {"multirun/a"}
     assert {r.sweep_id for r in load_runs(store, ["ddlx"], "latest")} == {"multirun/b"}
-    with pytest.raises(ValueError, match="no runs tagged sweep_id='nope'"):
-        load_runs(store, ["ddlx"], "nope")
+    with pytest.raises(ValueError, match=r"no runs tagged sweep_id='multirun/c' .*; their newest sweeps: multirun/b, "
+                                         r"multirun/a; did you mean multirun/b or multirun/a\?$"):
+        load_runs(store, ["ddlx"], "multirun/c")
+
+
+def test_an_experiment_not_in_the_store_is_refused_with_those_it_holds(store):
+    with pytest.raises(ValueError, match=r"no MLflow experiment named 'ddl' at \S+; it holds Default, ddlx; did you mean ddlx\?$"):
+        load_runs(store, ["ddl"])
 
 
 def test_markdown_has_the_papers_table_shape(store):

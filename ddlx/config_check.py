@@ -564,7 +564,11 @@ def check_recommend_job(cfg: DictConfig, multirun: bool, hw_dir: Path) -> None:
         raise ConfigError(problem)
     # Typed, as the job types it: a wrong type, a range, a value that does not resolve (Hydra's
     # folder is made after this, and an override that does not resolve fails as Hydra reads it back).
-    typed_recommend_config(OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"]))
+    typed = typed_recommend_config(OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"]))
+    from .predict.choices import check_strategies, check_tries
+
+    check_strategies(typed.strategies)
+    check_tries(typed.candidates)
     reads_data = OmegaConf.select(cfg, "mode", default="recommend") == "recommend"  # (validate and probe do not)
     problems = [*preflight.empty_folders(lambda key: OmegaConf.select(cfg, key, default=None)),
                 *(preflight.data_root_problems(cfg.data) if reads_data else []), *preflight.data_problems(cfg.data)]

@@ -86,14 +86,20 @@ def test_a_bad_value_is_named_with_the_fix_before_anything_loads(override, key, 
 def test_what_the_config_and_the_machine_tell_is_checked_before_torch_loads():
     """The checks that need no model, data or device answer without importing torch (train.py
     then exits; ddlx.run.train checks the same for its callers)."""
-    code = ("import sys\nfrom pathlib import Path\nfrom ddlx.entry import register_config\n"
-            "from ddlx.config_check import check_command_line\nregister_config(Path(sys.argv[1]))\n"
-            "try:\n    check_command_line(sys.argv[2:], Path(sys.argv[1]) / 'conf', 'train')\n"
+    code = ("import functools, sys\nfrom pathlib import Path\nfrom ddlx.entry import register_recommend_config\n"
+            "from ddlx.config_check import check_command_line, check_recommend_job\n"
+            "register_recommend_config(Path(sys.argv[1]))\nentry = sys.argv[2]\n"
+            "check = functools.partial(check_recommend_job, hw_dir=Path(sys.argv[1]) / 'conf' / 'hw') if entry == 'recommend' else None\n"
+            "try:\n    check_command_line(sys.argv[3:], Path(sys.argv[1]) / 'conf', entry, check)\n"
             "except SystemExit as stop:\n    print('exit', stop.code, 'torch' in sys.modules, 'mlflow' in sys.modules)\n")
-    for overrides in (["trainer.max_epochs=0"], ["trainer=gpu"], ["strategy=ddp_gloo", "strategy.processes=99"],
-                      ["logger.tracking_uri=sqllite:///mlflow.db"],
-                      ["data=imagefolder"]):  # (its folder's keys: once after the seed was set and logged)
-        proc = subprocess.run([sys.executable, "-c", code, str(PROJECT_DIR), *overrides], capture_output=True, text=True,
+    for entry, overrides in (("train", ["trainer.max_epochs=0"]), ("train", ["trainer=gpu"]),
+                             ("train", ["strategy=ddp_gloo", "strategy.processes=99"]),
+                             ("train", ["logger.tracking_uri=sqllite:///mlflow.db"]),
+                             ("train", ["logger.tracking_uri=sqlite:////nowhere/mlflow.db"]),
+                             ("train", ["data=imagefolder"]),  # (its folder's keys: once after the seed was set and logged)
+                             ("recommend", ["strategies=[ddp]"]), ("recommend", ["candidates.pipe.chunks=[0]"]),
+                             ("recommend", ["seed=abc"])):
+        proc = subprocess.run([sys.executable, "-c", code, str(PROJECT_DIR), entry, *overrides], capture_output=True, text=True,
                               timeout=60, env={**subprocess_env(), "CUDA_VISIBLE_DEVICES": ""})
         assert proc.stdout.split() == ["exit", "2", "False", "False"], (overrides, proc.stdout, proc.stderr[-2000:])
 
@@ -268,6 +274,8 @@ def test_recommend_names_a_data_folder_that_is_not_there_before_its_job_starts(o
     ("recommend", "compare=h100_1x", r"compare=h100_1x; expected a list of hw names, e.g. compare=\["),  # its own words first
     ("recommend", "max_epoch_s=abc", r"max_epoch_s=abc; expected seconds > 0 .*, e.g. max_epoch_s=600$"),
     ("recommend", "max_epoch_s=${nokey}", r"max_epoch_s cannot be resolved: Interpolation key 'nokey' not found$"),
+    ("recommend", "strategies=[ddp]", r"strategies=\[ddp\]: ddp is not a strategy; did you mean ddp_gloo or ddp_nccl\?"),
+    ("recommend", "candidates.pipe.chunks=[0]", r"candidates.pipe.chunks=\[0\]; expected a list of values, each a value >= 1"),
 ])
 def test_recommend_types_its_config_before_its_job_starts(entry, override, said):
     """recommend.py typed its config only once Hydra had made the job's folder (a value that did

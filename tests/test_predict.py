@@ -29,10 +29,10 @@ from ddlx.predict.cli import run as run_recommend
 from ddlx.costmodel.hardware import GB, HardwareSpec, LinkSpec
 from ddlx.predict.prediction import Predictor
 from ddlx.costmodel.profile import profile_model
+from ddlx.predict.choices import check_tries
 from ddlx.predict.setups import (
     SequentialTime,
     Setup,
-    check_tries,
     is_baseline,
     memory_need,
     model_batch_s,
@@ -1139,7 +1139,8 @@ def test_a_process_stated_its_own_batch_pays_that_batchs_measured_step():
 def test_a_question_can_rank_only_the_strategies_it_names():
     """strategies=[...] keeps those strategies' setups and the one-device reference; a name that
     is no strategy, or strategies with no setup on the machine, are refused naming them."""
-    from ddlx.predict.setups import candidates, check_strategies, only_strategies
+    from ddlx.predict.choices import check_strategies
+    from ddlx.predict.setups import candidates, only_strategies
 
     gpu = _compose_hw_spec("titanrtx_4x")
     job = Job("resnet18", "imagenet", 1000, 3, 224, 32, 1280000)

@@ -28,7 +28,8 @@ from .count_ahead import count_ahead
 from .kept_probes import forget, kept
 from .machines import compare
 from .prediction import Predictor, Recommendation, data_config_of_job
-from .setups import candidates, check_strategies, check_tries, only_strategies
+from .choices import check_strategies, check_tries
+from .setups import candidates, only_strategies
 from .render import (
     comparison_dict,
     comparison_lines,

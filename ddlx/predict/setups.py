@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 
-from ..config_check import did_you_mean
 from ..errors import ConfigError
 from ..job import Batches, Job
 from ..strategies import BASELINE, STRATEGIES, Setup, spec_of
@@ -13,14 +12,14 @@ from ..costmodel.costs import Cost, MemoryNeed, SequentialTime, weight_seconds
 from ..costmodel.hardware import HardwareSpec
 from ..costmodel.profile import ModelProfile
 
-__all__ = ["Cost", "MemoryNeed", "SequentialTime", "Setup", "calibration_group", "candidates", "check_tries", "loader_bound_s",
+__all__ = ["Cost", "MemoryNeed", "SequentialTime", "Setup", "calibration_group", "candidates", "loader_bound_s",
            "memory_need", "model_batch_s", "model_cost", "overrides", "splits_batch", "training_processes",
            "weight_seconds", "worker_batch"]
 
 
 def candidates(hw: HardwareSpec, job: Job, batches: Batches = Batches(), tries: dict | None = None) -> list[Setup]:
     """The setups worth predicting on ``hw``: every strategy's own choice of knob values, or the
-    values ``tries`` gives it (``{strategy: {knob: [values]}}``, checked by :func:`check_tries`),
+    values ``tries`` gives it (``{strategy: {knob: [values]}}``, checked by :func:`.choices.check_tries`),
     each on its batch (``batches``) split evenly over its processes."""
     out = []
     for spec in STRATEGIES.values():
@@ -49,16 +48,6 @@ def tried(setups: list[Setup], knobs: dict) -> list[Setup]:
     return list(dict.fromkeys(out))
 
 
-def check_strategies(names) -> list[str]:
-    """recommend.py's ``strategies`` option, checked: names of strategies ([]: every one)."""
-    unknown = [n for n in names if n not in STRATEGIES]
-    if unknown:
-        raise ConfigError(f"strategies=[{','.join(names)}]: {unknown[0]} is not a strategy"
-                          f"{did_you_mean(unknown[0], list(STRATEGIES))}; the strategies are {', '.join(STRATEGIES)}, "
-                          f"e.g. strategies=[ddp_nccl,pipe]")
-    return list(names)
-
-
 def only_strategies(setups: list[Setup], names: list[str], hw: HardwareSpec, required: bool = True) -> list[Setup]:
     """``setups`` of the strategies ``names`` ([]: all) and the one-device setup (the speedups'
     reference); with ``required``, a :class:`ConfigError` when none of those strategies has a
@@ -71,41 +60,6 @@ def only_strategies(setups: list[Setup], names: list[str], hw: HardwareSpec, req
         raise ConfigError(f"strategies=[{','.join(names)}]: none has a setup on hw={hw.name} ({hw.nodes} node(s) x "
                           f"{hw.devices_per_node} {hw.device_kind} device(s)); the strategies that have: {', '.join(placed)}")
     return kept
-
-
-def check_tries(candidates: dict) -> tuple[dict, Batches]:
-    """recommend.py's ``candidates`` option, checked: the knob values each strategy's candidates
-    try (lists, each value within the knob's declared range) and the batches given to strategies
-    of their own (``batch_size``). A knob tried is one that names a setup (its models read it).
-    Every error names the key."""
-    tries, own = {}, []
-    for name, knobs in (candidates or {}).items():
-        if name not in STRATEGIES:
-            raise ConfigError(f"candidates.{name}: no strategy of that name; the strategies are {', '.join(STRATEGIES)}")
-        declared = STRATEGIES[name].setup_fields()
-        chosen = {}
-        for knob, values in (knobs or {}).items():
-            key = f"candidates.{name}.{knob}"
-            if values is None:
-                continue  # the strategy's own choice
-            if knob == "batch_size":
-                if not isinstance(values, int) or isinstance(values, bool) or values < 1:
-                    raise ConfigError(f"{key}={values}; expected one batch size >= 1 (in data.batch_per's terms), "
-                                      f"e.g. {key}=48")
-                own.append((name, values))
-                continue
-            if knob not in declared:
-                raise ConfigError(f"{key}: {knob!r} is not a knob the recommender tries for {name} (one its models read); "
-                                  f"those are {', '.join(declared)} (and batch_size)")
-            values = list(values) if isinstance(values, (list, tuple)) else [values]
-            bound = declared[knob].metadata.get("bound")
-            bad = [v for v in values if bound is not None and not bound.accepts(v)]
-            if not values or bad:
-                raise ConfigError(f"{key}={values}; expected a list of values, each {bound.expected() if bound else 'a value'}"
-                                  f", e.g. {key}=[{declared[knob].default}]")
-            chosen[knob] = values
-        tries[name] = chosen
-    return tries, own
 
 
 def calibration_group(setup: Setup) -> str:

@@ -461,8 +461,17 @@ def _job_errors(overrides: list[str], multirun: bool, config_dir: Path, config_n
         OverrideParseException,
     )
 
-    if any(o.lstrip("+~").startswith(("hydra/sweeper", "hydra.sweeper")) for o in overrides):
+    if any(o.lstrip("+~").startswith("hydra/sweeper") for o in overrides):
         return  # another sweeper expands the jobs (and checks them as it composes each)
+    if given := [o for o in overrides if o.lstrip("+~").startswith("hydra.sweeper.params")]:
+        yield [], [], ConfigError(
+            f"{given[0]}: Hydra's basic sweeper takes its params from a config file, not the command line (there "
+            f"Hydra fails on them); give the sweep as overrides (python {ENTRIES.get(config_name, ('train.py',))[0]} -m "
+            f"seed=1,2), or set "
+            f"hydra.sweeper.params in an experiment option (docs/measuring.md)")
+        return
+    if any(o.lstrip("+~").startswith("hydra.sweeper") for o in overrides):
+        return  # the basic sweeper's own settings (max_batch_size): its jobs are the overrides' still
     try:
         jobs = _sweep_jobs(overrides)
     except OverrideParseException as err:
@@ -687,4 +696,7 @@ def _hydra_message(err) -> str:
     if "Could not append to config. An item is already at" in text:
         key = text.split("'")[1]
         return f"{key} already exists, so it takes no '+': set it as {key}=VALUE"
+    if chosen := re.match(r"Multiple values for (\S+)\. To override a value use 'override \S+: (.+)'", text):
+        group, option = chosen.groups()  # the fix Hydra names is a defaults list's, not the command line's
+        return f"{group} is a group the config chooses already, so it takes no '+': choose it as {group}={option}"
     return " ".join(line.strip() for line in text.splitlines() if line.strip())

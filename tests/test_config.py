@@ -147,6 +147,20 @@ def test_hydras_flags_that_would_end_in_a_traceback_are_refused_with_the_fix(arg
     assert re.match(rf"ddlx: error: .*{said}", line), line
 
 
+@pytest.mark.parametrize("entry", ["train", "recommend"])
+def test_a_basic_sweepers_params_on_the_command_line_are_refused_with_the_fix(entry, capsys):
+    """Hydra's basic sweeper starts with no params, and Hydra fails on any given there with a
+    traceback (omegaconf's AttributeError or AssertionError)."""
+    from ddlx.config_check import check_command_line
+
+    for given in ('hydra.sweeper.params={seed:"1,2"}', '+hydra.sweeper.params.seed="1,2"'):
+        with pytest.raises(SystemExit):
+            check_command_line(["-m", given], CONF_DIR, entry)
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line.startswith(f"ddlx: error: {given}: Hydra's basic sweeper takes its params from a config file") and \
+            f"python {entry}.py -m seed=1,2" in line and "experiment option" in line, line
+
+
 def test_hydras_own_answers_are_left_to_it():
     from ddlx.config_check import check_command_line
 
@@ -210,6 +224,16 @@ def test_a_group_or_key_of_the_other_entry_point_is_named_as_its(entry, override
     """train.py and recommend.py share conf/, so each one's --help lists the other's groups."""
     err = _refusal(entry, [override])
     assert str(err).startswith(said), err
+
+
+@pytest.mark.parametrize("entry,override,said", [
+    ("train", "+model=vgg16", "model is a group the config chooses already, so it takes no '+': choose it as model=vgg16"),
+    ("recommend", "+model=vgg16", "model is a group the config chooses already"),
+    ("train", "+experiment=simplebig", "experiment is a group the config chooses already, so it takes no '+': choose it as experiment=simplebig"),
+])
+def test_a_group_the_config_chooses_takes_no_plus(entry, override, said):
+    """Hydra's fix for these, 'override model: vgg16', is a defaults list's, not the command line's."""
+    assert str(_refusal(entry, [override])).startswith(said)
 
 
 @pytest.mark.integration

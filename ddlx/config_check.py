@@ -403,10 +403,15 @@ def check_command_line(argv: Sequence[str], config_dir: Path, config_name: str, 
         return  # Hydra answers these first, whatever else is given
     if flag_errors := _flag_errors(args):
         errors = [([], [], ConfigError(problem)) for problem in flag_errors]
-    elif args.info or args.shell_completion or args.cfg or args.config_path or args.config_dir:
-        return  # Hydra answers these itself (another config folder: its own schema, if any)
+    elif args.info or args.shell_completion or args.cfg or args.config_path:
+        return  # Hydra answers these itself (another primary config folder: its own schema, if any)
+    elif args.config_dir and any(o.lstrip("+~").startswith("hydra.searchpath") for o in args.overrides):
+        return  # (where Hydra looks is the user's to say: left to it)
     else:
-        errors = list(_job_errors(args.overrides, args.multirun, config_dir, args.config_name or config_name, check or check_train_job))
+        # A folder added to where Hydra looks (--config-dir: the user's own experiment options), added here too.
+        searched = [f"hydra.searchpath=[file://{Path(args.config_dir).resolve()}]"] if args.config_dir else []
+        errors = list(_job_errors(args.overrides, args.multirun, config_dir, args.config_name or config_name,
+                                  check or check_train_job, searched))
     for line in _error_lines(errors, _jobs_in_sweep(args.overrides) if args.multirun else None):
         print(f"ddlx: error: {line}", file=sys.stderr)
     if errors:
@@ -452,8 +457,9 @@ def _flag_errors(args) -> list[str]:
     return []
 
 
-def _job_errors(overrides: list[str], multirun: bool, config_dir: Path, config_name: str, check):
-    """(job's overrides, those that vary across the sweep's jobs, error) for each job refused."""
+def _job_errors(overrides: list[str], multirun: bool, config_dir: Path, config_name: str, check, searched=()):
+    """(job's overrides, those that vary across the sweep's jobs, error) for each job refused;
+    ``searched``: a ``hydra.searchpath`` override for the folders --config-dir adds."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import (
         HydraException,
@@ -493,11 +499,11 @@ def _job_errors(overrides: list[str], multirun: bool, config_dir: Path, config_n
             if any(elsewhere):  # Hydra's own words would be "no match in the defaults list", then a missing schema
                 yield job, swept, ConfigError(next(p for p in elsewhere if p))
                 continue
-            if missing := _missing_options(job):
+            if not searched and (missing := _missing_options(job)):  # (the loader knows conf/ alone)
                 yield job, swept, ConfigError("; ".join(missing))
                 continue
             try:
-                cfg = compose(config_name=config_name, overrides=job, return_hydra_config=True)
+                cfg = compose(config_name=config_name, overrides=[*job, *searched], return_hydra_config=True)
                 with _hydra_config_as_in_the_job(cfg, multirun, number):
                     check(cfg, multirun)
             except ConfigError as err:

@@ -161,6 +161,22 @@ def test_a_basic_sweepers_params_on_the_command_line_are_refused_with_the_fix(en
             f"python {entry}.py -m seed=1,2" in line and "experiment option" in line, line
 
 
+def test_a_config_folder_of_ones_own_is_checked_with_it(tmp_path, capsys):
+    """--config-dir adds a folder where Hydra looks (a user's own experiment options): the
+    command line's check left such a command line to Hydra unchecked; it checks it with that folder."""
+    from ddlx.config_check import check_command_line
+
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "mine.yaml").write_text("# @package _global_\ndata:\n  batch_size: 0\n")
+    (tmp_path / "experiment" / "fine.yaml").write_text("# @package _global_\nhydra:\n  sweeper:\n    params:\n      seed: 1,2\n")
+    assert check_command_line(["--config-dir", str(tmp_path), "-m", "experiment=fine"], CONF_DIR, "train") is None
+    for argv, said in ((["experiment=mine"], "data.batch_size=0: expected a value >= 1"),
+                       (["experiment=nope"], "experiment=nope is not an option of experiment; expected one of complexsmall, fine, mine, simplebig")):
+        with pytest.raises(SystemExit):
+            check_command_line(["--config-dir", str(tmp_path), *argv], CONF_DIR, "train")
+        assert capsys.readouterr().err == f"ddlx: error: {said}\n"
+
+
 def test_hydras_own_answers_are_left_to_it():
     from ddlx.config_check import check_command_line
 

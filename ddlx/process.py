@@ -160,7 +160,8 @@ def job_takes_ctrl_c(job):
     """Inside ``job`` (a Hydra task function) Ctrl-C raises where it falls, as in any process (its
     imports; its run's stop signals: ddlx.stopping); a Ctrl-C held while Hydra composed the job's
     config (:func:`ended_by_ctrl_c`) is raised before the job runs, and holding resumes after it.
-    The folder Hydra made for that job, holding only Hydra's files, goes with it: no run was in it."""
+    The folder Hydra made for that job, holding only Hydra's files, goes with it: no run was in it
+    (but for a job of a launcher's ranks, which share it: another may be writing there)."""
     import functools
 
     @functools.wraps(job)  # Hydra finds the job's file through __wrapped__ (its config_path is relative to it)
@@ -169,7 +170,7 @@ def job_takes_ctrl_c(job):
         if _OutsideJobs.held and _on_main_thread():
             from hydra.core.hydra_config import HydraConfig
 
-            if HydraConfig.initialized():
+            if HydraConfig.initialized() and outside_launcher() is None:  # (a launcher's ranks share it: one may write there)
                 _remove_unstarted_job_folder(HydraConfig.get().runtime.output_dir)
         raise_held_ctrl_c()
         try:

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import PROJECT_DIR, subprocess_env
+from conftest import CONF_DIR, PROJECT_DIR, subprocess_env
 
 
 def test_an_exit_without_collecting_still_runs_every_handler_and_keeps_its_status(tmp_path):
@@ -129,3 +129,34 @@ def test_a_job_folder_stopped_before_its_job_goes_only_if_hydra_alone_wrote_in_i
     only_hydras = hydras_folder("only-hydras")
     _remove_unstarted_job_folder(str(only_hydras))
     assert not only_hydras.exists() and not only_hydras.parent.exists() and (tmp_path / "outputs").is_dir()
+
+
+@pytest.mark.parametrize("launcher", [{}, {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1"}],
+                         ids=["its own process", "a rank of mpirun's"])
+def test_a_job_stopped_before_it_ran_leaves_its_folder_only_to_a_launchers_ranks(tmp_path, monkeypatch, launcher):
+    """The ranks a launcher started share the job's folder: one stopped there must not take it
+    from another that may be writing in it."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict, read_write
+
+    from ddlx import process
+
+    for name, value in launcher.items():
+        monkeypatch.setenv(name, value)
+    folder = tmp_path / "outputs" / "2026-11-29" / "10-00-00-abc"
+    (folder / ".hydra").mkdir(parents=True)
+    (folder / ".hydra" / "config.yaml").write_text("x")
+    ran = []
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="train", return_hydra_config=True)
+    with read_write(cfg.hydra), open_dict(cfg.hydra):
+        cfg.hydra.runtime.output_dir = str(folder)
+    HydraConfig.instance().set_config(cfg)
+    monkeypatch.setattr(process._OutsideJobs, "held", True)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            process.job_takes_ctrl_c(lambda: ran.append(1))()
+    finally:
+        HydraConfig.instance().cfg = None
+    assert ran == [] and folder.exists() == bool(launcher)

@@ -405,20 +405,39 @@ def check_command_line(argv: Sequence[str], config_dir: Path, config_name: str, 
         errors = [([], [], ConfigError(problem)) for problem in flag_errors]
     elif args.info or args.shell_completion or args.cfg or args.config_path:
         return  # Hydra answers these itself (another primary config folder: its own schema, if any)
-    elif args.config_dir and any(o.lstrip("+~").startswith("hydra.searchpath") for o in args.overrides):
-        return  # (where Hydra looks is the user's to say: left to it)
+    elif args.config_dir and (not os.path.isdir(args.config_dir)
+                              or any(o.lstrip("+~").startswith("hydra.searchpath") for o in args.overrides)):
+        return  # (a folder that is not there, or where Hydra looks given too: Hydra's to say)
     else:
+        from .command_line import hydra_string
+
         # A folder added to where Hydra looks (--config-dir: the user's own experiment options), added here too.
-        searched = [f"hydra.searchpath=[file://{Path(args.config_dir).resolve()}]"] if args.config_dir else []
+        searched = [f"hydra.searchpath=[{hydra_string('file://' + os.path.abspath(args.config_dir))}]"] \
+            if args.config_dir else []
         errors = list(_job_errors(args.overrides, args.multirun, config_dir, args.config_name or config_name,
                                   check or check_train_job, searched))
-    for line in _error_lines(errors, _jobs_in_sweep(args.overrides) if args.multirun else None):
+    for line in _error_lines(errors, _jobs_in_sweep(args.overrides) if args.multirun and errors else None):
         print(f"ddlx: error: {line}", file=sys.stderr)
     if errors:
         from .parallel.mpi_ranks import abort_job
 
         abort_job(2, show_traceback=False)  # one rank of mpirun or srun refused alone: the others would wait for it
         raise SystemExit(2)
+
+
+def _config_holds_sweeper_params(overrides: list[str], config_dir: Path, config_name: str, searched) -> bool:
+    """Whether the config ``overrides`` compose (a sweep's first job) gives ``hydra.sweeper.params``
+    (an experiment option may); True where that cannot be told (left to Hydra)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+
+    try:
+        first = _sweep_jobs(overrides)[0]
+        with initialize_config_dir(config_dir=str(config_dir), version_base="1.3", job_name=_task_name(config_name)):
+            cfg = compose(config_name=config_name, overrides=[*first, *searched], return_hydra_config=True)
+    except (HydraException, OmegaConfBaseException, IndexError):
+        return True
+    return OmegaConf.select(cfg, "hydra.sweeper.params", default=None) is not None
 
 
 def _error_lines(errors: list, jobs: int | None) -> list[str]:
@@ -470,12 +489,13 @@ def _job_errors(overrides: list[str], multirun: bool, config_dir: Path, config_n
     if any(o.lstrip("+~").startswith("hydra/sweeper") for o in overrides):
         return  # another sweeper expands the jobs (and checks them as it composes each)
     if given := [o for o in overrides if o.lstrip("+~").startswith("hydra.sweeper.params")]:
-        yield [], [], ConfigError(
-            f"{given[0]}: Hydra's basic sweeper takes its params from a config file, not the command line (there "
-            f"Hydra fails on them); give the sweep as overrides (python {ENTRIES.get(config_name, ('train.py',))[0]} -m "
-            f"seed=1,2), or set "
-            f"hydra.sweeper.params in an experiment option (docs/measuring.md)")
-        return
+        if not _config_holds_sweeper_params([o for o in overrides if o not in given], config_dir, config_name, searched):
+            yield [], [], ConfigError(
+                f"{given[0]}: Hydra's basic sweeper takes params on the command line only where a config file has "
+                f"given it some (on none, Hydra fails); give the sweep as overrides (python "
+                f"{ENTRIES.get(config_name, ('train.py',))[0]} -m seed=1,2), or set hydra.sweeper.params in an "
+                f"experiment option (docs/measuring.md)")
+        return  # (the sweeper's jobs come from its params: left to it, as before)
     if any(o.lstrip("+~").startswith("hydra.sweeper") for o in overrides):
         return  # the basic sweeper's own settings (max_batch_size): its jobs are the overrides' still
     try:
@@ -512,7 +532,7 @@ def _job_errors(overrides: list[str], multirun: bool, config_dir: Path, config_n
                 yield job, swept, ConfigError(_missing_option(err))
             except HydraException as err:
                 cause = err.__cause__
-                yield job, swept, explain(cause) if isinstance(cause, OmegaConfBaseException) else ConfigError(_hydra_message(err))
+                yield job, swept, explain(cause) if isinstance(cause, OmegaConfBaseException) else ConfigError(_hydra_message(err, job))
         raise_held_ctrl_c()  # and one held in the last: Hydra has not made the job's folder yet
 
 
@@ -528,6 +548,7 @@ def check_train_job(cfg: DictConfig, multirun: bool) -> None:
     except OmegaConfBaseException as err:
         raise explain(err) from None
     job_folder = OmegaConf.select(cfg, "hydra.runtime.output_dir", default=None)
+    cfg_launcher = OmegaConf.select(cfg, "hydra.launcher", default=None)
     with open_dict(cfg):
         cfg.pop("hydra")
     typed = typed_config(cfg)
@@ -535,17 +556,21 @@ def check_train_job(cfg: DictConfig, multirun: bool) -> None:
     problem = preflight.run_folder_problem(folder, key) if folder else None
     if problem:
         raise ConfigError(problem)
-    _check_store(typed.logger.tracking_uri, job_folder)
+    if job_folder is not None:  # (the command line's check: Hydra's config is there)
+        _check_store(typed.logger.tracking_uri, job_folder, launcher=OmegaConf.select(cfg_launcher, "_target_", default=None))
 
 
-def _check_store(uri: str, job_folder: str | None, **how) -> None:
-    """The store a job records to, checked as the run will check it when it opens (its folder,
-    whether it can be written, a server's health), so that the job is refused before Hydra makes
-    its folder; once per store and job folder of a command line (a server that does not answer
-    waits its timeout once)."""
-    from .tracking import check_tracking_uri
+def _check_store(uri: str, job_folder: str, launcher: str | None, **how) -> None:
+    """The store a job records to, checked from the command line as the run will check it when it
+    opens (its folder, whether it can be written, a server's health), so that the job is refused
+    before Hydra makes its folder: once per store of a command line (a server that does not answer
+    waits its timeout once). Where a launcher plugin runs the jobs on other hosts (submitit), only
+    what its words tell: the store is theirs to reach."""
+    from .tracking import check_tracking_uri, sqlite_path
 
-    made_later = Path(job_folder) if job_folder else None
+    if launcher is not None and not launcher.endswith("BasicLauncher"):
+        return  # (its words were checked with the config's other values)
+    made_later = Path(job_folder) if sqlite_path(uri) is not None else None  # (only a database file's folder)
     key = (uri, made_later, tuple(sorted(how.items())))
     if key not in _STORES_CHECKED:
         try:
@@ -591,8 +616,9 @@ def check_recommend_job(cfg: DictConfig, multirun: bool, hw_dir: Path) -> None:
         problems.append(problem)
     if problems:
         raise ConfigError("; ".join(problems))
-    if uri is not None and OmegaConf.select(cfg, "mode") == "recommend" and OmegaConf.select(cfg, "log"):
-        _check_store(uri, OmegaConf.select(cfg, "hydra.runtime.output_dir", default=None), read_only_option="log=false")
+    job_folder = OmegaConf.select(cfg, "hydra.runtime.output_dir", default=None)  # None: in the job (it checks its store)
+    if uri is not None and job_folder is not None and OmegaConf.select(cfg, "mode") == "recommend" and OmegaConf.select(cfg, "log"):
+        _check_store(uri, job_folder, OmegaConf.select(cfg, "hydra.launcher._target_", default=None), read_only_option="log=false")
 
 
 def _machine_choice_problem(cfg: DictConfig, options: list[str]) -> str | None:
@@ -697,12 +723,13 @@ def _missing_options(job: list[str]) -> list[str]:
     return found
 
 
-def _hydra_message(err) -> str:
+def _hydra_message(err, job: Sequence[str] = ()) -> str:
     text = str(err).strip()
     if "Could not append to config. An item is already at" in text:
         key = text.split("'")[1]
         return f"{key} already exists, so it takes no '+': set it as {key}=VALUE"
-    if chosen := re.match(r"Multiple values for (\S+)\. To override a value use 'override \S+: (.+)'", text):
-        group, option = chosen.groups()  # the fix Hydra names is a defaults list's, not the command line's
+    chosen = re.match(r"Multiple values for (\S+)\. To override a value use 'override \S+: (.+)'", text)
+    if chosen and any(o.startswith(f"+{chosen[1]}=") for o in job):  # (else a defaults list's, whose fix Hydra names)
+        group, option = chosen.groups()
         return f"{group} is a group the config chooses already, so it takes no '+': choose it as {group}={option}"
     return " ".join(line.strip() for line in text.splitlines() if line.strip())

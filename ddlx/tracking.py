@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import fcntl
+import http.client
 import logging
 import os
 import re
@@ -144,7 +145,7 @@ def check_tracking_uri(uri: str, timeout_s: float = 5.0, setting: str = "logger.
             with urllib.request.urlopen(health, timeout=timeout_s) as response:
                 if response.status != 200:
                     raise OSError(f"HTTP {response.status}")
-        except (OSError, urllib.error.URLError) as err:
+        except (OSError, urllib.error.URLError, http.client.HTTPException, ValueError) as err:  # (InvalidURL: a bad port)
             raise StoreError(
                 f"MLflow tracking server {setting}={uri} is unreachable ({err}); start it "
                 f"(mlflow server --host ... --port ...) or log locally with {example}"

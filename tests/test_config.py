@@ -150,14 +150,16 @@ def test_hydras_flags_that_would_end_in_a_traceback_are_refused_with_the_fix(arg
 @pytest.mark.parametrize("entry", ["train", "recommend"])
 def test_a_basic_sweepers_params_on_the_command_line_are_refused_with_the_fix(entry, capsys):
     """Hydra's basic sweeper starts with no params, and Hydra fails on any given there with a
-    traceback (omegaconf's AttributeError or AssertionError)."""
+    traceback (omegaconf's AttributeError or AssertionError) unless a config file gave some
+    (test_a_config_folder_of_ones_own_is_checked_with_it)."""
     from ddlx.config_check import check_command_line
 
     for given in ('hydra.sweeper.params={seed:"1,2"}', '+hydra.sweeper.params.seed="1,2"'):
         with pytest.raises(SystemExit):
             check_command_line(["-m", given], CONF_DIR, entry)
         (line,) = capsys.readouterr().err.splitlines()
-        assert line.startswith(f"ddlx: error: {given}: Hydra's basic sweeper takes its params from a config file") and \
+        assert line.startswith(f"ddlx: error: {given}: Hydra's basic sweeper takes params on the command line only "
+                               f"where a config file has given it some") and \
             f"python {entry}.py -m seed=1,2" in line and "experiment option" in line, line
 
 
@@ -166,15 +168,42 @@ def test_a_config_folder_of_ones_own_is_checked_with_it(tmp_path, capsys):
     command line's check left such a command line to Hydra unchecked; it checks it with that folder."""
     from ddlx.config_check import check_command_line
 
-    (tmp_path / "experiment").mkdir()
-    (tmp_path / "experiment" / "mine.yaml").write_text("# @package _global_\ndata:\n  batch_size: 0\n")
-    (tmp_path / "experiment" / "fine.yaml").write_text("# @package _global_\nhydra:\n  sweeper:\n    params:\n      seed: 1,2\n")
-    assert check_command_line(["--config-dir", str(tmp_path), "-m", "experiment=fine"], CONF_DIR, "train") is None
+    own = tmp_path / "Dropbox (Personal), ours"  # a name Hydra's override grammar would not read bare
+    (own / "experiment").mkdir(parents=True)
+    (own / "experiment" / "mine.yaml").write_text("# @package _global_\ndata:\n  batch_size: 0\n")
+    (own / "experiment" / "fine.yaml").write_text("# @package _global_\nhydra:\n  sweeper:\n    params:\n      seed: 1,2\n")
+    (own / "experiment" / "chooses.yaml").write_text("# @package _global_\ndefaults:\n  - /model: vgg16\n")  # no 'override'
+    assert check_command_line(["--config-dir", str(own), "-m", "experiment=fine"], CONF_DIR, "train") is None
+    assert check_command_line(["--config-dir", str(own), "-m", "experiment=fine", 'hydra.sweeper.params.seed="3,4"'],
+                              CONF_DIR, "train") is None, "params given on the command line where a file gave some"
     for argv, said in ((["experiment=mine"], "data.batch_size=0: expected a value >= 1"),
-                       (["experiment=nope"], "experiment=nope is not an option of experiment; expected one of complexsmall, fine, mine, simplebig")):
+                       (["experiment=nope"], "experiment=nope is not an option of experiment; expected one of chooses, complexsmall, fine, mine, simplebig"),
+                       (["experiment=chooses"], "Multiple values for model. To override a value use 'override model: vgg16'")):
         with pytest.raises(SystemExit):
-            check_command_line(["--config-dir", str(tmp_path), *argv], CONF_DIR, "train")
-        assert capsys.readouterr().err == f"ddlx: error: {said}\n"
+            check_command_line(["--config-dir", str(own), *argv], CONF_DIR, "train")
+        assert capsys.readouterr().err == f"ddlx: error: {said}\n", "(the last: Hydra's fix, for a defaults list it is)"
+
+
+def test_a_sweeps_store_is_checked_once_and_where_its_jobs_run(monkeypatch, capsys):
+    """A server that does not answer waits its timeout once for the whole sweep, not per job; under
+    a launcher plugin (submitit) the jobs run on other hosts, which reach the store for themselves."""
+    from ddlx import tracking
+    from ddlx.config_check import check_command_line
+
+    asked = []
+
+    def unreachable(uri, **how):
+        asked.append(uri)
+        raise tracking.StoreError(f"MLflow tracking server logger.tracking_uri={uri} is unreachable")
+
+    monkeypatch.setattr(tracking, "check_tracking_uri", unreachable)
+    with pytest.raises(SystemExit):
+        check_command_line(["-m", "seed=1,2,3", "logger.tracking_uri=http://10.255.255.1:5000"], CONF_DIR, "train")
+    assert asked == ["http://10.255.255.1:5000"]
+    assert capsys.readouterr().err.startswith("ddlx: error: all 3 jobs of the sweep: MLflow tracking server")
+    assert check_command_line(["-m", "seed=1,2", "hydra/launcher=submitit_local",
+                               "logger.tracking_uri=http://10.255.255.1:5000"], CONF_DIR, "train") is None
+    assert asked == ["http://10.255.255.1:5000"], "not asked from the submitting host"
 
 
 def test_hydras_own_answers_are_left_to_it():
@@ -274,8 +303,9 @@ def test_a_store_that_cannot_record_is_refused_before_a_job_starts(entry, tmp_pa
                       (f"sqlite:///{tmp_path}/nope/m.db", f": folder {tmp_path}/nope does not exist")):
         err = _refusal(entry, [f"logger.tracking_uri={uri}"])
         assert str(err).startswith(f"logger.tracking_uri={uri}{said}"), err
-    assert re.match(r"MLflow tracking server logger.tracking_uri=http://127.0.0.1:9 is unreachable",
-                    str(_refusal(entry, ["logger.tracking_uri=http://127.0.0.1:9"])))
+    for server in ("http://127.0.0.1:9", "http://localhost:50o0"):  # (the second: http.client's InvalidURL)
+        assert re.match(rf"MLflow tracking server logger.tracking_uri={server} is unreachable",
+                        str(_refusal(entry, [f"logger.tracking_uri={server}"])))
     inside = "logger.tracking_uri=sqlite:///${hydra:runtime.output_dir}/sub/m.db"  # Hydra makes the job's folder, not sub/
     assert re.search(r"folder \S+/sub does not exist", str(_refusal(entry, [f"paths.root={tmp_path}", inside])))
     from ddlx.config_check import _job_errors, check_recommend_job, check_train_job

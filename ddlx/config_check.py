@@ -548,7 +548,7 @@ def check_train_job(cfg: DictConfig, multirun: bool) -> None:
     except OmegaConfBaseException as err:
         raise explain(err) from None
     job_folder = OmegaConf.select(cfg, "hydra.runtime.output_dir", default=None)
-    cfg_launcher = OmegaConf.select(cfg, "hydra.launcher", default=None)
+    launcher = OmegaConf.select(cfg, "hydra.launcher._target_", default=None)
     with open_dict(cfg):
         cfg.pop("hydra")
     typed = typed_config(cfg)
@@ -557,7 +557,7 @@ def check_train_job(cfg: DictConfig, multirun: bool) -> None:
     if problem:
         raise ConfigError(problem)
     if job_folder is not None:  # (the command line's check: Hydra's config is there)
-        _check_store(typed.logger.tracking_uri, job_folder, launcher=OmegaConf.select(cfg_launcher, "_target_", default=None))
+        _check_store(typed.logger.tracking_uri, job_folder, launcher)
 
 
 def _check_store(uri: str, job_folder: str, launcher: str | None, **how) -> None:
@@ -590,6 +590,7 @@ def check_recommend_job(cfg: DictConfig, multirun: bool, hw_dir: Path) -> None:
     it), its data values consistent (as train.py's, :mod:`.preflight`), its hardware one of the
     descriptions in ``hw_dir``, not the schema they extend (an option of the group, but no machine)."""
     from . import preflight
+    from .predict.choices import check_strategies, check_tries
     from .tracking import store_uri_problem
 
     options = sorted(p.stem for p in hw_dir.glob("*.yaml"))
@@ -605,8 +606,6 @@ def check_recommend_job(cfg: DictConfig, multirun: bool, hw_dir: Path) -> None:
     # Typed, as the job types it: a wrong type, a range, a value that does not resolve (Hydra's
     # folder is made after this, and an override that does not resolve fails as Hydra reads it back).
     typed = typed_recommend_config(OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"]))
-    from .predict.choices import check_strategies, check_tries
-
     check_strategies(typed.strategies)
     check_tries(typed.candidates)
     reads_data = OmegaConf.select(cfg, "mode", default="recommend") == "recommend"  # (validate and probe do not)

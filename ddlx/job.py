@@ -50,29 +50,46 @@ def images_of_training_split(train: int, val_fraction: float) -> int:
 
 
 def split_too_small(images: int, val_fraction: float, batch_size: int, folder_holds: int | None = None,
-                    data_parallel: int = 1) -> str | None:
+                    data_parallel: int = 1, per_worker: bool = False) -> str | None:
     """Why ``images``, split as train.py splits them, cannot give each of ``data_parallel`` processes
-    one batch of its share of the global ``batch_size`` (None: they can). ``folder_holds``: the
-    images a folder of the user's holds (None: a synthetic set, written at any count), so that the
-    fix offers only what gives enough: data.num_images where the folder's split would fill the
-    batch, a smaller validation split where all its images would, else more images."""
+    one batch of its share of the global ``batch_size`` (None: they can); with ``per_worker``
+    (``data.batch_per=worker``), ``batch_size`` is each process's batch, as the user stated it, and
+    the fix is said in those terms. ``folder_holds``: the images a folder of the user's holds (None:
+    a synthetic set, written at any count), so that the fix offers only what gives enough:
+    data.num_images where the folder's split would fill the batch, a smaller validation split where
+    all its images would, else more images."""
+    def fits(train_images: int) -> bool:
+        return train_images >= batch_size if per_worker else train_images * data_parallel >= batch_size
+
     train = images - validation_images(images, val_fraction)
-    if train * data_parallel >= batch_size:
+    if fits(train):
         return None
-    fixes = [f"lower data.batch_size to at most {train * data_parallel}"] if train else []
+    fixes = [f"lower data.batch_size to at most {train if per_worker else train * data_parallel}"] if train else []
     if folder_holds is None:
         fixes.append("raise data.num_images")
     else:
         more = f"raise data.num_images (the folder holds {folder_holds})" if images < folder_holds else ""
-        if more and (folder_holds - validation_images(folder_holds, val_fraction)) * data_parallel >= batch_size:
+        if more and fits(folder_holds - validation_images(folder_holds, val_fraction)):
             fixes.append(more)
-        elif folder_holds * data_parallel >= batch_size:
+        elif fits(folder_holds):
             fixes.append(" and ".join(filter(None, ["lower data.val_fraction", more])))
         else:
             fixes.append("add images to the folder")
-    over = f" over {data_parallel} processes" if data_parallel > 1 else ""
+    over = " per process (data.batch_per=worker)" if per_worker else f" over {data_parallel} processes" if data_parallel > 1 else ""
     return (f"the training split has {train} images ({images} images, data.val_fraction={val_fraction}) but "
             f"data.batch_size={batch_size}{over}: {' or '.join(fixes)}")
+
+
+def synthetic_count_problem(num_images: int | None, num_classes: int) -> str | None:
+    """Why a synthetic set (no ``data.root``) cannot be written with ``num_images`` images of
+    ``num_classes`` classes (None: it can)."""
+    if num_images is None:
+        return ("data.num_images=null uses every image of a folder, but a synthetic set (no data.root) is written at "
+                "a given count; give data.num_images=N")
+    if num_images < num_classes:
+        return (f"data.num_images={num_images}: a synthetic dataset needs at least one image per class "
+                f"(data.num_classes={num_classes}); raise data.num_images")
+    return None
 
 
 BATCH_PER = ("global", "worker")

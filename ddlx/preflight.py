@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Callable
 
 from .config import TrainConfig
+from .epoch_batches import process_batches, trainer_batch_problems
 from .errors import ConfigError, missing_data_root, unset_data_root
-from .job import batch_split_problems
+from .job import batch_split_problems, split_too_small, synthetic_count_problem, validation_images
 from .strategies import STRATEGIES
 
 
@@ -71,6 +72,7 @@ def consistency_problems(cfg: TrainConfig) -> list[str]:
     parallel = STRATEGIES[cfg.strategy.name].data_parallel(cfg.strategy)
     if cfg.data.batch_per == "global" and parallel:
         problems += batch_split_problems(cfg.data.batch_size, parallel)
+    problems += synthetic_set_problems(cfg, parallel)
     if cfg.model.memory_format == "channels_last" and \
             (why := STRATEGIES[cfg.strategy.name].channels_last_problem(cfg.strategy)):
         problems.append(f"model.memory_format=channels_last with strategy={cfg.strategy.name}: {why}")
@@ -80,6 +82,29 @@ def consistency_problems(cfg: TrainConfig) -> list[str]:
         except ConfigError as err:
             problems.append(str(err))
     return problems
+
+
+def synthetic_set_problems(cfg: TrainConfig, data_parallel: int | None) -> list[str]:
+    """What the datamodule would refuse in a synthetic set (no data.root: its image count is the
+    config's) once written and split, ten seconds in, and Lightning at the first step: too few
+    images for its classes, for a batch of each of ``data_parallel`` processes (None: mpi's ranks,
+    known once launched), for the trainer's batch limits. A folder's count is known once read."""
+    data = cfg.data
+    if data.root is not None or unset_data_root(data):
+        return []
+    if problem := synthetic_count_problem(data.num_images, data.num_classes):
+        return [problem]
+    per_worker = data.batch_per == "worker"
+    if data_parallel is None and not per_worker:
+        return []
+    if problem := split_too_small(data.num_images, data.val_fraction, data.batch_size, None, data_parallel or 1, per_worker):
+        return [problem]
+    if data_parallel is None or (not per_worker and data.batch_size % data_parallel):  # (batch_split_problems')
+        return []
+    share = data.batch_size if per_worker else data.batch_size // data_parallel
+    val = validation_images(data.num_images, data.val_fraction)
+    return trainer_batch_problems(cfg.trainer, process_batches(data.num_images - val, data_parallel, share),
+                                  process_batches(val, data_parallel, share))
 
 
 # Folders an empty value would silently put at the file system's root (${paths.root}/mlflow.db: /mlflow.db).

@@ -448,7 +448,7 @@ def prepare_job(cfg: TrainConfig, tags: dict, rank0: bool):
         if problem := saved.layout_changed(plan.tags):  # (after the config's: another strategy is said as such)
             raise ConfigError(problem)
         tags["resumed_from"] = str(saved.path)
-    datamodule = build_datamodule(cfg.data, plan.data_parallel)
+    datamodule = build_datamodule(cfg.data, plan.data_parallel, per_worker)
     if cfg.memory_check:
         check_memory(cfg, plan.data_parallel, plan.replicas_per_machine, plan.recompute)
     datamodule.prepare_data()

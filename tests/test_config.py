@@ -440,6 +440,38 @@ def test_a_warm_up_that_leaves_no_epoch_is_answered_with_a_warm_up_and_three_tim
     assert fixed.measure.warmup_epochs >= 1 and fixed.trainer.max_epochs - fixed.measure.warmup_epochs == 3
 
 
+@pytest.mark.parametrize("overrides,said", [
+    (["data.num_images=10"], r"^the training split has 8 images \(10 images, data.val_fraction=0.2\) but "
+                             r"data.batch_size=32: lower data.batch_size to at most 8 or raise data.num_images$"),
+    (["data.num_images=10", "strategy=cpu_mp"], r"data.batch_size=32 over 2 processes: lower data.batch_size to at most 16 "),
+    (["data.num_images=20", "data.batch_per=worker", "strategy=cpu_mp"],
+     r"data.batch_size=32 per process \(data.batch_per=worker\): lower data.batch_size to at most 16 "),
+    (["data.num_images=2"], r"^data.num_images=2: a synthetic dataset needs at least one image per class \(data.num_classes=3\)"),
+    (["data.num_images=null"], r"^data.num_images=null .*synthetic set \(no data.root\).*give data.num_images=N$"),
+    (["data.num_images=200", "trainer.val_check_interval=50"], r"^trainer.val_check_interval=50 batches, but an epoch trains 5 "),
+])
+def test_a_synthetic_set_too_small_for_its_job_is_refused_before_it_is_written(overrides, said):
+    """Its count is the config's: the datamodule refused it once written and split, and Lightning
+    at the first step, 7 s in, after Hydra had made the job's folder. The batch offered fits."""
+    from ddlx.preflight import consistency_problems
+
+    (problem,) = consistency_problems(typed_config(compose_config(overrides)))
+    assert re.search(said, problem), problem
+    if offered := re.search(r"lower data.batch_size to at most (\d+)", problem):
+        assert consistency_problems(typed_config(compose_config([*overrides, f"data.batch_size={offered[1]}"]))) == []
+
+
+def test_a_synthetic_set_over_ranks_a_launcher_starts_is_left_to_them():
+    """mpi's ranks share a global batch known only once launched; a batch per process is not."""
+    from ddlx.preflight import consistency_problems
+
+    assert consistency_problems(typed_config(compose_config(["strategy=mpi", "data.num_images=10"]))) == []
+    (uneven,) = consistency_problems(typed_config(compose_config(["strategy=ddp_gloo", "strategy.processes=99"])))
+    assert "must split evenly over the 99 processes" in uneven, "said once, as a batch that does not split"
+    (problem,) = consistency_problems(typed_config(compose_config(["strategy=mpi", "data.num_images=10", "data.batch_per=worker"])))
+    assert "data.batch_size=32 per process" in problem
+
+
 def test_a_config_edited_after_composing_is_checked_again():
     """train() checks what it is given (a rank's config file, an API caller's edits)."""
     from omegaconf import OmegaConf

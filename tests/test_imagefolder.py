@@ -3,6 +3,8 @@ digits, shipped inside the package) written as an ImageFolder at test time, some
 as RGB, RGBA, palette and CMYK files beside the grayscale ones."""
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import re
 from pathlib import Path
@@ -161,6 +163,24 @@ def test_a_split_too_small_is_said_in_the_global_batch_over_the_data_parallel_pr
     assert split_too_small(13, 0.2, 40, folder_holds=13, data_parallel=4) is None
     assert split_too_small(1, 0.5, 8) == ("the training split has 0 images (1 images, data.val_fraction=0.5) but "
                                           "data.batch_size=8: raise data.num_images"), "no batch of at most 0"
+
+
+def test_a_split_too_small_for_a_batch_per_process_is_said_in_the_batch_as_stated(tmp_path, tiny_config):
+    """data.batch_per=worker: the user's data.batch_size is each process's; the refusal named the
+    global batch it had become and offered a fix at most the batch already given ('data.batch_size=64
+    over 2 processes: lower data.batch_size to at most 32' where 32 was given)."""
+    from ddlx.job import split_too_small
+
+    assert split_too_small(20, 0.2, 32, data_parallel=2, per_worker=True) == (
+        "the training split has 16 images (20 images, data.val_fraction=0.2) but data.batch_size=32 per process "
+        "(data.batch_per=worker): lower data.batch_size to at most 16 or raise data.num_images")
+    assert split_too_small(20, 0.2, 16, data_parallel=2, per_worker=True) is None
+    root = write_digits(tmp_path / "few", per_class=2)  # 20 images, 16 to train on
+    cfg = typed_config(tiny_config("data=imagefolder", f"data.root={root}", "data.num_images=null", "data.batch_size=36"))
+    complete_data_config(cfg.data)  # (36 per process over 2: ddlx.run.batch_of_workers makes it 72)
+    with pytest.raises(ConfigError, match=r"data.batch_size=36 per process \(data.batch_per=worker\): lower "
+                                          r"data.batch_size to at most 16 or add images to the folder$"):
+        build_datamodule(dataclasses.replace(cfg.data, batch_size=72), 2, per_worker=True).setup()
 
 
 def test_images_in_a_class_folders_sub_folders_are_its_own_as_torchvision_finds_them(tmp_path):

@@ -12,6 +12,6 @@ class ImageFolderDataModule(ImageFolderData, pl.LightningDataModule):
     and ``overfit_batches`` the loaders follow: :meth:`ImageFolderData._loader`)."""
 
 
-def build_datamodule(data, data_parallel: int = 1) -> ImageFolderDataModule:
+def build_datamodule(data, data_parallel: int = 1, per_worker: bool = False) -> ImageFolderDataModule:
     """The datamodule for one process (:meth:`ImageFolderData.of_process`)."""
-    return ImageFolderDataModule.of_process(data, data_parallel)
+    return ImageFolderDataModule.of_process(data, data_parallel, per_worker)

@@ -18,7 +18,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampl
 from ..allocator import release_free_heap
 from ..errors import ConfigError
 from ..epoch_batches import epoch_trained
-from ..job import batch_split_problems, split_too_small, validation_images
+from ..job import batch_split_problems, split_too_small, synthetic_count_problem, validation_images
 from ..parallel.data_replicas import data_replicas
 from ..process import launch_rank
 from .folder import scan_imagefolder
@@ -228,9 +228,10 @@ class ImageFolderData:
 
     trainer = None  # the Lightning Trainer training from it (set by Lightning on the datamodule)
 
-    def __init__(self, data, batch_size: int) -> None:
+    def __init__(self, data, batch_size: int, per_worker: bool = False) -> None:
         """``data``: the typed data config (:class:`ddlx.config.DataConfig`: the keys, their types,
-        ranges and defaults); ``batch_size``: this process's share of ``data.batch_size``."""
+        ranges and defaults); ``batch_size``: this process's share of ``data.batch_size``;
+        ``per_worker``: the user stated it (``data.batch_per=worker``), and is told of it so."""
         super().__init__()
         if len(data.mean) != data.channels or len(data.std) != data.channels:
             raise ConfigError(f"data.mean/std have {len(data.mean)}/{len(data.std)} values for {data.channels} channels; "
@@ -238,13 +239,11 @@ class ImageFolderData:
         if data.classes is not None and len(data.classes) != data.num_classes:
             raise ConfigError(f"data.classes lists {len(data.classes)} names but data.num_classes={data.num_classes}: give "
                               f"as many names as classes, or data.classes=null (for your own folder: data=imagefolder)")
-        if data.root is None and (not data.num_images or data.num_images < data.num_classes):
-            raise ConfigError(
-                f"data.num_images={data.num_images}: a synthetic dataset needs at least one image per class "
-                f"(data.num_classes={data.num_classes}); raise data.num_images"
-            )
+        if data.root is None and (problem := synthetic_count_problem(data.num_images, data.num_classes)):
+            raise ConfigError(problem)
         self.data = data
         self.batch_size = batch_size
+        self.per_worker = per_worker
         self.root = Path(data.root) if data.root is not None else None
         self.class_names = tuple(data.classes) if data.classes is not None else tuple(f"class_{i:04d}" for i in range(data.num_classes))
         self.mean, self.std = tuple(data.mean), tuple(data.std)
@@ -265,13 +264,14 @@ class ImageFolderData:
         self.workers_to_say = True  # say_workers_beyond_cores, once a job (a probe's loaders: not at all)
 
     @classmethod
-    def of_process(cls, data, data_parallel: int = 1):
+    def of_process(cls, data, data_parallel: int = 1, per_worker: bool = False):
         """One process's share from the typed ``data`` config: ``data.batch_size`` is the global
-        batch, split evenly over ``data_parallel`` processes."""
+        batch, split evenly over ``data_parallel`` processes; ``per_worker``: the user stated the
+        share (``data.batch_per=worker``, made global by ``ddlx.run.batch_of_workers``)."""
         problems = batch_split_problems(data.batch_size, data_parallel)  # mpi's ranks: known only now
         if problems:
             raise ConfigError(problems[0])
-        return cls(data, data.batch_size // data_parallel)
+        return cls(data, data.batch_size // data_parallel, per_worker)
 
     @property
     def data_folder(self) -> Path:
@@ -325,7 +325,8 @@ class ImageFolderData:
         train, val = chosen[n_val:], chosen[:n_val]
         folder_holds = None if self.is_synthetic else len(samples)
         data_parallel = self.data.batch_size // self.batch_size  # of_process: this process's share
-        if problem := split_too_small(len(chosen), self.data.val_fraction, self.data.batch_size, folder_holds, data_parallel):
+        stated = self.batch_size if self.per_worker else self.data.batch_size
+        if problem := split_too_small(len(chosen), self.data.val_fraction, stated, folder_holds, data_parallel, self.per_worker):
             raise ConfigError(problem)
         mode = "L" if self.data.channels == 1 else "RGB"
         transform = build_transform(self.data.image_size, self.mean, self.std)

@@ -17,7 +17,8 @@ from ..config_check import check_recommend_job, typed_recommend_config
 from ..data.folder import complete_data_config
 from ..errors import ConfigError
 from ..process import wait_for
-from ..job import Batches, Job, cache_outcome, images_of_training_split, split_too_small, validation_images
+from ..job import (Batches, Job, cache_outcome, images_of_training_split, split_too_small, synthetic_count_problem,
+                   validation_images)
 from ..models import check_request
 from ..records import left_out, on_hardware
 from ..strategies import BASELINE
@@ -88,9 +89,9 @@ def job_from_config(cfg: RecommendConfig) -> Job:
     data = cfg.data
     folder = complete_data_config(data)
     count = data.num_images
+    if folder is None and (problem := synthetic_count_problem(count, data.num_classes)):  # the probes write it
+        raise ConfigError(problem)
     if count is None:
-        if folder is None:
-            raise ConfigError("data.num_images=null needs data.root to count the images; give data.num_images=N")
         count = len(folder.samples)
     elif folder is not None:
         count = min(count, len(folder.samples))  # train.py trains on all of them where fewer are there

@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Optional
 
 from .allocator import AUTO
 from .allocator import CHOICES as ALLOCATORS
-from .job import BATCH_PER, CACHE_CHOICES
+from .job import BATCH_PER, CACHE_CHOICES, MIN_IMAGE_SIZE
 from .compiling import COMPILE_MODES, MEMORY_FORMATS, OPTIMIZER_IMPLEMENTATIONS
 from .knobs import MISSING, knob
 from .strategies import STRATEGIES
@@ -43,7 +43,7 @@ class DataConfig:
     classes: Optional[List[str]] = None
     num_classes: Optional[int] = knob(None, low=2)
     channels: Optional[int] = knob(None, choices=(1, 3))
-    image_size: int = knob(low=1)
+    image_size: int = knob(low=MIN_IMAGE_SIZE)
     batch_size: int = knob(low=1)  # the global batch; with batch_per=worker, each data-parallel process's
     batch_per: str = knob("global", choices=BATCH_PER)
     num_workers: int = knob(0, low=0)  # loader processes, persistent; they read the next epoch ahead (ddlx.data.spanning)

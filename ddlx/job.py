@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 from .allocator import SYSTEM
 
 FP32 = "32-true"
+MIN_IMAGE_SIZE = 16  # the smallest square input every model takes (data.image_size's bound)
 # Lightning's short names for its precisions, and what they mean.
 PRECISION_ALIASES = {"32": FP32, "16": "16-mixed", "bf16": "bf16-mixed", "64": "64-true", "None": FP32, "": FP32}
 

@@ -16,6 +16,7 @@ from typing import Callable
 
 from .config import TrainConfig
 from .epoch_batches import process_batches, trainer_batch_problems
+from .data.statistics import standard_statistics
 from .errors import ConfigError, missing_data_root, unset_data_root
 from .job import batch_split_problems, split_too_small, synthetic_count_problem, validation_images
 from .strategies import STRATEGIES
@@ -31,6 +32,14 @@ def check_before_torch(cfg: TrainConfig) -> None:
 def data_problems(data) -> list[str]:
     """Values of the data config (:class:`~ddlx.config.DataConfig`) its keys' ranges cannot say."""
     problems = []
+    for key, standard in zip(("mean", "std"), standard_statistics(data.channels or 3)):  # (null: the folder's)
+        values = getattr(data, key)
+        if values is not None and data.channels is not None and len(values) != data.channels:
+            problems.append(f"data.{key}={list(values)} has {len(values)} value(s) for data.channels={data.channels}; "
+                            f"give one per channel, e.g. data.{key}=[{','.join(map(str, standard))}]")
+    if data.classes is not None and data.num_classes is not None and len(data.classes) != data.num_classes:
+        problems.append(f"data.classes lists {len(data.classes)} names but data.num_classes={data.num_classes}: give as many "
+                        f"names as classes, or data.classes=null (for your own folder: data=imagefolder)")
     if data.std is not None and any(value <= 0 for value in data.std):
         problems.append(f"data.std={list(data.std)}: every pixel is divided by it; give values > 0, one per channel")
     sizes = list(data.synthetic_size)

@@ -472,6 +472,29 @@ def test_a_synthetic_set_over_ranks_a_launcher_starts_is_left_to_them():
     assert "data.batch_size=32 per process" in problem
 
 
+@pytest.mark.parametrize("overrides,said", [
+    (["data.mean=[0.5]"], r"^data.mean=\[0.5\] has 1 value\(s\) for data.channels=3; give one per channel, e.g. "
+                          r"data.mean=\[0.485,0.456,0.406\]$"),
+    (["data.channels=1"], r"^data.mean=\[0.485, 0.456, 0.406\] has 3 value\(s\) for data.channels=1; .*e.g. data.mean=\[0.449\]; "
+                          r"data.std=.*e.g. data.std=\[0.226\]$"),
+    (["data.classes=[a,b]"], r"^data.classes lists 2 names but data.num_classes=3: .*data.classes=null"),
+])
+def test_a_data_config_at_odds_with_itself_is_refused_before_anything_loads(overrides, said):
+    """Said 7 s in by the datamodule, after torch and Lightning, in words with no value to give
+    ('data.mean/std have 3/3 values for 1 channels; give one per channel'). The values offered fit."""
+    from ddlx.preflight import consistency_problems
+
+    problems = consistency_problems(typed_config(compose_config(overrides)))
+    assert re.search(said, "; ".join(problems)), problems
+    offered = re.findall(r"e\.g\. (data\.\w+=\[[^\]]*\])", "; ".join(problems))
+    assert consistency_problems(typed_config(compose_config([*overrides, *offered]))) == [] or not offered
+
+
+def test_an_image_smaller_than_every_model_takes_is_refused_by_its_key():
+    with pytest.raises(ConfigError, match=r"data.image_size=8: expected a value >= 16"):
+        typed_config(compose_config(["data.image_size=8"]))
+
+
 def test_a_config_edited_after_composing_is_checked_again():
     """train() checks what it is given (a rank's config file, an API caller's edits)."""
     from omegaconf import OmegaConf

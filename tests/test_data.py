@@ -20,7 +20,8 @@ from ddlx.allocator import keep_freed_possible
 from ddlx.config import DataConfig
 from ddlx.data.datamodule import ImageFolderDataModule, build_datamodule
 from ddlx.data.synthetic import SyntheticSpec, ensure_synthetic_imagefolder
-from ddlx.data.transforms import IMAGENET_MEAN, IMAGENET_STD, build_transform, flips
+from ddlx.data.statistics import IMAGENET_MEAN, IMAGENET_STD
+from ddlx.data.transforms import build_transform, flips
 from ddlx.errors import ConfigError
 from ddlx.process import wait_for
 
@@ -253,7 +254,7 @@ def test_class_count_mismatch(tmp_path):
 
 def test_bad_knobs_fail_before_any_work(tmp_path):
     """(Each knob's own range is the schema's: tests/test_config.py.)"""
-    with pytest.raises(ConfigError, match="mean/std have 3/3 values for 1 channels"):
+    with pytest.raises(ConfigError, match=r"data.mean=\[0.485, 0.456, 0.406\] has 3 value\(s\) for data.channels=1"):
         fire_module(tmp_path, channels=1)
     with pytest.raises(ConfigError, match="data.num_images=2: .*at least one image per class"):
         fire_module(tmp_path, num_images=2)
@@ -378,7 +379,7 @@ def test_the_loading_probe_times_the_loaders_without_importing_lightning(tmp_pat
     program = f"""
 import sys
 from ddlx.config import DataConfig
-from ddlx.data.transforms import IMAGENET_MEAN, IMAGENET_STD
+from ddlx.data.statistics import IMAGENET_MEAN, IMAGENET_STD
 from ddlx.predict.sequential_time import probe_loading
 data = DataConfig(name="firesmall", num_classes=3, channels=3, image_size=32, batch_size=8, num_images=40,
                   classes={FIRE!r}, num_workers=2, synthetic_dir={str(tmp_path)!r}, synthetic_size=[40, 90],

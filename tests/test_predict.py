@@ -1039,7 +1039,7 @@ def test_recommend_py_names_bad_values(tmp_path):
     assert proc.returncode == 2 and "mode=guess; expected one of recommend, validate, probe" in proc.stderr
     assert "Traceback" not in proc.stderr
     # The same way out (ConfigError, above), in this process: a recommend.py start-up apiece is 5 s.
-    for bad, message in [("data.image_size=8", "data.image_size=8 is too small for model=alexnet; use data.image_size >= 16"),
+    for bad, message in [("data.image_size=8", "data.image_size=8: expected a value >= 16"),
                          ("detected_dir=/proc/ddlx", "detected_dir=/proc/ddlx"),
                          ("close_call=5", "close_call=5; expected a fraction in [0, 1)"),
                          ("probe_max_s=abc", "probe_max_s=abc: expected a number"),

@@ -12,7 +12,7 @@ from pathlib import Path
 from PIL import Image, UnidentifiedImageError
 
 from ..errors import ConfigError, missing_data_root, unset_data_root
-from .transforms import IMAGENET_MEAN, IMAGENET_STD
+from .statistics import standard_statistics
 
 log = logging.getLogger(__name__)
 
@@ -20,8 +20,6 @@ log = logging.getLogger(__name__)
 GRAYSCALE_MODES = frozenset({"1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "F"})
 # Images whose mode decides the channels: a seeded sample, so a large folder is not opened twice.
 CHANNEL_SAMPLE = 256
-# Grayscale statistics: ImageNet's, averaged over its channels.
-GRAY_MEAN, GRAY_STD = (0.449,), (0.226,)
 
 
 @dataclass(frozen=True)
@@ -95,7 +93,7 @@ def complete_data_config(data) -> FolderContents | None:
     if data.channels is None:
         data.channels = folder.channels
     if data.mean is None or data.std is None:
-        data.mean, data.std = (list(GRAY_MEAN), list(GRAY_STD)) if data.channels == 1 else (list(IMAGENET_MEAN), list(IMAGENET_STD))
+        data.mean, data.std = standard_statistics(data.channels)
     if given.get("num_classes", len(folder.classes)) != len(folder.classes):
         raise ConfigError(f"data.num_classes={given['num_classes']} but {folder.root} holds {len(folder.classes)} class "
                           f"folders: leave data.num_classes out (data=imagefolder reads it)")

@@ -20,6 +20,7 @@ from ..errors import ConfigError
 from ..epoch_batches import epoch_trained
 from ..job import batch_split_problems, split_too_small, synthetic_count_problem, validation_images
 from ..parallel.data_replicas import data_replicas
+from ..preflight import data_problems
 from ..process import launch_rank
 from .folder import scan_imagefolder
 from .synthetic import SyntheticSpec, ensure_synthetic_imagefolder, write_ahead
@@ -233,14 +234,11 @@ class ImageFolderData:
         ranges and defaults); ``batch_size``: this process's share of ``data.batch_size``;
         ``per_worker``: the user stated it (``data.batch_per=worker``), and is told of it so."""
         super().__init__()
-        if len(data.mean) != data.channels or len(data.std) != data.channels:
-            raise ConfigError(f"data.mean/std have {len(data.mean)}/{len(data.std)} values for {data.channels} channels; "
-                              f"give one per channel")
-        if data.classes is not None and len(data.classes) != data.num_classes:
-            raise ConfigError(f"data.classes lists {len(data.classes)} names but data.num_classes={data.num_classes}: give "
-                              f"as many names as classes, or data.classes=null (for your own folder: data=imagefolder)")
+        problems = data_problems(data)  # (train.py's and recommend.py's checks said them already)
         if data.root is None and (problem := synthetic_count_problem(data.num_images, data.num_classes)):
-            raise ConfigError(problem)
+            problems.append(problem)
+        if problems:
+            raise ConfigError("; ".join(problems))
         self.data = data
         self.batch_size = batch_size
         self.per_worker = per_worker

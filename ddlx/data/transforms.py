@@ -6,12 +6,7 @@ from collections.abc import Sequence
 import torch
 from PIL import Image
 
-# torchvision is imported where it is used: the recommender reads this module's statistics
-# (through ``folder``) and should not pay torchvision's import (seconds) to do so.
-
-# Lerat et al. 2022, section 3.2 (the ImageNet statistics).
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
+# torchvision is imported where it is used: its import takes seconds.
 MASK64 = 2**64 - 1
 
 

@@ -5,6 +5,7 @@ from functools import partial
 from typing import Callable
 
 from ..errors import ConfigError
+from ..job import MIN_IMAGE_SIZE
 from .alexnet import build_alexnet
 from .layered import LayeredModel
 from .mobilenet import build_mobilenet_v2
@@ -13,7 +14,6 @@ from .vgg import build_vgg
 
 # Inputs smaller than this use the CIFAR/MNIST variants of Jansen's thesis Appendix A.
 SMALL_INPUT_BELOW = 64
-MIN_IMAGE_SIZE = 16
 
 _BUILDERS: dict[str, Callable[..., LayeredModel]] = {
     "alexnet": build_alexnet,

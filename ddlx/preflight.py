@@ -81,6 +81,11 @@ def consistency_problems(cfg: TrainConfig) -> list[str]:
     parallel = STRATEGIES[cfg.strategy.name].data_parallel(cfg.strategy)
     if cfg.data.batch_per == "global" and parallel:
         problems += batch_split_problems(cfg.data.batch_size, parallel)
+    per_worker = cfg.data.batch_per == "worker"
+    if per_worker or (parallel and cfg.data.batch_size % parallel == 0):  # each process's batch is known
+        batch = cfg.data.batch_size if per_worker else cfg.data.batch_size // parallel
+        if problem := STRATEGIES[cfg.strategy.name].batch_problem(cfg.strategy, batch, cfg.data.batch_size, per_worker):
+            problems.append(problem)
     problems += synthetic_set_problems(cfg, parallel)
     if cfg.model.memory_format == "channels_last" and \
             (why := STRATEGIES[cfg.strategy.name].channels_last_problem(cfg.strategy)):

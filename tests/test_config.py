@@ -495,6 +495,27 @@ def test_an_image_smaller_than_every_model_takes_is_refused_by_its_key():
         typed_config(compose_config(["data.image_size=8"]))
 
 
+@pytest.mark.parametrize("overrides,said", [
+    (["strategy=pipe", "strategy.chunks=100"], r"^strategy.chunks=100 is larger than the batch of 32 each pipeline gets "
+                                               r"\(data.batch_size=32\): .*use strategy.chunks<=32$"),
+    (["strategy=pipe", "strategy.engine=torch", "strategy.chunks=5"], r"^strategy.chunks=5 does not divide data.batch_size=32: "
+                                                                     r".*e.g. strategy.chunks=4$"),
+    (["strategy=hybrid", "strategy.local=pipe", "strategy.chunks=32"], r"the batch of 16 each pipeline gets \(data.batch_size=32 "
+                                                                      r"over 2 pipelines \(16 each\)\).*strategy.chunks<=16$"),
+    (["strategy=mpi", "strategy.local=pipe", "strategy.chunks=64", "data.batch_per=worker"],
+     r"the batch of 32 each pipeline gets \(data.batch_size=32 per pipeline \(data.batch_per=worker\)\).*strategy.chunks<=32$"),
+])
+def test_micro_batches_a_pipelines_batch_cannot_fill_are_refused_before_anything_loads(overrides, said):
+    """Said 6 s in, after torch, Lightning and the model, where the batch and the chunks tell it.
+    The chunks offered are taken."""
+    from ddlx.preflight import consistency_problems
+
+    (problem,) = consistency_problems(typed_config(compose_config(overrides)))
+    assert re.search(said, problem), problem
+    offered = re.search(r"(strategy.chunks)(?:<=|=)(\d+)$", problem)
+    assert consistency_problems(typed_config(compose_config([*overrides, f"{offered[1]}={offered[2]}"]))) == []
+
+
 def test_a_config_edited_after_composing_is_checked_again():
     """train() checks what it is given (a rank's config file, an API caller's edits)."""
     from omegaconf import OmegaConf

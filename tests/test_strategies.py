@@ -546,6 +546,18 @@ def test_an_empty_or_unknown_device_list_is_named_with_a_working_one():
         _plan("strategy=hybrid", "strategy.devices=[cpu,cpu]")
 
 
+@pytest.mark.parametrize("engine", ["fairscale", "torch"])
+def test_a_batch_stated_per_pipeline_is_each_pipelines_in_the_first_plan(engine):
+    """data.batch_per=worker: the plan made to count the processes (before ddlx.run.batch_of_workers
+    makes the batch global) split the stated batch over the pipelines, and refused chunks=32 for
+    a batch of 32 per pipeline as 'larger than the batch of 16'."""
+    plan = _plan("strategy=hybrid", "strategy.local=pipe", f"strategy.engine={engine}", "strategy.chunks=32", "data.batch_per=worker")
+    assert plan.data_parallel == 2
+    with pytest.raises(ConfigError, match=r"strategy.chunks=64 is larger than the batch of 32 each pipeline gets \(data.batch_size=32 "
+                                          r"per pipeline \(data.batch_per=worker\)\)"):
+        _plan("strategy=hybrid", "strategy.local=pipe", f"strategy.engine={engine}", "strategy.chunks=64", "data.batch_per=worker")
+
+
 def test_pipe_knobs_are_checked():
     with pytest.raises(ConfigError, match=r"strategy.balance=\[3,3\] .*summing to alexnet's 22 layers.*strategy.balance=\[10,12\]"):
         _plan("strategy=pipe", "strategy.balance=[3,3]")
@@ -568,8 +580,11 @@ def test_pipe_knobs_are_checked():
     example = [int(n) for n in re.search(r"e.g. strategy.balance=\[([\d,]+)\]", str(refused.value)).group(1).split(",")]
     assert len(example) == 4 and sum(example) == 22 and min(example) >= 1, "the example itself is taken (alexnet: 22 layers)"
     # PyTorch's schedules as the pipelines of a data-parallel job: each pipeline's share is divided.
-    with pytest.raises(ConfigError, match=r"strategy.chunks=32 does not divide data.batch_size=32 over 2 pipelines \(16 each\)"):
+    with pytest.raises(ConfigError, match=r"strategy.chunks=32 is larger than the batch of 16 each pipeline gets \(data.batch_size=32 "
+                                          r"over 2 pipelines \(16 each\)\).*strategy.chunks<=16"):
         _plan("strategy=hybrid", "strategy.local=pipe", "strategy.engine=torch", "strategy.chunks=32")
+    with pytest.raises(ConfigError, match=r"strategy.chunks=12 does not divide data.batch_size=32 over 2 pipelines \(16 each\)"):
+        _plan("strategy=hybrid", "strategy.local=pipe", "strategy.engine=torch", "strategy.chunks=12")
     with pytest.raises(ConfigError, match=r"strategy.engine=torch .*strategy.local=split.*strategy.local=pipe strategy.engine=torch"):
         _plan("strategy=hybrid", "strategy.local=split", "strategy.engine=torch")
     plan = _plan("strategy=hybrid", "strategy.local=pipe", "strategy.engine=torch", "strategy.schedule=1f1b")

@@ -15,7 +15,7 @@ from ..costmodel.costs import (FORWARD_SHARE, RECOMPUTE, REPLICA_SHARE, cost, gp
 from ..parallel.schedules import SCHEDULES
 from ..costmodel.perf_models import Link, gpipe_comm_s, gpipe_compute_s, pipeline_schedule_s
 from .parts.pipelines import (ENGINES, PIPE_CHECKPOINT, chunk_counts, compile_by_layers_or_refuse, default_balance, engine_group,
-                        TORCH_PIPELINE_CHANNELS_LAST, TorchPipeline, engine_refused_precisions, pipe_knobs, pipeline_takes, smallest_micro_batch, torch_batch_s,
+                        TORCH_PIPELINE_CHANNELS_LAST, TorchPipeline, engine_refused_precisions, pipe_knobs, pipeline_batch_problem, smallest_micro_batch, torch_batch_s,
                         torch_pipeline, torch_rank_bytes)
 from .spec import TIMEOUT_S, Setup, StrategyPlan, StrategySpec, accelerator_of
 
@@ -67,8 +67,8 @@ class Pipe(StrategySpec):
     def smallest_piece(self, cfg, batch: int) -> int:
         return smallest_micro_batch(cfg, batch)
 
-    def takes_batch(self, cfg, batch: int) -> bool:
-        return pipeline_takes(cfg, batch)
+    def batch_problem(self, cfg, batch: int, batch_size: int, per_worker: bool = False) -> str | None:
+        return pipeline_batch_problem(cfg, batch, batch_size, per_worker)
 
     def channels_last_problem(self, cfg) -> str | None:
         return TORCH_PIPELINE_CHANNELS_LAST if cfg.engine == "torch" else None

@@ -45,11 +45,8 @@ CHUNKS = (2, 4, 8, 16)  # the micro-batch counts a user would try
 def pipe_knobs(cfg, model, data, per_process_batch: int, stages: int):
     """Checked (chunks, balance, checkpoint, micro-batch sample shape) of a pipelined network."""
     chunks = cfg.chunks
-    if chunks > per_process_batch:
-        raise ConfigError(
-            f"strategy.chunks={chunks} is larger than the batch of {per_process_batch} each pipeline gets "
-            f"(data.batch_size={data.batch_size}): every micro-batch needs a sample; use strategy.chunks<={per_process_batch}"
-        )
+    if problem := pipeline_batch_problem(cfg, per_process_batch, data.batch_size, data.batch_per == "worker"):
+        raise ConfigError(problem)
     balance = checked_balance(cfg.balance, model, stages, "one per device")
     sample = (max(1, per_process_batch // chunks), data.channels, data.image_size, data.image_size)
     return chunks, balance, cfg.checkpoint, sample
@@ -70,10 +67,34 @@ TORCH_PIPELINE_CHANNELS_LAST = ("PyTorch's pipeline schedules fail to pass chann
                                 "model.memory_format=contiguous, or strategy.engine=fairscale")
 
 
-def pipeline_takes(cfg, batch: int) -> bool:
-    """Whether a pipeline of ``cfg`` takes a batch of ``batch`` (each pipeline's): a sample for every
-    micro-batch (:func:`pipe_knobs`), and equal micro-batches under PyTorch's schedules (:func:`torch_pipeline`)."""
-    return cfg.chunks <= batch and (cfg.engine != "torch" or batch % cfg.chunks == 0)
+def pipeline_batch_problem(cfg, batch: int, batch_size: int, per_worker: bool = False) -> str | None:
+    """Why a pipeline of ``cfg`` cannot take a batch of ``batch`` (each pipeline's, of the user's
+    ``data.batch_size``: :func:`pipelines_share`), with the fix; None where it can: a sample for
+    every micro-batch, and equal micro-batches under PyTorch's schedules."""
+    chunks, share = cfg.chunks, pipelines_share(batch_size, batch, per_worker)
+    if chunks > batch:
+        return (f"strategy.chunks={chunks} is larger than the batch of {batch} each pipeline gets ({share}): every "
+                f"micro-batch needs a sample; use strategy.chunks<={batch}")
+    if cfg.engine == "torch" and batch % chunks:
+        return (f"strategy.chunks={chunks} does not divide {share}: PyTorch's schedules need equal micro-batches; use a "
+                f"divisor of {batch}, e.g. strategy.chunks={micro_batches(batch, chunks)}")
+    return None
+
+
+def pipeline_batch(data, replicas: int) -> int:
+    """Each of ``replicas`` pipelines' batch: its share of ``data.batch_size``, or with
+    ``data.batch_per=worker`` the batch itself (a plan made before ``ddlx.run.batch_of_workers``
+    makes it global, to count the processes, refuses only what the plan after it would)."""
+    return data.batch_size if data.batch_per == "worker" else data.batch_size // replicas
+
+
+def pipelines_share(batch_size: int, batch: int, per_worker: bool = False) -> str:
+    """Each pipeline's ``batch`` as the user's ``data.batch_size`` gives it: theirs, with
+    ``per_worker`` (``data.batch_per=worker``), else a share of the global ``batch_size``."""
+    if per_worker:
+        return f"data.batch_size={batch} per pipeline (data.batch_per=worker)"
+    replicas = batch_size // batch
+    return f"data.batch_size={batch_size}" + (f" over {replicas} pipelines ({batch} each)" if replicas > 1 else "")
 
 
 def torch_pipeline(cfg, devices, model, data, name: str, replicas: int = 1, width: int | None = None, **strategy_kwargs):
@@ -91,11 +112,9 @@ def torch_pipeline(cfg, devices, model, data, name: str, replicas: int = 1, widt
                           f"strategy.checkpoint=always or never, or strategy.engine=fairscale")
     schedule, chunks = SCHEDULES[cfg.schedule], cfg.chunks
     width = width or len(devices) // replicas
-    batch = data.batch_size // replicas  # each pipeline's share
-    share = f"data.batch_size={data.batch_size}" + (f" over {replicas} pipelines ({batch} each)" if replicas > 1 else "")
-    if batch % chunks:
-        raise ConfigError(f"strategy.chunks={chunks} does not divide {share}: PyTorch's schedules need "
-                          f"equal micro-batches; use a divisor of {batch}, e.g. strategy.chunks={micro_batches(batch, chunks)}")
+    batch = pipeline_batch(data, replicas)
+    if problem := pipeline_batch_problem(cfg, batch, data.batch_size, data.batch_per == "worker"):
+        raise ConfigError(problem)
     if schedule.micro_at_least_ranks and chunks < width:
         raise ConfigError(f"strategy.schedule={cfg.schedule} needs at least one micro-batch per stage: strategy.chunks={chunks} "
                           f"< {width} stages; use strategy.chunks>={width}")

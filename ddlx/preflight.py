@@ -15,10 +15,11 @@ from pathlib import Path
 from typing import Callable
 
 from .config import TrainConfig
+from .costmodel.numerics import CPU_FP16
 from .epoch_batches import process_batches, trainer_batch_problems
 from .data.statistics import standard_statistics
 from .errors import ConfigError, missing_data_root, unset_data_root
-from .job import batch_split_problems, split_too_small, synthetic_count_problem, validation_images
+from .job import precision_of, batch_split_problems, split_too_small, synthetic_count_problem, validation_images
 from .strategies import STRATEGIES
 
 
@@ -192,9 +193,24 @@ def folder_problem(folder, setting: str, fix: str) -> str | None:
 
 def machine_problems(cfg: TrainConfig) -> list[str]:
     spec = STRATEGIES[cfg.strategy.name]
-    if not spec.needs_gpu(cfg.strategy, cfg.trainer.accelerator) or gpu_may_be_present():
+    if not spec.needs_gpu(cfg.strategy, cfg.trainer.accelerator):
+        on_cpu = cfg.trainer.accelerator == "cpu" or not gpu_may_be_present()  # (else known once planned)
+        return [problem] if (problem := precision_problem(cfg, spec.refused_precisions(cfg.strategy), on_cpu)) else []
+    if gpu_may_be_present():
         return []
     return [spec.no_gpu_problem(cfg.strategy, cfg.trainer.accelerator)]
+
+
+def precision_problem(cfg: TrainConfig, refused: dict[str, str], on_cpu: bool) -> str | None:
+    """Why the job cannot train in its ``trainer`` config's precision or batch norm: ``refused``
+    by its strategy (precision: why), or ``on_cpu``; None where it can."""
+    why = {**refused, **(CPU_FP16 if on_cpu else {})}.get(precision_of(cfg.trainer.precision))
+    if why is not None:
+        return f"trainer.precision={cfg.trainer.precision} with strategy={cfg.strategy.name}: {why}"
+    if cfg.trainer.sync_batchnorm and on_cpu:  # torch's SyncBatchNorm would fail at the first step
+        return ("trainer.sync_batchnorm=true: torch's SyncBatchNorm runs only on CUDA devices; train on GPUs (trainer=gpu) "
+                "or set trainer.sync_batchnorm=false")
+    return None
 
 
 def gpu_may_be_present() -> bool:

@@ -58,8 +58,7 @@ from .parallel.launch import (
 from .parallel.network import stages_run
 from .parallel.same_job import SameJobOnEveryRank
 from .costmodel.memory import GIB, estimate_training_memory
-from .costmodel.numerics import CPU_FP16
-from .preflight import check_before_torch
+from .preflight import check_before_torch, precision_problem
 from .process import launch_rank, outside_launcher, rank_logging
 from .records import not_counted, run_name
 from .single_sample import check_single_sample_batches
@@ -428,13 +427,8 @@ def prepare_job(cfg: TrainConfig, tags: dict, rank0: bool):
             raise ConfigError(f"trainer.{key}={getattr(cfg.trainer, key)} with strategy={cfg.strategy.name}: {why}, "
                               f"or trainer.{key}=null")
     on_cpu = plan.trainer_kwargs.get("accelerator", cfg.trainer.accelerator) == "cpu" or not torch.cuda.is_available()
-    refused = {**plan.refused_precisions, **(CPU_FP16 if on_cpu else {})}  # on CPU, Lightning's own first
-    why = refused.get(precision_of(cfg.trainer.precision))
-    if why is not None:
-        raise ConfigError(f"trainer.precision={cfg.trainer.precision} with strategy={cfg.strategy.name}: {why}")
-    if cfg.trainer.sync_batchnorm and on_cpu:  # torch's SyncBatchNorm would fail at the first step
-        raise ConfigError("trainer.sync_batchnorm=true: torch's SyncBatchNorm runs only on CUDA devices; "
-                          "train on GPUs (trainer=gpu) or set trainer.sync_batchnorm=false")
+    if problem := precision_problem(cfg, plan.refused_precisions, on_cpu):  # (the plan tells where it runs)
+        raise ConfigError(problem)
     per_worker = cfg.data.batch_per == "worker"
     if per_worker:
         plan = batch_of_workers(cfg, plan, meta, rank0)

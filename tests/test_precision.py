@@ -69,6 +69,22 @@ def test_sync_batchnorm_on_cpu_is_refused_before_any_work(tiny_config):
         train(cfg, output_dir=cfg.paths.root)
 
 
+@pytest.mark.parametrize("overrides,said", [
+    (["trainer.precision=16"], r"^trainer.precision=16 with strategy=sequential: on CPU Lightning trains 16-mixed as bf16-mixed"),
+    (["strategy=ddp_gloo", "trainer.sync_batchnorm=true"], r"^trainer.sync_batchnorm=true: .*trainer.sync_batchnorm=false$"),
+])
+def test_what_a_cpu_cannot_train_in_is_refused_before_torch_loads(monkeypatch, overrides, said):
+    """Said 6 s in, after torch, Lightning and the model, where the machine already tells it."""
+    from conftest import compose_config
+
+    from ddlx.config_check import typed_config
+    from ddlx.preflight import check_before_torch
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # a machine without a GPU, whichever runs the test
+    with pytest.raises(ConfigError, match=said):
+        check_before_torch(typed_config(compose_config(overrides)))
+
+
 @pytest.mark.parametrize("strategy, refuses", [(["strategy=cpu_mp"], True), (["strategy=fsdp"], True),
                                                (["strategy=pipe", "strategy.engine=torch"], True),
                                                (["strategy=pipe"], False), (["strategy=ddp_gloo"], False)])

@@ -76,7 +76,7 @@ def split_too_small(images: int, val_fraction: float, batch_size: int, folder_ho
             fixes.append(" and ".join(filter(None, ["lower data.val_fraction", more])))
         else:
             fixes.append("add images to the folder")
-    over = " per process (data.batch_per=worker)" if per_worker else f" over {data_parallel} processes" if data_parallel > 1 else ""
+    over = " per worker (data.batch_per=worker)" if per_worker else f" over {data_parallel} processes" if data_parallel > 1 else ""
     return (f"the training split has {train} images ({images} images, data.val_fraction={val_fraction}) but "
             f"data.batch_size={batch_size}{over}: {' or '.join(fixes)}")
 

@@ -85,7 +85,8 @@ def consistency_problems(cfg: TrainConfig) -> list[str]:
     per_worker = cfg.data.batch_per == "worker"
     if per_worker or (parallel and cfg.data.batch_size % parallel == 0):  # each process's batch is known
         batch = cfg.data.batch_size if per_worker else cfg.data.batch_size // parallel
-        if problem := STRATEGIES[cfg.strategy.name].batch_problem(cfg.strategy, batch, cfg.data.batch_size, per_worker):
+        if problem := STRATEGIES[cfg.strategy.name].batch_problem(cfg.strategy, batch, cfg.data.batch_size, parallel or 1,
+                                                                  per_worker):
             problems.append(problem)
     problems += synthetic_set_problems(cfg, parallel)
     if cfg.model.memory_format == "channels_last" and \
@@ -193,23 +194,25 @@ def folder_problem(folder, setting: str, fix: str) -> str | None:
 
 def machine_problems(cfg: TrainConfig) -> list[str]:
     spec = STRATEGIES[cfg.strategy.name]
-    if not spec.needs_gpu(cfg.strategy, cfg.trainer.accelerator):
-        on_cpu = cfg.trainer.accelerator == "cpu" or not gpu_may_be_present()  # (else known once planned)
-        return [problem] if (problem := precision_problem(cfg, spec.refused_precisions(cfg.strategy), on_cpu)) else []
-    if gpu_may_be_present():
-        return []
-    return [spec.no_gpu_problem(cfg.strategy, cfg.trainer.accelerator)]
+    gpus = gpu_may_be_present()
+    if spec.needs_gpu(cfg.strategy, cfg.trainer.accelerator) and not gpus:
+        return [spec.no_gpu_problem(cfg.strategy, cfg.trainer.accelerator)]
+    # On CPU for sure only without a GPU: with one, the plan may place the job there whatever the
+    # trainer says (split, pipe and hybrid take the GPUs devices=auto finds), and ddlx.run checks it.
+    problem = precision_problem(cfg, spec.refused_precisions(cfg.strategy), on_cpu=not gpus, gpus_here=gpus)
+    return [problem] if problem else []
 
 
-def precision_problem(cfg: TrainConfig, refused: dict[str, str], on_cpu: bool) -> str | None:
+def precision_problem(cfg: TrainConfig, refused: dict[str, str], on_cpu: bool, gpus_here: bool) -> str | None:
     """Why the job cannot train in its ``trainer`` config's precision or batch norm: ``refused``
-    by its strategy (precision: why), or ``on_cpu``; None where it can."""
+    by its strategy (precision: why), or ``on_cpu``; None where it can. ``gpus_here``: whether
+    training on GPUs is a fix to offer."""
     why = {**refused, **(CPU_FP16 if on_cpu else {})}.get(precision_of(cfg.trainer.precision))
     if why is not None:
         return f"trainer.precision={cfg.trainer.precision} with strategy={cfg.strategy.name}: {why}"
     if cfg.trainer.sync_batchnorm and on_cpu:  # torch's SyncBatchNorm would fail at the first step
-        return ("trainer.sync_batchnorm=true: torch's SyncBatchNorm runs only on CUDA devices; train on GPUs (trainer=gpu) "
-                "or set trainer.sync_batchnorm=false")
+        return ("trainer.sync_batchnorm=true: torch's SyncBatchNorm runs only on CUDA devices; "
+                + ("train on GPUs (trainer=gpu) or set " if gpus_here else "set ") + "trainer.sync_batchnorm=false")
     return None
 
 

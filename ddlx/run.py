@@ -427,7 +427,7 @@ def prepare_job(cfg: TrainConfig, tags: dict, rank0: bool):
             raise ConfigError(f"trainer.{key}={getattr(cfg.trainer, key)} with strategy={cfg.strategy.name}: {why}, "
                               f"or trainer.{key}=null")
     on_cpu = plan.trainer_kwargs.get("accelerator", cfg.trainer.accelerator) == "cpu" or not torch.cuda.is_available()
-    if problem := precision_problem(cfg, plan.refused_precisions, on_cpu):  # (the plan tells where it runs)
+    if problem := precision_problem(cfg, plan.refused_precisions, on_cpu, torch.cuda.is_available()):  # (the plan tells where)
         raise ConfigError(problem)
     per_worker = cfg.data.batch_per == "worker"
     if per_worker:

@@ -63,7 +63,7 @@ def check_single_sample_batches(cfg, model: nn.Module, data_parallel: int, train
                                 per_worker: bool = False) -> None:
     """Refuse, naming the fix, a job that would give a layer of ``model`` (meta) a single image
     where one image cannot train (:func:`trains_on_one_sample`); ``per_worker``: the user stated
-    data.batch_size per process (data.batch_per=worker), as the fix then gives it."""
+    data.batch_size per worker (data.batch_per=worker), as the fix then gives it."""
     pieces = one_sample_pieces(cfg, cfg.data.batch_size, data_parallel, train_images)
     data = cfg.data
     if not pieces or trains_on_one_sample(model, data.channels, data.image_size):

@@ -445,7 +445,7 @@ def test_a_warm_up_that_leaves_no_epoch_is_answered_with_a_warm_up_and_three_tim
                              r"data.batch_size=32: lower data.batch_size to at most 8 or raise data.num_images$"),
     (["data.num_images=10", "strategy=cpu_mp"], r"data.batch_size=32 over 2 processes: lower data.batch_size to at most 16 "),
     (["data.num_images=20", "data.batch_per=worker", "strategy=cpu_mp"],
-     r"data.batch_size=32 per process \(data.batch_per=worker\): lower data.batch_size to at most 16 "),
+     r"data.batch_size=32 per worker \(data.batch_per=worker\): lower data.batch_size to at most 16 "),
     (["data.num_images=2"], r"^data.num_images=2: a synthetic dataset needs at least one image per class \(data.num_classes=3\)"),
     (["data.num_images=null"], r"^data.num_images=null .*synthetic set \(no data.root\).*give data.num_images=N$"),
     (["data.num_images=200", "trainer.val_check_interval=50"], r"^trainer.val_check_interval=50 batches, but an epoch trains 5 "),
@@ -469,7 +469,7 @@ def test_a_synthetic_set_over_ranks_a_launcher_starts_is_left_to_them():
     (uneven,) = consistency_problems(typed_config(compose_config(["strategy=ddp_gloo", "strategy.processes=99"])))
     assert "must split evenly over the 99 processes" in uneven, "said once, as a batch that does not split"
     (problem,) = consistency_problems(typed_config(compose_config(["strategy=mpi", "data.num_images=10", "data.batch_per=worker"])))
-    assert "data.batch_size=32 per process" in problem
+    assert "data.batch_size=32 per worker" in problem
 
 
 @pytest.mark.parametrize("overrides,said", [

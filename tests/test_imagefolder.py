@@ -172,13 +172,13 @@ def test_a_split_too_small_for_a_batch_per_process_is_said_in_the_batch_as_state
     from ddlx.job import split_too_small
 
     assert split_too_small(20, 0.2, 32, data_parallel=2, per_worker=True) == (
-        "the training split has 16 images (20 images, data.val_fraction=0.2) but data.batch_size=32 per process "
+        "the training split has 16 images (20 images, data.val_fraction=0.2) but data.batch_size=32 per worker "
         "(data.batch_per=worker): lower data.batch_size to at most 16 or raise data.num_images")
     assert split_too_small(20, 0.2, 16, data_parallel=2, per_worker=True) is None
     root = write_digits(tmp_path / "few", per_class=2)  # 20 images, 16 to train on
     cfg = typed_config(tiny_config("data=imagefolder", f"data.root={root}", "data.num_images=null", "data.batch_size=36"))
     complete_data_config(cfg.data)  # (36 per process over 2: ddlx.run.batch_of_workers makes it 72)
-    with pytest.raises(ConfigError, match=r"data.batch_size=36 per process \(data.batch_per=worker\): lower "
+    with pytest.raises(ConfigError, match=r"data.batch_size=36 per worker \(data.batch_per=worker\): lower "
                                           r"data.batch_size to at most 16 or add images to the folder$"):
         build_datamodule(dataclasses.replace(cfg.data, batch_size=72), 2, per_worker=True).setup()
 

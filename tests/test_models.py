@@ -89,7 +89,7 @@ def test_paper_split_points(arch, convs_before_split):
 def test_bad_requests_are_clear():
     with pytest.raises(ConfigError, match="unknown model 'vgg19'.*alexnet"):
         build_model("vgg19", 3)
-    with pytest.raises(ConfigError, match="image_size=8 is too small"):
+    with pytest.raises(ConfigError, match=r"data.image_size=8: expected a value >= 16"):
         build_model("alexnet", 3, 3, 8)
     with pytest.raises(KeyError, match="no cut point 'nope'"):
         build_model("resnet18", 3, 3, 32).cut("nope")

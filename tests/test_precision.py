@@ -71,7 +71,7 @@ def test_sync_batchnorm_on_cpu_is_refused_before_any_work(tiny_config):
 
 @pytest.mark.parametrize("overrides,said", [
     (["trainer.precision=16"], r"^trainer.precision=16 with strategy=sequential: on CPU Lightning trains 16-mixed as bf16-mixed"),
-    (["strategy=ddp_gloo", "trainer.sync_batchnorm=true"], r"^trainer.sync_batchnorm=true: .*trainer.sync_batchnorm=false$"),
+    (["strategy=ddp_gloo", "trainer.sync_batchnorm=true"], r"^trainer.sync_batchnorm=true: [^;]*; set trainer.sync_batchnorm=false$"),
 ])
 def test_what_a_cpu_cannot_train_in_is_refused_before_torch_loads(monkeypatch, overrides, said):
     """Said 6 s in, after torch, Lightning and the model, where the machine already tells it."""
@@ -83,6 +83,25 @@ def test_what_a_cpu_cannot_train_in_is_refused_before_torch_loads(monkeypatch, o
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # a machine without a GPU, whichever runs the test
     with pytest.raises(ConfigError, match=said):
         check_before_torch(typed_config(compose_config(overrides)))
+
+
+@pytest.mark.parametrize("overrides,refused", [
+    (["strategy=split", "trainer.precision=16-mixed"], False),  # trainer=default, but split takes the GPUs it finds
+    (["strategy=pipe", "trainer.precision=16-mixed"], False),
+    (["strategy=hybrid", "trainer.sync_batchnorm=true"], False),
+    (["strategy=fsdp", "trainer=gpu", "trainer.precision=16-mixed"], True),  # the strategy's own, on any device
+])
+def test_a_machine_with_gpus_is_not_taken_for_a_cpu_before_the_plan_says_where_the_job_runs(monkeypatch, overrides, refused):
+    """The check before torch refused jobs whose plan puts them on the GPUs (16-mixed 'on CPU')."""
+    from conftest import compose_config
+
+    from ddlx import preflight
+    from ddlx.config_check import typed_config
+
+    monkeypatch.setattr(preflight, "gpu_may_be_present", lambda: True)
+    problems = preflight.machine_problems(typed_config(compose_config(overrides)))
+    assert bool(problems) == refused, problems
+    assert not any("CPU" in problem for problem in problems)
 
 
 @pytest.mark.parametrize("strategy, refuses", [(["strategy=cpu_mp"], True), (["strategy=fsdp"], True),

@@ -546,6 +546,22 @@ def test_an_empty_or_unknown_device_list_is_named_with_a_working_one():
         _plan("strategy=hybrid", "strategy.devices=[cpu,cpu]")
 
 
+def test_a_pipelines_refusal_counts_the_pipelines_and_offers_chunks_its_schedule_takes():
+    """mpi's ranks: 32 over 7 pipelines was said as 'over 8 pipelines (4 each)'. Under 1f1b (a
+    micro-batch per stage at least), batch 7 was offered strategy.chunks=1, which 1f1b refuses."""
+    from types import SimpleNamespace
+
+    from ddlx.strategies.parts.pipelines import pipeline_batch_problem
+
+    knobs = SimpleNamespace(chunks=8, engine="fairscale", schedule="gpipe")
+    assert "(data.batch_size=32 over 7 pipelines (4 each))" in pipeline_batch_problem(knobs, 4, 32, 7, 2)
+    with pytest.raises(ConfigError, match=r"use a divisor of 7 of at least 2, e.g. strategy.chunks=7$"):
+        _plan("strategy=pipe", "strategy.engine=torch", "strategy.schedule=1f1b", "data.batch_size=7")
+    _plan("strategy=pipe", "strategy.engine=torch", "strategy.schedule=1f1b", "data.batch_size=7", "strategy.chunks=7")
+    with pytest.raises(ConfigError, match=r"strategy.chunks=1 < 2 stages; .*e.g. strategy.chunks=2$"):
+        _plan("strategy=pipe", "strategy.engine=torch", "strategy.schedule=1f1b", "strategy.chunks=1")
+
+
 @pytest.mark.parametrize("engine", ["fairscale", "torch"])
 def test_a_batch_stated_per_pipeline_is_each_pipelines_in_the_first_plan(engine):
     """data.batch_per=worker: the plan made to count the processes (before ddlx.run.batch_of_workers

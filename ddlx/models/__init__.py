@@ -34,7 +34,7 @@ def check_request(arch: str, num_classes: int, in_channels: int, image_size: int
     if arch not in _BUILDERS:
         raise ConfigError(f"unknown model {arch!r}; expected one of {', '.join(ARCHITECTURES)}")
     if image_size < MIN_IMAGE_SIZE:
-        raise ConfigError(f"data.image_size={image_size} is too small for model={arch}; use data.image_size >= {MIN_IMAGE_SIZE}")
+        raise ConfigError(f"data.image_size={image_size}: expected a value >= {MIN_IMAGE_SIZE}")  # (as its key's bound)
     if num_classes < 2 or in_channels < 1:
         raise ConfigError(f"data.num_classes={num_classes}, data.channels={in_channels}; expected num_classes >= 2 "
                           f"and channels >= 1")

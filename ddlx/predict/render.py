@@ -119,7 +119,7 @@ def allocator_advice_dict(rec: Recommendation, job_overrides: list[str]) -> dict
 
 def recommendation_table(rec: Recommendation, note: str, elapsed: float, close_call: float, job_overrides: list[str]) -> str:
     j = rec.job
-    batch = (f"batch {j.batch_size} per process (data.batch_per=worker)" if rec.batches.per == "worker"
+    batch = (f"batch {j.batch_size} per worker (data.batch_per=worker)" if rec.batches.per == "worker"
              else f"global batch {j.batch_size}")
     own = "".join(f", {name} {b}{' per pipeline' if rec.batches.per == 'worker' else ''}" for name, b in rec.batches.own)
     lines = [f"{j.model} on {j.data} ({j.image_size}px, {batch}{own}, {j.train_samples} training images) "

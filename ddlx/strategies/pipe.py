@@ -37,6 +37,11 @@ class PipeConfig:
     timeout_s: float = knob(TIMEOUT_S, low=0, low_open=True)  # engine=torch
 
 
+def stages_of_devices(devices) -> int:
+    """The stages ``strategy.devices`` gives a pipeline: one per device listed, else two."""
+    return 2 if devices in (None, "auto") or isinstance(devices, str) else len(devices)
+
+
 def pipe_balance(setup: Setup, profile, seq=None, micro: int = 1) -> list[int]:
     return default_balance(profile, len(setup.devices), seq, micro)
 
@@ -49,9 +54,7 @@ class Pipe(StrategySpec):
         from ..parallel.network import NetworkStrategy
         from ..parallel.fairscale_pipe import pipe_parallelizer
 
-        devices = cfg.devices
-        stages = 2 if devices in (None, "auto") or isinstance(devices, str) else len(devices)
-        devices = resolve_devices(devices, stages, self.name)
+        devices = resolve_devices(cfg.devices, stages_of_devices(cfg.devices), self.name)
         if cfg.engine == "torch":
             return self._plan_torch(cfg, devices, model, data)
         if cfg.schedule != "gpipe":
@@ -67,8 +70,8 @@ class Pipe(StrategySpec):
     def smallest_piece(self, cfg, batch: int) -> int:
         return smallest_micro_batch(cfg, batch)
 
-    def batch_problem(self, cfg, batch: int, batch_size: int, per_worker: bool = False) -> str | None:
-        return pipeline_batch_problem(cfg, batch, batch_size, per_worker)
+    def batch_problem(self, cfg, batch: int, batch_size: int, replicas: int, per_worker: bool = False) -> str | None:
+        return pipeline_batch_problem(cfg, batch, batch_size, replicas, stages_of_devices(cfg.devices), per_worker)
 
     def channels_last_problem(self, cfg) -> str | None:
         return TORCH_PIPELINE_CHANNELS_LAST if cfg.engine == "torch" else None

@@ -293,16 +293,16 @@ class StrategySpec:
         (model.memory_format), with what to use instead; None where it can."""
         return None
 
-    def batch_problem(self, cfg, batch: int, batch_size: int, per_worker: bool = False) -> str | None:
-        """Why a process of a run of its config ``cfg`` cannot train a batch of ``batch``, its share
-        of the user's ``data.batch_size`` (``per_worker``: ``data.batch_per=worker``, the batch
-        itself), with the fix (a pipeline's micro-batches need a sample each, PyTorch's equal
-        ones); None where it can. Nothing it reads needs torch."""
+    def batch_problem(self, cfg, batch: int, batch_size: int, replicas: int, per_worker: bool = False) -> str | None:
+        """Why each of ``replicas`` data-parallel processes of a run of its config ``cfg`` cannot
+        train a batch of ``batch``, its share of the user's ``data.batch_size`` (``per_worker``:
+        ``data.batch_per=worker``, the batch itself), with the fix (a pipeline's micro-batches need
+        a sample each, PyTorch's equal ones); None where it can. Nothing it reads needs torch."""
         return None
 
     def takes_batch(self, cfg, batch: int) -> bool:
         """Whether a process of a run of its config ``cfg`` can train a batch of ``batch``."""
-        return self.batch_problem(cfg, batch, batch) is None
+        return self.batch_problem(cfg, batch, batch, 1) is None
 
     def worker_batch(self, setup: Setup, job: Job) -> int:
         """Samples one worker allocates activations for in a step."""

@@ -42,10 +42,11 @@ PIPELINE_KNOB_UNLESS_DEFAULT = SetupRole(unless_default=True, when=TORCH_PIPELIN
 CHUNKS = (2, 4, 8, 16)  # the micro-batch counts a user would try
 
 
-def pipe_knobs(cfg, model, data, per_process_batch: int, stages: int):
-    """Checked (chunks, balance, checkpoint, micro-batch sample shape) of a pipelined network."""
+def pipe_knobs(cfg, model, data, per_process_batch: int, stages: int, replicas: int = 1):
+    """Checked (chunks, balance, checkpoint, micro-batch sample shape) of a pipelined network, one
+    of ``replicas``."""
     chunks = cfg.chunks
-    if problem := pipeline_batch_problem(cfg, per_process_batch, data.batch_size, data.batch_per == "worker"):
+    if problem := pipeline_batch_problem(cfg, per_process_batch, data.batch_size, replicas, stages, data.batch_per == "worker"):
         raise ConfigError(problem)
     balance = checked_balance(cfg.balance, model, stages, "one per device")
     sample = (max(1, per_process_batch // chunks), data.channels, data.image_size, data.image_size)
@@ -67,17 +68,27 @@ TORCH_PIPELINE_CHANNELS_LAST = ("PyTorch's pipeline schedules fail to pass chann
                                 "model.memory_format=contiguous, or strategy.engine=fairscale")
 
 
-def pipeline_batch_problem(cfg, batch: int, batch_size: int, per_worker: bool = False) -> str | None:
-    """Why a pipeline of ``cfg`` cannot take a batch of ``batch`` (each pipeline's, of the user's
-    ``data.batch_size``: :func:`pipelines_share`), with the fix; None where it can: a sample for
-    every micro-batch, and equal micro-batches under PyTorch's schedules."""
-    chunks, share = cfg.chunks, pipelines_share(batch_size, batch, per_worker)
+def pipeline_batch_problem(cfg, batch: int, batch_size: int, replicas: int, width: int, per_worker: bool = False) -> str | None:
+    """Why each of ``replicas`` pipelines of ``cfg`` (of ``width`` processes under PyTorch's
+    schedules) cannot take a batch of ``batch`` (of the user's ``data.batch_size``:
+    :func:`pipelines_share`), with the fix; None where it can: a sample for every micro-batch and,
+    under PyTorch's schedules, equal micro-batches, at least one per stage where the schedule needs it."""
+    chunks, share = cfg.chunks, pipelines_share(batch_size, batch, replicas, per_worker)
     if chunks > batch:
         return (f"strategy.chunks={chunks} is larger than the batch of {batch} each pipeline gets ({share}): every "
                 f"micro-batch needs a sample; use strategy.chunks<={batch}")
-    if cfg.engine == "torch" and batch % chunks:
+    if cfg.engine != "torch":
+        return None
+    least = width if SCHEDULES[cfg.schedule].micro_at_least_ranks else 1
+    fits = [c for c in range(least, batch + 1) if batch % c == 0]  # chunks it would take, nearest first
+    fits.sort(key=lambda c: (abs(c - chunks), c))
+    fix = f"e.g. strategy.chunks={fits[0]}" if fits else f"or a data.batch_size of at least {least} a pipeline"
+    if chunks < least:
+        return (f"strategy.schedule={cfg.schedule} needs at least one micro-batch per stage: strategy.chunks={chunks} < "
+                f"{least} stages; use strategy.chunks>={least} that divides the batch of {batch} ({share}), {fix}")
+    if batch % chunks:
         return (f"strategy.chunks={chunks} does not divide {share}: PyTorch's schedules need equal micro-batches; use a "
-                f"divisor of {batch}, e.g. strategy.chunks={micro_batches(batch, chunks)}")
+                f"divisor of {batch}" + (f" of at least {least}" if least > 1 else "") + f", {fix}")
     return None
 
 
@@ -88,12 +99,11 @@ def pipeline_batch(data, replicas: int) -> int:
     return data.batch_size if data.batch_per == "worker" else data.batch_size // replicas
 
 
-def pipelines_share(batch_size: int, batch: int, per_worker: bool = False) -> str:
-    """Each pipeline's ``batch`` as the user's ``data.batch_size`` gives it: theirs, with
-    ``per_worker`` (``data.batch_per=worker``), else a share of the global ``batch_size``."""
+def pipelines_share(batch_size: int, batch: int, replicas: int, per_worker: bool = False) -> str:
+    """Each of ``replicas`` pipelines' ``batch`` as the user's ``data.batch_size`` gives it: theirs,
+    with ``per_worker`` (``data.batch_per=worker``), else a share of the global ``batch_size``."""
     if per_worker:
         return f"data.batch_size={batch} per pipeline (data.batch_per=worker)"
-    replicas = batch_size // batch
     return f"data.batch_size={batch_size}" + (f" over {replicas} pipelines ({batch} each)" if replicas > 1 else "")
 
 
@@ -113,11 +123,8 @@ def torch_pipeline(cfg, devices, model, data, name: str, replicas: int = 1, widt
     schedule, chunks = SCHEDULES[cfg.schedule], cfg.chunks
     width = width or len(devices) // replicas
     batch = pipeline_batch(data, replicas)
-    if problem := pipeline_batch_problem(cfg, batch, data.batch_size, data.batch_per == "worker"):
+    if problem := pipeline_batch_problem(cfg, batch, data.batch_size, replicas, width, data.batch_per == "worker"):
         raise ConfigError(problem)
-    if schedule.micro_at_least_ranks and chunks < width:
-        raise ConfigError(f"strategy.schedule={cfg.schedule} needs at least one micro-batch per stage: strategy.chunks={chunks} "
-                          f"< {width} stages; use strategy.chunks>={width}")
     stages = width * schedule.stages_per_rank
     balance = checked_balance(cfg.balance, model, stages,
                               f"{schedule.stages_per_rank} stage(s) per process under schedule={cfg.schedule}")

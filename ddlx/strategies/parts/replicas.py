@@ -78,8 +78,8 @@ class ReplicasOfALocalStrategy:
             return thread_share(cfg.threads, batch)
         return batch  # sequential, split: the layers apart, not the samples
 
-    def batch_problem(self, cfg, batch: int, batch_size: int, per_worker: bool = False) -> str | None:
-        return pipeline_batch_problem(cfg, batch, batch_size, per_worker) if cfg.local == "pipe" else None
+    def batch_problem(self, cfg, batch: int, batch_size: int, replicas: int, per_worker: bool = False) -> str | None:
+        return pipeline_batch_problem(cfg, batch, batch_size, replicas, 2, per_worker) if cfg.local == "pipe" else None
 
     def knob_problems(self, cfg) -> list[str]:
         """The knobs of ``cfg`` set away from their default that its ``local`` strategy does not
@@ -159,7 +159,7 @@ def local_parallelizer(cfg, model, data, processes: int, name: str, devices_of):
         return split_parallelizer(devices_of, cut), {"local": local, "cut_point": cut}
     from ...parallel.fairscale_pipe import pipe_parallelizer
 
-    chunks, balance, checkpoint, sample = pipe_knobs(cfg, model, data, pipeline_batch(data, processes), 2)
+    chunks, balance, checkpoint, sample = pipe_knobs(cfg, model, data, pipeline_batch(data, processes), 2, processes)
     return pipe_parallelizer(devices_of, chunks, balance, checkpoint, sample), {"local": local, "chunks": str(chunks),
                                                                                 "balance": str(balance)}
 

@@ -445,11 +445,19 @@ def _assert_stages_recorded(workdir: Path, overrides: list[str]) -> None:
 def test_sweep_with_ddp_gives_one_run_per_job_and_records_a_refused_job(tmp_path, shared_data):
     """Lightning re-launches ranks with sys.argv; ddlx starts them from the job's own config. A job
     refused before training (here: a batch that cannot fit in memory) is a FAILED run and the
-    sweep goes on to the next DDP job."""
+    sweep goes on to the next DDP job. (A folder of one's own: a synthetic set's count is the
+    config's, and a split that cannot hold the batch is refused before the sweep starts.)"""
+    from PIL import Image
+
+    folder = tmp_path / "images"
+    for label in ("a", "b"):
+        (folder / label).mkdir(parents=True)
+        for i in range(20):
+            Image.new("RGB", (40, 40), (12 * i, 0, 0) if label == "a" else (0, 12 * i, 0)).save(folder / label / f"{i}.png")
     maths = [o for o in SAME_MATHS if not o.startswith("data.batch_size=")]
     cmd = [sys.executable, str(PROJECT_DIR / "train.py"), "-m", f"paths.root={tmp_path}", f"paths.data_dir={shared_data}",
            f"hydra.sweep.dir={tmp_path}/multirun", "strategy=ddp_gloo", "strategy.processes=2",
-           "data.batch_size=8,1000000,16", *maths]
+           "data=imagefolder", f"data.root={folder}", "data.batch_size=8,1000000,16", *maths]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=subprocess_env(), cwd=tmp_path)
     assert proc.returncode == 1, "the sweep reports that a job failed"
     assert "ddlx: error: " in proc.stderr and "GiB" in proc.stderr, proc.stderr[-4000:]

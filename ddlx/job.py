@@ -81,6 +81,14 @@ def split_too_small(images: int, val_fraction: float, batch_size: int, folder_ho
             f"data.batch_size={batch_size}{over}: {' or '.join(fixes)}")
 
 
+def worker_batch(data, workers: int) -> int:
+    """Each of ``workers`` data-parallel workers' batch (a process's, a pipeline's) under the data
+    config ``data``: its share of the global ``data.batch_size``, or with ``data.batch_per=worker``
+    the batch itself (so a plan made before ``ddlx.run.batch_of_workers`` makes it global, to count
+    the processes, refuses only what the plan after it would)."""
+    return data.batch_size if data.batch_per == "worker" else data.batch_size // workers
+
+
 def synthetic_count_problem(num_images: int | None, num_classes: int) -> str | None:
     """Why a synthetic set (no ``data.root``) cannot be written with ``num_images`` images of
     ``num_classes`` classes (None: it can)."""

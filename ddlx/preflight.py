@@ -19,7 +19,8 @@ from .costmodel.numerics import CPU_FP16
 from .epoch_batches import process_batches, trainer_batch_problems
 from .data.statistics import standard_statistics
 from .errors import ConfigError, missing_data_root, unset_data_root
-from .job import precision_of, batch_split_problems, split_too_small, synthetic_count_problem, validation_images
+from .job import (batch_split_problems, precision_of, split_too_small, synthetic_count_problem, validation_images,
+                  worker_batch)
 from .strategies import STRATEGIES
 
 
@@ -82,12 +83,10 @@ def consistency_problems(cfg: TrainConfig) -> list[str]:
     parallel = STRATEGIES[cfg.strategy.name].data_parallel(cfg.strategy)
     if cfg.data.batch_per == "global" and parallel:
         problems += batch_split_problems(cfg.data.batch_size, parallel)
-    per_worker = cfg.data.batch_per == "worker"
-    if per_worker or (parallel and cfg.data.batch_size % parallel == 0):  # each process's batch is known
-        batch = cfg.data.batch_size if per_worker else cfg.data.batch_size // parallel
-        if problem := STRATEGIES[cfg.strategy.name].batch_problem(cfg.strategy, batch, cfg.data.batch_size, parallel or 1,
-                                                                  per_worker):
-            problems.append(problem)
+    if (batch := known_worker_batch(cfg.data, parallel)) is not None and \
+            (problem := STRATEGIES[cfg.strategy.name].batch_problem(cfg.strategy, batch, cfg.data.batch_size, parallel or 1,
+                                                                    cfg.data.batch_per == "worker")):
+        problems.append(problem)
     problems += synthetic_set_problems(cfg, parallel)
     if cfg.model.memory_format == "channels_last" and \
             (why := STRATEGIES[cfg.strategy.name].channels_last_problem(cfg.strategy)):
@@ -98,6 +97,14 @@ def consistency_problems(cfg: TrainConfig) -> list[str]:
         except ConfigError as err:
             problems.append(str(err))
     return problems
+
+
+def known_worker_batch(data, data_parallel: int | None) -> int | None:
+    """Each data-parallel worker's batch (:func:`~ddlx.job.worker_batch`) where it is known before
+    launch: stated per worker, or a global batch that splits evenly over ``data_parallel`` known
+    processes (else :func:`~ddlx.job.batch_split_problems` says why, or mpi's ranks are to come)."""
+    known = data.batch_per == "worker" or (data_parallel and data.batch_size % data_parallel == 0)
+    return worker_batch(data, data_parallel or 1) if known else None
 
 
 def synthetic_set_problems(cfg: TrainConfig, data_parallel: int | None) -> list[str]:
@@ -115,9 +122,9 @@ def synthetic_set_problems(cfg: TrainConfig, data_parallel: int | None) -> list[
         return []
     if problem := split_too_small(data.num_images, data.val_fraction, data.batch_size, None, data_parallel or 1, per_worker):
         return [problem]
-    if data_parallel is None or (not per_worker and data.batch_size % data_parallel):  # (batch_split_problems')
+    share = known_worker_batch(data, data_parallel)
+    if data_parallel is None or share is None:
         return []
-    share = data.batch_size if per_worker else data.batch_size // data_parallel
     val = validation_images(data.num_images, data.val_fraction)
     return trainer_batch_problems(cfg.trainer, process_batches(data.num_images - val, data_parallel, share),
                                   process_batches(val, data_parallel, share))

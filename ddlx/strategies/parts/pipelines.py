@@ -13,6 +13,7 @@ from omegaconf import ListConfig
 
 from ...compiling import EACH_LAYER
 from ...errors import ConfigError
+from ...job import worker_batch
 from ...costmodel.costs import (
     DEFAULT_BUCKET_MB,
     RECOMPUTE,
@@ -80,23 +81,22 @@ def pipeline_batch_problem(cfg, batch: int, batch_size: int, replicas: int, widt
     if cfg.engine != "torch":
         return None
     least = width if SCHEDULES[cfg.schedule].micro_at_least_ranks else 1
-    fits = [c for c in range(least, batch + 1) if batch % c == 0]  # chunks it would take, nearest first
-    fits.sort(key=lambda c: (abs(c - chunks), c))
-    fix = f"e.g. strategy.chunks={fits[0]}" if fits else f"or a data.batch_size of at least {least} a pipeline"
     if chunks < least:
         return (f"strategy.schedule={cfg.schedule} needs at least one micro-batch per stage: strategy.chunks={chunks} < "
-                f"{least} stages; use strategy.chunks>={least} that divides the batch of {batch} ({share}), {fix}")
+                f"{least} stages; use strategy.chunks>={least} that divides the batch of {batch} ({share}), "
+                f"{_chunks_taken(batch, chunks, least)}")
     if batch % chunks:
         return (f"strategy.chunks={chunks} does not divide {share}: PyTorch's schedules need equal micro-batches; use a "
-                f"divisor of {batch}" + (f" of at least {least}" if least > 1 else "") + f", {fix}")
+                f"divisor of {batch}" + (f" of at least {least}" if least > 1 else "") + f", {_chunks_taken(batch, chunks, least)}")
     return None
 
 
-def pipeline_batch(data, replicas: int) -> int:
-    """Each of ``replicas`` pipelines' batch: its share of ``data.batch_size``, or with
-    ``data.batch_per=worker`` the batch itself (a plan made before ``ddlx.run.batch_of_workers``
-    makes it global, to count the processes, refuses only what the plan after it would)."""
-    return data.batch_size if data.batch_per == "worker" else data.batch_size // replicas
+def _chunks_taken(batch: int, chunks: int, least: int) -> str:
+    """The fix for a batch of ``batch`` under PyTorch's schedules: the divisor of it nearest
+    ``chunks``, of at least ``least``."""
+    fits = [c for c in range(least, batch + 1) if batch % c == 0]
+    return f"e.g. strategy.chunks={min(fits, key=lambda c: (abs(c - chunks), c))}" if fits else \
+        f"or a data.batch_size of at least {least} a pipeline"
 
 
 def pipelines_share(batch_size: int, batch: int, replicas: int, per_worker: bool = False) -> str:
@@ -122,7 +122,7 @@ def torch_pipeline(cfg, devices, model, data, name: str, replicas: int = 1, widt
                           f"strategy.checkpoint=always or never, or strategy.engine=fairscale")
     schedule, chunks = SCHEDULES[cfg.schedule], cfg.chunks
     width = width or len(devices) // replicas
-    batch = pipeline_batch(data, replicas)
+    batch = worker_batch(data, replicas)
     if problem := pipeline_batch_problem(cfg, batch, data.batch_size, replicas, width, data.batch_per == "worker"):
         raise ConfigError(problem)
     stages = width * schedule.stages_per_rank

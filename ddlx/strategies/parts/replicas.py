@@ -7,11 +7,12 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, fields
 
 from ...errors import ConfigError
+from ...job import worker_batch
 from ...costmodel.costs import (DEFAULT_BUCKET_MB, computing_at_once, cost, memory_need, recompute_factor, recomputes,
                                replica_bytes, ring, weight_traffic_s)
 from ...costmodel.perf_models import data_parallel_s, exposed_allreduce_s
 from .halves import cut_point
-from .pipelines import TORCH_PIPELINE_CHANNELS_LAST, pipe_knobs, pipeline_batch, pipeline_batch_problem, smallest_micro_batch
+from .pipelines import TORCH_PIPELINE_CHANNELS_LAST, pipe_knobs, pipeline_batch_problem, smallest_micro_batch
 from ..spec import Setup
 
 
@@ -159,7 +160,7 @@ def local_parallelizer(cfg, model, data, processes: int, name: str, devices_of):
         return split_parallelizer(devices_of, cut), {"local": local, "cut_point": cut}
     from ...parallel.fairscale_pipe import pipe_parallelizer
 
-    chunks, balance, checkpoint, sample = pipe_knobs(cfg, model, data, pipeline_batch(data, processes), 2, processes)
+    chunks, balance, checkpoint, sample = pipe_knobs(cfg, model, data, worker_batch(data, processes), 2, processes)
     return pipe_parallelizer(devices_of, chunks, balance, checkpoint, sample), {"local": local, "chunks": str(chunks),
                                                                                 "balance": str(balance)}
 
